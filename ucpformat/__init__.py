@@ -1,0 +1,42 @@
+"""ucpformat: universal training checkpoints on zarr v3.
+
+The format core (this package minus ``ucpformat.torch``) needs numpy and zarr only::
+
+    import ucpformat
+    ucpformat.save("ckpt", {"model": {"fc.weight": w}, "training": {"step": 10}})
+    ckpt = ucpformat.open("ckpt")
+    ckpt["model/fc.weight"][:, :128]      # reads only the chunks it needs
+    ucpformat.validate("ckpt", deep=True)  # a Report; every problem names its requirement
+"""
+
+from ucpformat import errors
+from ucpformat._version import __version__
+from ucpformat.dtypes import DATA_TYPES, DataType
+from ucpformat.errors import UCPError
+from ucpformat.metadata import FORMAT_VERSION
+from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
+from ucpformat.validation import Issue, Report, validate
+from ucpformat.writer import SaveResult, save
+from ucpformat.zarr_dtypes import register as _register_zarr_dtypes
+
+_register_zarr_dtypes()
+
+open = open_checkpoint  # noqa: A001 - ``ucpformat.open(path)`` is the documented entry point
+
+__all__ = [
+    "DATA_TYPES",
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "DataType",
+    "Issue",
+    "Report",
+    "SaveResult",
+    "Tensor",
+    "UCPError",
+    "__version__",
+    "errors",
+    "open",
+    "open_checkpoint",
+    "save",
+    "validate",
+]

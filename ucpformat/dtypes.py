@@ -1,0 +1,202 @@
+"""The closed list of data types of format 1.0: one table, the single source in code.
+
+The spec's data-type table (spec/ucp-1.0.md) and the schema enum
+(schemas/1.0/defs.schema.json) must list exactly these names; a test proves it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+import ml_dtypes
+import numpy as np
+
+from ucpformat.errors import FormatError, UnsupportedDtypeError
+
+
+@dataclass(frozen=True)
+class DataType:
+    """One entry of the closed data-type list."""
+
+    name: str  # the zarr v3 ``data_type`` name
+    numpy: np.dtype[Any]  # little-endian numpy dtype (ml_dtypes for the extension types)
+    kind: str  # "bool", "int", "uint", "float", "complex"
+    torch_name: str | None  # attribute of the ``torch`` module, if torch has this type
+    has_inf: bool = False
+    has_nan: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.numpy.itemsize)
+
+    @property
+    def is_extension(self) -> bool:
+        """True for types that numpy has no native dtype for (bfloat16, float8)."""
+        return self.name in EXTENSION_NAMES
+
+
+def _dt(name: str, np_dtype: Any, kind: str, torch_name: str | None, **kw: bool) -> DataType:
+    return DataType(name, np.dtype(np_dtype).newbyteorder("<"), kind, torch_name, **kw)
+
+
+_FLOAT = {"has_inf": True, "has_nan": True}
+
+DATA_TYPES: Final[tuple[DataType, ...]] = (
+    _dt("bool", np.bool_, "bool", "bool"),
+    _dt("int8", np.int8, "int", "int8"),
+    _dt("int16", np.int16, "int", "int16"),
+    _dt("int32", np.int32, "int", "int32"),
+    _dt("int64", np.int64, "int", "int64"),
+    _dt("uint8", np.uint8, "uint", "uint8"),
+    _dt("uint16", np.uint16, "uint", "uint16"),
+    _dt("uint32", np.uint32, "uint", "uint32"),
+    _dt("uint64", np.uint64, "uint", "uint64"),
+    _dt("float16", np.float16, "float", "float16", **_FLOAT),
+    _dt("float32", np.float32, "float", "float32", **_FLOAT),
+    _dt("float64", np.float64, "float", "float64", **_FLOAT),
+    _dt("complex64", np.complex64, "complex", "complex64", **_FLOAT),
+    _dt("complex128", np.complex128, "complex", "complex128", **_FLOAT),
+    _dt("bfloat16", ml_dtypes.bfloat16, "float", "bfloat16", **_FLOAT),
+    _dt("float8_e4m3fn", ml_dtypes.float8_e4m3fn, "float", "float8_e4m3fn", has_nan=True),
+    _dt("float8_e5m2", ml_dtypes.float8_e5m2, "float", "float8_e5m2", **_FLOAT),
+    _dt("float8_e4m3fnuz", ml_dtypes.float8_e4m3fnuz, "float", "float8_e4m3fnuz", has_nan=True),
+    _dt("float8_e5m2fnuz", ml_dtypes.float8_e5m2fnuz, "float", "float8_e5m2fnuz", has_nan=True),
+    _dt("float8_e8m0fnu", ml_dtypes.float8_e8m0fnu, "float", "float8_e8m0fnu", has_nan=True),
+)
+
+EXTENSION_NAMES: Final[frozenset[str]] = frozenset(
+    {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+     "float8_e8m0fnu"}
+)
+
+BY_NAME: Final[dict[str, DataType]] = {d.name: d for d in DATA_TYPES}
+NAMES: Final[tuple[str, ...]] = tuple(d.name for d in DATA_TYPES)
+
+_BY_NUMPY: Final[dict[np.dtype[Any], DataType]] = {d.numpy: d for d in DATA_TYPES}
+
+
+def by_name(name: str, *, tensor: str | None = None) -> DataType:
+    """Look up a data type by its zarr v3 name; refuse names outside the closed list."""
+    try:
+        return BY_NAME[name]
+    except (KeyError, TypeError):
+        raise UnsupportedDtypeError(
+            f"data type {name!r} is not in the closed list of format 1.0 "
+            f"({', '.join(NAMES)})",
+            rule="UCP-1.0-R020",
+            tensor=tensor,
+        ) from None
+
+
+def from_numpy(dtype: np.dtype[Any], *, tensor: str | None = None) -> DataType:
+    """Map a numpy dtype (either byte order) to its entry in the closed list."""
+    key = dtype.newbyteorder("<") if dtype.byteorder not in ("|", "=") else dtype
+    found = _BY_NUMPY.get(np.dtype(key))
+    if found is None:
+        raise UnsupportedDtypeError(
+            f"numpy data type {dtype} has no entry in the closed list of format 1.0 "
+            f"({', '.join(NAMES)})",
+            rule="UCP-1.0-R020",
+            tensor=tensor,
+        )
+    return found
+
+
+# -- fill values ------------------------------------------------------------------------
+#
+# zarr v3 fill values: booleans for bool; integers for ints; for floating types a JSON
+# number, "NaN", "Infinity", "-Infinity", or a hex string "0x..." that gives the raw bits
+# (exactly 2 * itemsize hex digits). Complex values are a two-element list of those.
+
+
+def fill_value_to_json(dt: DataType, value: Any) -> Any:
+    """Encode a scalar as the zarr v3 JSON fill value for ``dt``."""
+    if dt.kind == "bool":
+        return bool(value)
+    if dt.kind in ("int", "uint"):
+        return int(value)
+    if dt.kind == "complex":
+        c = complex(value)
+        half = BY_NAME["float32" if dt.name == "complex64" else "float64"]
+        return [fill_value_to_json(half, c.real), fill_value_to_json(half, c.imag)]
+    scalar = np.array(value, dtype=dt.numpy)
+    as_float = float(scalar.astype(np.float64))
+    if math.isnan(as_float):
+        # Keep the exact NaN payload: hex of the raw bits.
+        return _hex_bits(scalar)
+    if math.isinf(as_float):
+        return "Infinity" if as_float > 0 else "-Infinity"
+    if dt.is_extension or dt.name == "float16":
+        # Exact and unambiguous for narrow types: the raw bits.
+        return _hex_bits(scalar)
+    return as_float
+
+
+def _hex_bits(scalar: np.ndarray[Any, Any]) -> str:
+    raw = scalar.astype(scalar.dtype.newbyteorder("<")).tobytes()
+    return "0x" + raw[::-1].hex()  # most significant byte first
+
+
+def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) -> Any:
+    """Parse a zarr v3 JSON fill value for ``dt`` into a numpy scalar of that type.
+
+    Hex strings are the raw bits *of this type* (``"0x3f80"`` is bfloat16 1.0, not
+    float16 1.875).
+    """
+
+    def bad(why: str) -> FormatError:
+        return FormatError(
+            f"fill_value {data!r} is not valid for data type {dt.name}: {why}",
+            rule="UCP-1.0-R026",
+            tensor=tensor,
+        )
+
+    if dt.kind == "bool":
+        if not isinstance(data, bool):
+            raise bad("expected true or false")
+        return np.bool_(data)
+    if dt.kind in ("int", "uint"):
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise bad("expected an integer")
+        info = np.iinfo(dt.numpy)
+        if not info.min <= data <= info.max:
+            raise bad("out of range")
+        return dt.numpy.type(data)
+    if dt.kind == "complex":
+        if not (isinstance(data, list) and len(data) == 2):
+            raise bad("expected [real, imag]")
+        half = BY_NAME["float32" if dt.name == "complex64" else "float64"]
+        re = fill_value_from_json(half, data[0], tensor=tensor)
+        im = fill_value_from_json(half, data[1], tensor=tensor)
+        return dt.numpy.type(complex(float(re), float(im)))
+    # floating point
+    if isinstance(data, str):
+        if data.startswith("0x"):
+            digits = data[2:]
+            if len(digits) != 2 * dt.itemsize:
+                raise bad(f"a hex fill value needs exactly {2 * dt.itemsize} hex digits")
+            try:
+                raw = bytes.fromhex(digits)[::-1]
+            except ValueError:
+                raise bad("not a hex number") from None
+            return np.frombuffer(raw, dtype=dt.numpy)[0]
+        special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+        if data not in special:
+            raise bad('expected a number, "NaN", "Infinity", "-Infinity" or "0x..."')
+        if data != "NaN" and not dt.has_inf:
+            raise bad(f"{dt.name} has no infinities")
+        return dt.numpy.type(special[data])
+    if isinstance(data, bool) or not isinstance(data, int | float):
+        raise bad("expected a number")
+    value = dt.numpy.type(data)
+    if not math.isfinite(float(value)) and math.isfinite(float(data)):
+        raise bad("out of range")
+    return value
+
+
+def float_bits(value: float, fmt: str) -> int:
+    """The IEEE bit pattern of ``value`` as float32 (``fmt='f'``) or float64 (``'d'``)."""
+    return int.from_bytes(struct.pack("<" + fmt, value), "little")

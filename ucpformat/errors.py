@@ -1,0 +1,124 @@
+"""The one error hierarchy of ucpformat.
+
+Every error carries the spec requirement it enforces (``rule``, e.g. ``UCP-1.0-R020``)
+when there is one, and the checkpoint, tensor or file it concerns, so that a message
+alone tells the user what is wrong and where.
+"""
+
+from __future__ import annotations
+
+
+class UCPError(Exception):
+    """Base class of every error raised by ucpformat."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rule: str | None = None,
+        path: str | None = None,
+        tensor: str | None = None,
+    ) -> None:
+        self.message = message
+        self.rule = rule
+        self.path = path
+        self.tensor = tensor
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = self.tensor or self.path
+        parts = []
+        if self.rule:
+            parts.append(f"[{self.rule}]")
+        if where:
+            parts.append(f"{where}:")
+        parts.append(self.message)
+        return " ".join(parts)
+
+
+# -- reading and validating ---------------------------------------------------------
+
+
+class FormatError(UCPError):
+    """A checkpoint (or part of one) does not follow the spec."""
+
+
+class IncompleteCheckpointError(FormatError):
+    """The checkpoint was never committed (no root metadata), or its commit is damaged."""
+
+
+class VersionError(FormatError):
+    """The format version is missing, malformed, or of a major version this reader refuses."""
+
+
+class SchemaError(FormatError):
+    """A metadata object violates its JSON Schema."""
+
+
+class UnsupportedFeatureError(FormatError):
+    """The checkpoint uses a data type, codec or feature outside the spec's closed lists."""
+
+
+class UnsafePathError(FormatError):
+    """A name or path would escape the checkpoint, or names something that is not allowed."""
+
+
+class MissingChunkError(FormatError):
+    """A chunk or shard that must exist is absent: never read as fill values."""
+
+
+class CorruptDataError(FormatError):
+    """Stored bytes are damaged: truncated, undecodable, or of the wrong size."""
+
+
+class ChecksumError(CorruptDataError):
+    """A CRC32C or SHA-256 check failed."""
+
+
+class CheckpointNotFoundError(FormatError, FileNotFoundError):
+    """Nothing that could be a checkpoint exists at the given location."""
+
+
+class SelectionError(UCPError, IndexError):
+    """A slice or index does not fit the tensor it selects from."""
+
+
+class ResourceLimitError(UCPError):
+    """Honouring the request would allocate beyond a configured or physical limit."""
+
+
+class TensorNotFoundError(UCPError, KeyError):
+    """No tensor, group or value of that name exists in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self._render()
+
+
+# -- writing ------------------------------------------------------------------------
+
+
+class WriteError(UCPError):
+    """A save could not be carried out; the previous state on disk is untouched."""
+
+
+class InvalidNameError(WriteError, ValueError):
+    """A tensor or group name breaks the naming rules."""
+
+
+class UnsupportedDtypeError(WriteError, TypeError):
+    """A tensor's data type is not in the spec's closed list."""
+
+
+class CheckpointExistsError(WriteError, FileExistsError):
+    """The destination already holds a committed checkpoint or foreign files."""
+
+
+class InvalidValueError(WriteError, ValueError):
+    """A value in the state cannot be stored (not an array, not JSON-able, bad key)."""
+
+
+# -- layout -------------------------------------------------------------------------
+
+
+class LayoutError(UCPError, ValueError):
+    """Layout semantics are inconsistent, or a target layout cannot be applied."""

@@ -1,0 +1,93 @@
+"""JSON values stored in a checkpoint (hyperparameters, scheduler state, step counters).
+
+Values are RFC 8259 JSON. Non-finite floats, which JSON cannot hold, are written as the
+tagged object ``{"$ucp_float": "NaN" | "Infinity" | "-Infinity"}`` (spec UCP-1.0-R070).
+Tuples become lists; numpy scalars become Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ucpformat.errors import FormatError, InvalidValueError
+
+FLOAT_TAG = "$ucp_float"
+_SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+MAX_DEPTH = 64
+
+
+def is_json_value(value: Any) -> bool:
+    """True for values stored as JSON (everything that is not an array or a group)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(is_json_value(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(is_json_value(v) for v in value.values())
+    return False
+
+
+def encode(value: Any, *, where: str, depth: int = 0) -> Any:
+    """Python value -> JSON-safe value, refusing what cannot round-trip."""
+    if depth > MAX_DEPTH:
+        raise InvalidValueError(f"value nested deeper than {MAX_DEPTH} levels",
+                                rule="UCP-1.0-R070", path=where)
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, np.generic):
+        value = value.item()
+        if isinstance(value, complex):
+            raise InvalidValueError("complex scalars are stored as arrays, not JSON values",
+                                    rule="UCP-1.0-R070", path=where)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {FLOAT_TAG: "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+    if isinstance(value, list | tuple):
+        return [encode(v, where=f"{where}[{i}]", depth=depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidValueError(
+                    f"JSON object keys must be strings, got {type(k).__name__} {k!r}",
+                    rule="UCP-1.0-R070",
+                    path=where,
+                )
+            out[k] = encode(v, where=f"{where}.{k}", depth=depth + 1)
+        if set(out) == {FLOAT_TAG}:
+            raise InvalidValueError(
+                f"a mapping whose only key is {FLOAT_TAG!r} is reserved for non-finite floats",
+                rule="UCP-1.0-R070",
+                path=where,
+            )
+        return out
+    raise InvalidValueError(
+        f"{type(value).__name__} is neither an array nor a JSON value", rule="UCP-1.0-R070",
+        path=where,
+    )
+
+
+def decode(value: Any, *, where: str, depth: int = 0) -> Any:
+    """JSON value from a checkpoint -> Python value."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"value nested deeper than {MAX_DEPTH} levels", rule="UCP-1.0-R070",
+                          path=where)
+    if isinstance(value, list):
+        return [decode(v, where=where, depth=depth + 1) for v in value]
+    if isinstance(value, Mapping):
+        if FLOAT_TAG in value:
+            tag = value.get(FLOAT_TAG)
+            if len(value) != 1 or tag not in _SPECIAL:
+                raise FormatError(
+                    f"malformed non-finite float {dict(value)!r}", rule="UCP-1.0-R070", path=where
+                )
+            return _SPECIAL[str(tag)]
+        return {k: decode(v, where=where, depth=depth + 1) for k, v in value.items()}
+    return value

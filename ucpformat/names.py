@@ -1,0 +1,150 @@
+"""Tensor and group names, and their escaped form as zarr node names.
+
+A logical name (``decoder.layers.3.mlp.fc1.weight``, ``語彙/embed``) is stored as a zarr
+node name in which every byte of its UTF-8 encoding outside ``[A-Za-z0-9._-]`` is
+percent-encoded (``%2F``), as are the dots of the names ``.`` and ``..`` and the first
+underscore of a name that starts with ``__``. Escaping is a bijection, so a node name is
+valid only when it is the canonical escape of some name; that rule alone keeps every
+path inside the checkpoint. See spec/ucp-1.0.md, section "Names".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from ucpformat.errors import InvalidNameError, UnsafePathError
+
+MAX_NODE_NAME_BYTES = 255
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_NODE_NAME_RE = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
+
+
+def check_name(name: str, *, where: str | None = None) -> None:
+    """Raise InvalidNameError unless ``name`` is an allowed logical name."""
+    if not isinstance(name, str):
+        raise InvalidNameError(
+            f"names must be strings, got {type(name).__name__} {name!r}",
+            rule="UCP-1.0-R011",
+            path=where,
+        )
+    if name == "":
+        raise InvalidNameError("names must not be empty", rule="UCP-1.0-R011", path=where)
+    if "\x00" in name:
+        raise InvalidNameError(
+            f"name {name!r} contains a NUL character", rule="UCP-1.0-R011", path=where
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidNameError(
+            f"name {name!r} is not valid Unicode (lone surrogate)",
+            rule="UCP-1.0-R011",
+            path=where,
+        ) from None
+    escaped = _escape_unchecked(name)
+    if len(escaped.encode("ascii")) > MAX_NODE_NAME_BYTES:
+        raise InvalidNameError(
+            f"name {name[:60]!r}... escapes to {len(escaped)} bytes; "
+            f"the limit is {MAX_NODE_NAME_BYTES}",
+            rule="UCP-1.0-R012",
+            path=where,
+        )
+
+
+def _escape_unchecked(name: str) -> str:
+    if name in (".", ".."):
+        return "%2E" * len(name)
+    raw = name.encode("utf-8")
+    out = []
+    for i, byte in enumerate(raw):
+        if byte in _SAFE and not (i == 0 and byte == ord("_") and raw.startswith(b"__")):
+            out.append(chr(byte))
+        else:
+            out.append(f"%{byte:02X}")
+    return "".join(out)
+
+
+def escape(name: str, *, where: str | None = None) -> str:
+    """The zarr node name that stores the logical ``name``."""
+    check_name(name, where=where)
+    return _escape_unchecked(name)
+
+
+def unescape(node_name: str, *, where: str | None = None) -> str:
+    """The logical name stored as ``node_name``; refuses anything not canonical."""
+    if not isinstance(node_name, str) or not _NODE_NAME_RE.match(node_name):
+        raise UnsafePathError(
+            f"node name {node_name!r} is not a canonical escaped name",
+            rule="UCP-1.0-R010",
+            path=where,
+        )
+    raw = bytearray()
+    i = 0
+    while i < len(node_name):
+        ch = node_name[i]
+        if ch == "%":
+            raw.append(int(node_name[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.append(ord(ch))
+            i += 1
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnsafePathError(
+            f"node name {node_name!r} does not decode to UTF-8", rule="UCP-1.0-R010", path=where
+        ) from None
+    if name == "" or "\x00" in name or _escape_unchecked(name) != node_name:
+        raise UnsafePathError(
+            f"node name {node_name!r} is not the canonical escape of a valid name",
+            rule="UCP-1.0-R010",
+            path=where,
+        )
+    return name
+
+
+def join(*node_names: str) -> str:
+    """Join escaped node names into a node path (``model/fc.weight``)."""
+    return "/".join(node_names)
+
+
+def path_of(*names: str) -> str:
+    """Escape logical names and join them into a node path."""
+    return "/".join(escape(n) for n in names)
+
+
+def split_path(path: str, *, where: str | None = None) -> list[str]:
+    """Split a node path into logical names, refusing anything unsafe.
+
+    The empty path is the root. Every component must be a canonical escaped name, so
+    ``..``, absolute paths, empty components and backslashes are all refused.
+    """
+    if path == "":
+        return []
+    if not isinstance(path, str):
+        raise UnsafePathError(f"path {path!r} is not a string", rule="UCP-1.0-R010", path=where)
+    return [unescape(part, where=where or path) for part in path.split("/")]
+
+
+def check_path(path: str, *, where: str | None = None) -> None:
+    """Raise UnsafePathError unless ``path`` is a valid node path."""
+    split_path(path, where=where)
+
+
+def check_case_collisions(node_names: Iterable[str], *, parent: str) -> None:
+    """Refuse sibling node names that are equal when ASCII case is ignored.
+
+    Such names collide on case-insensitive file systems (macOS, Windows).
+    """
+    seen: dict[str, str] = {}
+    for node in node_names:
+        folded = node.lower()
+        if folded in seen and seen[folded] != node:
+            raise InvalidNameError(
+                f"names {seen[folded]!r} and {node!r} differ only in case; they would "
+                "collide on case-insensitive file systems",
+                rule="UCP-1.0-R013",
+                path=parent or "/",
+            )
+        seen[folded] = node

@@ -1,0 +1,99 @@
+"""The JSON Schemas of schemas/<version>/, loaded across files with ``referencing``.
+
+Each failing subschema names its requirement with the annotation ``x-ucp-rule``, so
+that every schema violation is reported with the requirement id it breaks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+SCHEMA_VERSION = "1.0"
+BASE_URI = f"https://ucpformat.org/schemas/{SCHEMA_VERSION}/"
+#: Schema file stem for each kind of metadata object.
+KINDS = ("root", "array", "group", "manifest", "optimizer", "defs")
+
+
+def schema_dir() -> Path:
+    """Where the schemas live: packaged copy in a wheel, or the repository's schemas/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_schemas" / SCHEMA_VERSION, here.parent / "schemas" / SCHEMA_VERSION):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("ucpformat's JSON Schemas are not installed (schemas/1.0)")
+
+
+@functools.cache
+def registry() -> Registry[Any]:
+    resources = []
+    for path in sorted(schema_dir().glob("*.schema.json")):
+        contents = json.loads(path.read_text(encoding="utf-8"))
+        resources.append((contents["$id"], Resource.from_contents(contents, default_specification=DRAFT202012)))
+    return Registry().with_resources(resources)
+
+
+def schema(kind: str) -> dict[str, Any]:
+    """The schema document for ``kind`` (e.g. ``"array"``)."""
+    resolved = registry().contents(f"{BASE_URI}{kind}.schema.json")
+    assert isinstance(resolved, dict)
+    return resolved
+
+
+@functools.cache
+def validator(kind: str) -> jsonschema.protocols.Validator:
+    cls = jsonschema.Draft202012Validator
+    return cls(schema(kind), registry=registry(), format_checker=cls.FORMAT_CHECKER)
+
+
+@dataclass(frozen=True)
+class SchemaViolation:
+    """One schema failure: where in the document, what, and which requirement."""
+
+    rule: str | None
+    pointer: str
+    message: str
+
+
+def _rule_of(error: jsonschema.ValidationError) -> str | None:
+    # The failing subschema, then the contexts it was reached through.
+    node: jsonschema.ValidationError | None = error
+    while node is not None:
+        sch = node.schema
+        if isinstance(sch, dict) and "x-ucp-rule" in sch:
+            return str(sch["x-ucp-rule"])
+        node = node.parent
+    return None
+
+
+def _leaves(error: jsonschema.ValidationError) -> Iterator[jsonschema.ValidationError]:
+    """The most specific errors: for oneOf/anyOf, the best matching branch's errors."""
+    if error.context:
+        best = jsonschema.exceptions.best_match(error.context)
+        if best is not None and best is not error:
+            yield from _leaves(best)
+            return
+    yield error
+
+
+def violations(kind: str, document: Any) -> list[SchemaViolation]:
+    """Every violation of schema ``kind`` by ``document`` (empty: valid)."""
+    out = []
+    for error in validator(kind).iter_errors(document):
+        for leaf in _leaves(error):
+            rule = _rule_of(leaf) or _rule_of(error)
+            pointer = "/" + "/".join(str(p) for p in leaf.absolute_path)
+            out.append(SchemaViolation(rule, pointer, leaf.message[:500]))
+    return out
+
+
+def is_valid(kind: str, document: Any) -> bool:
+    return bool(validator(kind).is_valid(document))

@@ -1,0 +1,276 @@
+"""Key-value storage under a checkpoint: the only code that touches files.
+
+Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
+Every key is checked before use, and on a local file system every file is resolved to
+its real path and must lie inside the checkpoint, so that neither a hostile name nor a
+symbolic link can reach outside it (spec requirements UCP-1.0-R010 and UCP-1.0-R091).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ucpformat.errors import UnsafePathError
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
+
+
+def check_key(key: str) -> None:
+    """Refuse keys that are empty, absolute, or contain ``.``/``..``/odd characters."""
+    if not isinstance(key, str) or not key:
+        raise UnsafePathError(f"storage key {key!r} is empty or not a string", rule="UCP-1.0-R091")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or not _KEY_PART.match(part):
+            raise UnsafePathError(
+                f"storage key {key!r} has an unsafe component {part!r}", rule="UCP-1.0-R091"
+            )
+
+
+class Store(ABC):
+    """What a checkpoint reader and writer need from storage."""
+
+    #: Human-readable location, used in messages.
+    location: str
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The whole object, or None if it does not exist."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """``length`` bytes from ``offset``; fewer if the object is shorter; None if absent."""
+
+    @abstractmethod
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        """The last ``length`` bytes (all of them if shorter), or None if absent."""
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Size in bytes, or None if absent."""
+
+    @abstractmethod
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        """Write an object from buffers, in order; returns the byte count.
+
+        ``atomic``: a concurrent reader sees the old object or the new one, never a part.
+        """
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete an object if it exists."""
+
+    @abstractmethod
+    def delete_all(self) -> None:
+        """Delete every object of this store (the whole checkpoint)."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """All keys under ``prefix`` (recursively), in no particular order."""
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def flush(self) -> None:  # noqa: B027 - a no-op is the right default
+        """Make everything written so far durable."""
+
+    def is_empty(self) -> bool:
+        return next(iter(self.list()), None) is None
+
+
+class LocalStore(Store):
+    """A checkpoint directory on a local (or POSIX network) file system."""
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.root = Path(root).absolute()
+        self.location = str(self.root)
+        self.durable = durable
+        self._dirty_dirs: set[str] = set()
+        self._lock = threading.Lock()
+
+    # -- paths ------------------------------------------------------------------------
+
+    def _path(self, key: str, *, for_read: bool) -> str:
+        check_key(key)
+        path = os.path.join(self.location, *key.split("/"))
+        if for_read and os.path.lexists(path):
+            real = os.path.realpath(path)
+            root_real = os.path.realpath(self.location)
+            if not (real == root_real or real.startswith(root_real + os.sep)):
+                raise UnsafePathError(
+                    f"{key!r} resolves to {real}, outside the checkpoint", rule="UCP-1.0-R091",
+                    path=self.location,
+                )
+            if not os.path.isfile(real):
+                raise UnsafePathError(
+                    f"{key!r} is not a regular file", rule="UCP-1.0-R091", path=self.location
+                )
+        return path
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key, for_read=True)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        path = self._path(key, for_read=True)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return _pread_all(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        path = self._path(key, for_read=True)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - length)
+            return _pread_all(fd, size - start, start)
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key, for_read=True)
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
+        if not os.path.isdir(base):
+            return
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, self.location)
+            for name in sorted(filenames):
+                yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        path = self._path(key, for_read=False)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        target = f"{path}.tmp-{uuid.uuid4().hex}" if atomic else path
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written = _write_all(fd, buffers)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if atomic:
+            os.replace(target, path)
+            if self.durable:
+                _fsync_dir(directory)
+        else:
+            with self._lock:
+                self._dirty_dirs.add(directory)
+        return written
+
+    def delete(self, key: str) -> None:
+        path = self._path(key, for_read=False)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        if self.durable:
+            _fsync_dir(os.path.dirname(path))
+
+    def delete_all(self) -> None:
+        if not os.path.isdir(self.location):
+            return
+        for entry in os.listdir(self.location):
+            full = os.path.join(self.location, entry)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+        if self.durable:
+            _fsync_dir(self.location)
+
+    def flush(self) -> None:
+        if not self.durable:
+            return
+        with self._lock:
+            dirs, self._dirty_dirs = self._dirty_dirs, set()
+        # Parents first is not required for fsync; each directory's entries are made durable.
+        for directory in sorted(dirs, key=len, reverse=True):
+            _fsync_dir(directory)
+            parent = directory
+            while parent != self.location and parent.startswith(self.location):
+                parent = os.path.dirname(parent)
+                _fsync_dir(parent)
+
+
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    chunks = []
+    remaining = length
+    while remaining > 0:
+        data = os.pread(fd, remaining, offset)
+        if not data:
+            break
+        chunks.append(data)
+        offset += len(data)
+        remaining -= len(data)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, buffers: Sequence[Any]) -> int:
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = sum(len(v) for v in views)
+    while views:
+        n = os.writev(fd, views[:1024])
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_store(location: str | os.PathLike[str] | Store, *, durable: bool = True) -> Store:
+    """A Store for a path (or an existing Store, returned as is)."""
+    if isinstance(location, Store):
+        return location
+    text = os.fspath(location)
+    if "://" in text and not text.startswith("file://"):
+        raise UnsafePathError(
+            f"no storage backend for {text!r}; local paths are supported", rule=None
+        )
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return LocalStore(text, durable=durable)

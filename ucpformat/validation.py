@@ -1,0 +1,425 @@
+"""Validation of a checkpoint against the schemas and the spec's structural rules.
+
+Every problem is an :class:`Issue` naming the requirement it breaks. MUST violations are
+errors, SHOULD violations warnings. ``deep=True`` also reads every stored object,
+checks every CRC32C and every SHA-256 of the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ucpformat import names, schemas
+from ucpformat.errors import UCPError
+from ucpformat.metadata import (
+    FORMAT_MAJOR,
+    IN_PROGRESS_KEY,
+    MANIFEST_KEY,
+    RESERVED_ROOT_SUFFIX,
+    ZARR_JSON,
+    ArrayMeta,
+    GroupMeta,
+    loads,
+    parse_array,
+    parse_group,
+    parse_version,
+)
+from ucpformat.progress import byte_progress
+from ucpformat.reader import Checkpoint, Tensor
+from ucpformat.storage import Store, open_store
+
+Level = Literal["error", "warning"]
+RESERVED_GROUPS = ("model", "optimizer", "training")
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem found in a checkpoint."""
+
+    rule: str | None
+    path: str
+    message: str
+    level: Level = "error"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "path": self.path, "message": self.message}
+
+    def __str__(self) -> str:
+        rule = f"[{self.rule}] " if self.rule else ""
+        return f"{self.level}: {rule}{self.path}: {self.message}"
+
+
+@dataclass
+class Report:
+    """The outcome of validating one checkpoint."""
+
+    location: str
+    issues: list[Issue] = field(default_factory=list)
+    deep: bool = False
+    checked_objects: int = 0
+
+    @property
+    def errors(self) -> list[Issue]:
+        return [i for i in self.issues if i.level == "error"]
+
+    @property
+    def warnings(self) -> list[Issue]:
+        return [i for i in self.issues if i.level == "warning"]
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+    def rules(self) -> set[str]:
+        """Requirement ids of every error."""
+        return {i.rule for i in self.errors if i.rule}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "valid": self.valid,
+            "errors": [i.to_json() for i in self.errors],
+            "warnings": [i.to_json() for i in self.warnings],
+        }
+
+    def add(self, rule: str | None, path: str, message: str, level: Level = "error") -> None:
+        issue = Issue(rule, path or "/", message, level)
+        if issue not in self.issues:
+            self.issues.append(issue)
+
+    def add_error(self, exc: UCPError, path: str) -> None:
+        self.add(exc.rule, exc.tensor or exc.path or path, exc.message)
+
+
+def _node_of_pointer(pointer: str) -> str:
+    parts = pointer.strip("/").split("/")
+    if len(parts) >= 3 and parts[0] == "consolidated_metadata" and parts[1] == "metadata":
+        return parts[2].replace("~1", "/").replace("~0", "~")
+    return "/"
+
+
+def validate(
+    path: Any,
+    *,
+    deep: bool = False,
+    progress: bool | Callable[[int], None] = False,
+    workers: int = 4,
+) -> Report:
+    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report)."""
+    store = open_store(path, durable=False)
+    report = Report(store.location, deep=deep)
+    try:
+        _validate(store, report, deep=deep, progress=progress, workers=workers)
+    except UCPError as exc:  # a problem that stops validation early
+        report.add_error(exc, "/")
+    return report
+
+
+def _validate(
+    store: Store,
+    report: Report,
+    *,
+    deep: bool,
+    progress: bool | Callable[[int], None],
+    workers: int,
+) -> None:
+    raw = store.get(ZARR_JSON)
+    if raw is None:
+        why = (
+            "a save was interrupted or is in progress"
+            if store.exists(IN_PROGRESS_KEY)
+            else "no root zarr.json"
+        )
+        report.add("UCP-1.0-R051", "/", f"not a committed checkpoint: {why}")
+        return
+    doc = loads(raw, what=ZARR_JSON)
+    for v in schemas.violations("root", doc):
+        report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
+    if not isinstance(doc, Mapping):
+        return
+    attrs = doc.get("attributes")
+    ucp = attrs.get("ucp") if isinstance(attrs, Mapping) else None
+    if not isinstance(ucp, Mapping):
+        report.add("UCP-1.0-R002", "/", "the root has no attributes.ucp object")
+        return
+    try:
+        parse_version(ucp.get("version"), where=store.location)
+    except UCPError as exc:
+        report.add_error(exc, "/")
+        return
+    if store.exists(IN_PROGRESS_KEY):
+        report.add(
+            "UCP-1.0-R056", "/",
+            f"{IN_PROGRESS_KEY} is still present next to a committed root (a writer stopped "
+            "after its commit); the checkpoint is committed",
+            "warning",
+        )
+    arrays, groups = _parse_nodes(doc, report)
+    _check_tree(arrays, groups, report)
+    _check_node_files(store, doc, report)
+    _check_values(groups, ucp, report)
+    _check_optimizer(arrays, groups, report)
+    manifest = _check_manifest(store, ucp, arrays, report)
+    if deep and report.valid:
+        root = parse_group("", doc)
+        ckpt = Checkpoint(store, root, arrays, groups)
+        _deep(ckpt, manifest, report, progress=progress, workers=workers)
+
+
+def _parse_nodes(
+    doc: Mapping[str, Any], report: Report
+) -> tuple[dict[str, ArrayMeta], dict[str, GroupMeta]]:
+    arrays: dict[str, ArrayMeta] = {}
+    groups: dict[str, GroupMeta] = {}
+    cm = doc.get("consolidated_metadata")
+    meta = cm.get("metadata") if isinstance(cm, Mapping) else None
+    if not isinstance(meta, Mapping):
+        report.add("UCP-1.0-R052", "/", "the root holds no inline consolidated metadata")
+        return arrays, groups
+    for path, node in meta.items():
+        try:
+            names.check_path(path)
+            if isinstance(node, Mapping) and node.get("node_type") == "array":
+                arrays[path] = parse_array(path, node)
+            else:
+                groups[path] = parse_group(path, node)
+        except UCPError as exc:
+            report.add_error(exc, path)
+    return arrays, groups
+
+
+def _check_tree(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report) -> None:
+    children: dict[str, list[str]] = {}
+    for path in [*arrays, *groups]:
+        parent, _, leaf = path.rpartition("/")
+        children.setdefault(parent, []).append(leaf)
+        if parent and parent not in groups:
+            report.add("UCP-1.0-R005", path, f"parent group {parent!r} is not in the metadata")
+        if not parent and leaf.endswith(RESERVED_ROOT_SUFFIX):
+            report.add("UCP-1.0-R004", path, f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
+    for reserved in RESERVED_GROUPS:
+        if reserved in arrays:
+            report.add("UCP-1.0-R004", reserved, f"{reserved!r} must be a group, not an array")
+    for parent, kids in children.items():
+        try:
+            names.check_case_collisions(kids, parent=parent)
+        except UCPError as exc:
+            report.add_error(exc, parent or "/")
+
+
+def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> None:
+    cm = doc.get("consolidated_metadata")
+    meta = cm.get("metadata") if isinstance(cm, Mapping) else None
+    if not isinstance(meta, Mapping):
+        return
+    for path, node in meta.items():
+        try:
+            names.check_path(path)
+            raw = store.get(f"{path}/{ZARR_JSON}")
+        except UCPError as exc:
+            report.add_error(exc, path)
+            continue
+        if raw is None:
+            report.add("UCP-1.0-R055", path, "its own zarr.json is missing")
+            continue
+        try:
+            own = loads(raw, what=f"{path}/{ZARR_JSON}")
+        except UCPError as exc:
+            report.add_error(exc, path)
+            continue
+        if own != node:
+            report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
+
+
+def _walk_ints(value: Any) -> Iterable[int]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk_ints(v)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _walk_ints(v)
+
+
+def _check_values(groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], report: Report) -> None:
+    sources = [("/", root_ucp.get("values", {})), ("/", root_ucp.get("metadata", {}))]
+    sources += [(p, g.values) for p, g in groups.items()]
+    for path, values in sources:
+        if any(abs(i) > MAX_SAFE_INTEGER for i in _walk_ints(values)):
+            report.add(
+                "UCP-1.0-R071", path,
+                "a JSON value holds an integer beyond 2**53-1, which many JSON parsers round; "
+                "store it as an int64/uint64 array",
+                "warning",
+            )
+
+
+def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report) -> None:
+    opt = groups.get("optimizer")
+    if opt is None:
+        return
+    values = opt.values
+    for v in schemas.violations("optimizer", dict(values)):
+        report.add(v.rule, "optimizer", f"values{v.pointer}: {v.message}")
+    model_params = {
+        names.unescape(p.split("/", 1)[1]) for p in arrays if p.startswith("model/") and p.count("/") == 1
+    }
+    has_model = "model" in groups
+    named: set[str] = set()
+    pgs = values.get("param_groups", [])
+    for i, pg in enumerate(pgs if isinstance(pgs, list) else []):
+        params = pg.get("params", []) if isinstance(pg, Mapping) else []
+        for p in params if isinstance(params, list) else []:
+            if isinstance(p, str):
+                if p in named:
+                    report.add("UCP-1.0-R081", "optimizer", f"parameter {p!r} is in more than one param group")
+                named.add(p)
+                if has_model and p not in model_params:
+                    report.add("UCP-1.0-R082", "optimizer",
+                               f"param_groups[{i}] names {p!r}, which is not a tensor of model/")
+    for path in groups:
+        parts = path.split("/")
+        if len(parts) == 3 and parts[:2] == ["optimizer", "state"]:
+            try:
+                pname = names.unescape(parts[2])
+            except UCPError:
+                continue
+            if has_model and pname not in model_params:
+                report.add("UCP-1.0-R082", path, f"optimizer state for {pname!r}, which is not a tensor of model/")
+            if pgs and pname not in named:
+                report.add("UCP-1.0-R082", path, f"optimizer state for {pname!r}, which no param group lists")
+    for path in arrays:
+        parts = path.split("/")
+        if parts[0] == "optimizer" and len(parts) >= 2 and parts[1] == "state" and len(parts) != 4:
+            report.add("UCP-1.0-R081", path, "optimizer state arrays live at optimizer/state/<parameter>/<state>")
+
+
+def expected_objects(meta: ArrayMeta) -> list[str]:
+    """Keys of every stored object a non-sparse array must have."""
+    if math.prod(meta.shape) == 0:
+        return []
+    from ucpformat.writer import object_coords
+
+    return [meta.object_key(c) for c in object_coords(meta)]
+
+
+def _check_manifest(
+    store: Store, ucp: Mapping[str, Any], arrays: Mapping[str, ArrayMeta], report: Report
+) -> dict[str, Any] | None:
+    ref = ucp.get("manifest")
+    if not isinstance(ref, Mapping) or ref.get("path") != MANIFEST_KEY:
+        return None  # reported by the schema
+    raw = store.get(MANIFEST_KEY)
+    if raw is None:
+        report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
+        return None
+    if len(raw) != ref.get("nbytes"):
+        report.add("UCP-1.0-R043", MANIFEST_KEY, f"the manifest is {len(raw)} bytes, the root says {ref.get('nbytes')}")
+    if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
+        report.add("UCP-1.0-R043", MANIFEST_KEY, "the manifest's SHA-256 differs from the one in the root")
+    try:
+        manifest = loads(raw, what=MANIFEST_KEY, rule="UCP-1.0-R042")
+    except UCPError as exc:
+        report.add_error(exc, MANIFEST_KEY)
+        return None
+    violations = schemas.violations("manifest", manifest)
+    for v in violations:
+        report.add(v.rule, MANIFEST_KEY, f"{v.message} (at {v.pointer})")
+    if violations:
+        return None
+    files: Mapping[str, Any] = manifest["files"]
+    for meta in arrays.values():
+        listed_node = f"{meta.path}/{ZARR_JSON}"
+        if listed_node not in files:
+            report.add("UCP-1.0-R042", meta.path, "its zarr.json is not in the manifest")
+        if meta.sparse:
+            continue
+        for key in expected_objects(meta):
+            if key not in files:
+                report.add("UCP-1.0-R030", meta.path, f"stored object {key} is not in the manifest (never written)")
+    for key, entry in files.items():
+        try:
+            size = store.size(key)
+        except UCPError as exc:
+            report.add_error(exc, key)
+            continue
+        if size is None:
+            report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
+        elif size != entry.get("nbytes"):
+            report.add("UCP-1.0-R043", key, f"is {size} bytes, the manifest says {entry.get('nbytes')}")
+    known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
+    for key in store.list():
+        if key not in known:
+            report.add("UCP-1.0-R044", key, "a file that the manifest does not list", "warning")
+    return dict(manifest)
+
+
+def _deep(
+    ckpt: Checkpoint,
+    manifest: Mapping[str, Any] | None,
+    report: Report,
+    *,
+    progress: bool | Callable[[int], None],
+    workers: int,
+) -> None:
+    """Read every stored object: SHA-256 against the manifest, CRC32C of every chunk."""
+    files: Mapping[str, Any] = (manifest or {}).get("files", {})
+    total = sum(int(e.get("nbytes", 0)) for e in files.values())
+
+    def check_file(key: str) -> tuple[int, Issue | None]:
+        entry = files[key]
+        try:
+            data = ckpt.store.get(key)
+        except UCPError as exc:
+            return 0, Issue(exc.rule, key, exc.message)
+        if data is None:
+            return 0, Issue("UCP-1.0-R031", key, "missing")
+        digest = entry.get("sha256")
+        if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+            return len(data), Issue("UCP-1.0-R043", key, "its SHA-256 differs from the manifest's")
+        return len(data), None
+
+    tasks: list[tuple[Tensor, list[int], list[int]]] = []
+    from ucpformat.writer import object_coords
+
+    for meta in ckpt.arrays.values():
+        tensor = ckpt[meta.path]
+        for coords in object_coords(meta):
+            lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
+            hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
+            tasks.append((tensor, lo, hi))
+
+    def check_object(task: tuple[Tensor, list[int], list[int]]) -> Issue | None:
+        tensor, lo, hi = task
+        try:
+            tensor.read_region(lo, hi)
+        except UCPError as exc:
+            return Issue(exc.rule, exc.tensor or tensor.path, exc.message)
+        return None
+
+    with byte_progress(progress, 2 * total, "verifying") as advance, ThreadPoolExecutor(workers) as pool:
+        for nbytes, issue in pool.map(check_file, list(files)):
+            advance(nbytes)
+            if issue:
+                report.add(issue.rule, issue.path, issue.message)
+        for issue2 in pool.map(check_object, tasks):
+            report.checked_objects += 1
+            if issue2:
+                report.add(issue2.rule, issue2.path, issue2.message)
+        advance(total)
+
+
+def main_json(report: Report) -> str:
+    return json.dumps(report.to_json(), indent=2, ensure_ascii=False)
+
+
+__all__ = ["FORMAT_MAJOR", "Issue", "Report", "validate"]
