@@ -226,9 +226,12 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
         )
     _parse_bytes_codec(chain[0], dt, where)
     last = chain[-1]
-    if not isinstance(last, Mapping) or last.get("name") != "crc32c" or last.get(
-        "configuration", {}
-    ) not in ({}, None):
+    if (
+        not isinstance(last, Mapping)
+        or last.get("name") != "crc32c"
+        or set(last) - {"name", "configuration"}
+        or last.get("configuration", {}) != {}
+    ):
         raise _fail(
             f"every chunk must end with the crc32c codec, got {last!r}", "UCP-1.0-R040", where
         )
@@ -432,10 +435,6 @@ def dumps(doc: Any) -> bytes:
     return json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False, allow_nan=False).encode(
         "utf-8"
     )
-
-
-class _StrictDecoder(json.JSONDecoder):
-    pass
 
 
 def _refuse_constant(name: str) -> Any:
