@@ -165,6 +165,7 @@ def _validate(
     _check_node_files(store, doc, report)
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
+    _check_layouts(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
     if deep and report.valid:
         root = parse_group("", doc)
@@ -301,6 +302,53 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
         parts = path.split("/")
         if parts[0] == "optimizer" and len(parts) >= 2 and parts[1] == "state" and len(parts) != 4:
             report.add("UCP-1.0-R081", path, "optimizer state arrays live at optimizer/state/<parameter>/<state>")
+
+
+def _check_layouts(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
+    """Layout semantics against each array's shape; aliases; optimizer states (R100-R109)."""
+    from ucpformat.layout.semantics import TensorLayout
+
+    for path, meta in arrays.items():
+        doc = meta.ucp.get("layout")
+        if doc is None:
+            continue
+        try:
+            TensorLayout.from_json(doc, tensor=path).check(meta.shape, tensor=path)
+        except UCPError as exc:
+            report.add_error(exc, path)
+    for gpath, group in groups.items():
+        aliases = group.ucp.get("aliases")
+        if not isinstance(aliases, Mapping):
+            continue
+        for alias, target in aliases.items():
+            if not isinstance(alias, str) or not isinstance(target, str):
+                continue  # reported by the schema
+            try:
+                alias_path = f"{gpath}/{names.escape(alias)}"
+                target_path = f"{gpath}/{names.escape(target)}"
+            except UCPError as exc:
+                report.add_error(exc, gpath)
+                continue
+            if alias_path in arrays:
+                report.add("UCP-1.0-R108", alias_path, f"is an alias of {target!r} and must not be stored too")
+            if target in aliases:
+                report.add("UCP-1.0-R108", gpath, f"alias {alias!r} points to another alias {target!r}")
+            elif target_path not in arrays:
+                report.add("UCP-1.0-R108", gpath, f"alias {alias!r} points to {target!r}, which is not an array of this group")
+    for path, meta in arrays.items():
+        parts = path.split("/")
+        if len(parts) != 4 or parts[:2] != ["optimizer", "state"] or "layout" in meta.ucp:
+            continue
+        param = arrays.get(f"model/{parts[2]}")
+        if param is not None and meta.shape not in ((), param.shape):
+            report.add(
+                "UCP-1.0-R109", path,
+                f"its shape {list(meta.shape)} differs from its parameter's {list(param.shape)}, so it "
+                "cannot follow the parameter's layout; it should declare its own",
+                "warning",
+            )
 
 
 def expected_objects(meta: ArrayMeta) -> list[str]:
