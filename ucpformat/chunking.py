@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
+#: Inner chunk edges are cut so that splitting any dimension into up to this many equal
+#: parts (tensor parallelism, FSDP) falls on chunk boundaries ...
+DEFAULT_SPLITS = 8
+#: ... unless chunks would become smaller than this.
+DEFAULT_MIN_CHUNK_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -25,24 +30,46 @@ class Chunking:
 
 
 def tile_shape(
-    shape: Sequence[int], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES,
-    *, align: Sequence[int] | None = None,
+    shape: Sequence[int],
+    itemsize: int,
+    target_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    align: Sequence[int] | None = None,
+    full_shape: Sequence[int] | None = None,
+    splits: int = DEFAULT_SPLITS,
+    min_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
 ) -> tuple[int, ...]:
     """A chunk shape of at most ``target_bytes`` (or one element) for ``shape``.
 
     ``align``, if given, holds per-dimension sizes the chunk edge must divide (for
-    example a shard edge); halving then stops at divisors of it.
+    example a shard edge); halving then stops at divisors of it. Then edges longer than
+    ``1/splits`` of the tensor's dimension (``full_shape``, default ``shape``) are halved
+    while chunks stay at least ``min_bytes``, so that common splits read little extra.
     """
     chunk = [max(1, s) for s in shape]
     if align is not None:
         chunk = [min(c, a) for c, a in zip(chunk, align, strict=True)]
+
+    def halve(d: int) -> None:
+        chunk[d] = _halve(chunk[d], None if align is None else align[d])
+
     while math.prod(chunk) * itemsize > target_bytes:
         # the dimension with the longest extent that can still be halved
         candidates = [i for i, c in enumerate(chunk) if c > 1]
         if not candidates:
             break
-        i = max(candidates, key=lambda d: (chunk[d], -d))
-        chunk[i] = _halve(chunk[i], None if align is None else align[i])
+        halve(max(candidates, key=lambda d: (chunk[d], -d)))
+    full = list(full_shape if full_shape is not None else shape)
+    limits = [max(1, -(-n // splits)) for n in full]
+    while True:
+        over = [d for d in range(len(chunk)) if chunk[d] > limits[d] and chunk[d] > 1]
+        if not over or math.prod(chunk) * itemsize // 2 < min_bytes:
+            break
+        d = max(over, key=lambda i: (chunk[i] / limits[i], -i))
+        before = chunk[d]
+        halve(d)
+        if chunk[d] == before:
+            break
     return tuple(chunk)
 
 

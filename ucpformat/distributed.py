@@ -207,7 +207,7 @@ def choose_grid(
     edges = _cap_edges(edges, itemsize, shard_bytes)
     if count == 1 and nbytes <= chunk_bytes:
         return chunking.Chunking(tuple(max(1, n) for n in shape), None)
-    chunk = chunking.tile_shape(edges, itemsize, chunk_bytes, align=edges)
+    chunk = chunking.tile_shape(edges, itemsize, chunk_bytes, align=edges, full_shape=shape)
     return chunking.Chunking(chunk, tuple(edges))
 
 
