@@ -2,11 +2,11 @@
 
 A logical name (``decoder.layers.3.mlp.fc1.weight``, ``語彙/embed``) is stored as a zarr
 node name in which every byte of its UTF-8 encoding outside ``[A-Za-z0-9._-]`` is
-percent-encoded (``%2F``), as are the dots of the names ``.`` and ``..``, the dot of a
-name that is ``zarr.json`` up to ASCII case, and the first underscore of a name that
-starts with ``__``. Escaping is a bijection, so a node name is
-valid only when it is the canonical escape of some name; that rule alone keeps every
-path inside the checkpoint. See spec/ucp-1.0.md, section "Names".
+percent-encoded (``%2F``), as are the dots of a name made only of dots (``.``, ``..``),
+the dot of a name that is ``zarr.json`` up to ASCII case, and the first underscore of a
+name that starts with ``__``. Escaping is a bijection, so a node name is valid only when
+it is the canonical escape of some name; that rule alone keeps every path inside the
+checkpoint. See spec/ucp-1.0.md, section "Names".
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def check_name(name: str, *, where: str | None = None) -> None:
 
 
 def _escape_unchecked(name: str) -> str:
-    if name in (".", ".."):
+    if name.strip(".") == "":
+        # zarr v3 forbids node names made only of periods ("." and ".." among them).
         return "%2E" * len(name)
     raw = name.encode("utf-8")
     out = []
