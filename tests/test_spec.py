@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-import spec_helpers as sh
 
+from tests import spec_helpers as sh
 from ucpformat import dtypes, metadata, names, schemas
 from ucpformat.errors import UCPError
 from ucpformat.reader import parse_consolidated
 
 SPEC = sh.SPEC_DIR / "ucp-1.0.md"
-SCHEMA_KINDS = ("root", "array", "group", "manifest", "optimizer")
+#: Kinds a ```json schema=KIND``` block may name: every schema but the shared definitions.
+SCHEMA_KINDS = tuple(k for k in schemas.KINDS if k != "defs")
 
 
 def test_the_spec_exists() -> None:
@@ -110,25 +112,50 @@ def _cited_in_repository() -> list[tuple[str, str]]:
     return out
 
 
+def _block(requirement_id: str) -> tuple[str, int]:
+    """(version, hundreds): R001-R099 is block 0 (the core), R100-R199 block 1, ..."""
+    match = sh.REQUIREMENT_ID.fullmatch(requirement_id)
+    assert match
+    return f"{match.group(1)}.{match.group(2)}", int(match.group(3)) // 100
+
+
 def test_ids_cited_by_code_and_schemas_are_defined() -> None:
+    """Every cited id is defined; a chapter not written yet is reported, not failed.
+
+    Ids are allotted to chapters in blocks of a hundred (section 3.2 of the spec). While
+    no spec document defines any id of a block, code citing that block's ids is ahead of
+    its chapter: that is a warning. Once a block has one requirement, it must have all.
+    """
     defined = {r.id for r in sh.all_requirements()}
+    written = {_block(i) for i in defined}
     cited = _cited_in_repository()
     assert cited, "the code cites no requirement at all?"
-    missing = sorted({f"{i} ({where})" for i, where in cited if i not in defined})
+    missing = sorted({f"{i} ({where})" for i, where in cited
+                      if i not in defined and _block(i) in written})
     assert not missing, "cited but not defined in spec/*.md:\n" + "\n".join(missing)
+    pending = sorted({i for i, _ in cited if _block(i) not in written})
+    if pending:
+        warnings.warn(
+            f"cited by the code, in chapters not yet in spec/: {', '.join(pending)}",
+            stacklevel=1,
+        )
 
 
 def test_ids_cited_by_the_spec_are_defined() -> None:
     defined = {r.id for r in sh.all_requirements()}
-    missing = sorted(
-        {f"{i} ({where})" for path in sh.spec_files() for i, where in sh.references(path)
-         if i not in defined}
-    )
+    written = {_block(i) for i in defined}
+    cited = [(i, where) for path in sh.spec_files() for i, where in sh.references(path)]
+    missing = sorted({f"{i} ({where})" for i, where in cited
+                      if i not in defined and _block(i) in written})
     assert not missing, "the spec cites undefined requirements:\n" + "\n".join(missing)
+    pending = sorted({i for i, _ in cited if _block(i) not in written})
+    if pending:
+        warnings.warn(f"the spec cites chapters not yet in spec/: {', '.join(pending)}",
+                      stacklevel=1)
 
 
-def test_every_schema_annotation_names_a_requirement() -> None:
-    defined = {r.id for r in sh.all_requirements()}
+def test_every_schema_annotation_is_a_requirement_id() -> None:
+    """Each x-ucp-rule is one well-formed id (whether it is defined is checked above)."""
 
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
@@ -142,7 +169,9 @@ def test_every_schema_annotation_names_a_requirement() -> None:
 
     for path in sorted((sh.REPO / "schemas").glob("*/*.schema.json")):
         for rule in walk(json.loads(path.read_text(encoding="utf-8"))):
-            assert rule in defined, f"{path.name}: x-ucp-rule {rule} is not defined"
+            assert isinstance(rule, str) and sh.REQUIREMENT_ID.fullmatch(rule), (
+                f"{path.name}: x-ucp-rule {rule!r} is not a requirement id"
+            )
 
 
 # -- (c) JSON examples ------------------------------------------------------------------
