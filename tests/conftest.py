@@ -29,7 +29,9 @@ def small_state(rng: np.random.Generator) -> dict[str, Any]:
         },
         "optimizer": {
             "type": "torch.optim.AdamW",
-            "param_groups": [{"params": ["fc.weight", "fc.bias"], "lr": 1e-3, "betas": [0.9, 0.999]}],
+            "param_groups": [
+                {"params": ["fc.weight", "fc.bias"], "lr": 1e-3, "betas": [0.9, 0.999]}
+            ],
             "state": {
                 "fc.weight": {"exp_avg": np.ones_like(w), "step": np.array(3.0, np.float32)},
                 "fc.bias": {"exp_avg": np.zeros(40, np.float32), "step": np.array(3.0, np.float32)},

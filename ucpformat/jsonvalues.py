@@ -61,9 +61,9 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
                     path=where,
                 )
             out[k] = encode(v, where=f"{where}.{k}", depth=depth + 1)
-        if set(out) == {FLOAT_TAG}:
+        if FLOAT_TAG in out:
             raise InvalidValueError(
-                f"a mapping whose only key is {FLOAT_TAG!r} is reserved for non-finite floats",
+                f"the key {FLOAT_TAG!r} is reserved for non-finite floats",
                 rule="UCP-1.0-R070",
                 path=where,
             )

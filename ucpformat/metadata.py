@@ -35,6 +35,8 @@ ZARR_JSON: Final = "zarr.json"
 MANIFEST_KEY: Final = "manifest.ucp.json"
 IN_PROGRESS_KEY: Final = "write-in-progress.ucp.json"
 RESERVED_ROOT_SUFFIX: Final = ".ucp.json"
+#: Top-level groups whose meaning the spec defines (UCP-1.0-R004).
+RESERVED_GROUPS: Final = ("model", "optimizer", "training")
 
 #: Largest number of bytes an array may describe: numpy and most languages index with int64.
 MAX_ARRAY_BYTES: Final = 2**63 - 1

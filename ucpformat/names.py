@@ -2,10 +2,11 @@
 
 A logical name (``decoder.layers.3.mlp.fc1.weight``, ``語彙/embed``) is stored as a zarr
 node name in which every byte of its UTF-8 encoding outside ``[A-Za-z0-9._-]`` is
-percent-encoded (``%2F``), as are the dots of the names ``.`` and ``..`` and the first
-underscore of a name that starts with ``__``. Escaping is a bijection, so a node name is
-valid only when it is the canonical escape of some name; that rule alone keeps every
-path inside the checkpoint. See spec/ucp-1.0.md, section "Names".
+percent-encoded (``%2F``), as are the dots of a name made only of dots (``.``, ``..``),
+the dot of a name that is ``zarr.json`` up to ASCII case, and the first underscore of a
+name that starts with ``__``. Escaping is a bijection, so a node name is valid only when
+it is the canonical escape of some name; that rule alone keeps every path inside the
+checkpoint. See spec/ucp-1.0.md, section "Names".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 from ucpformat.errors import InvalidNameError, UnsafePathError
 
 MAX_NODE_NAME_BYTES = 255
+ZARR_JSON_NAME = "zarr.json"
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _NODE_NAME_RE = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
 
@@ -53,7 +55,8 @@ def check_name(name: str, *, where: str | None = None) -> None:
 
 
 def _escape_unchecked(name: str) -> str:
-    if name in (".", ".."):
+    if name.strip(".") == "":
+        # zarr v3 forbids node names made only of periods ("." and ".." among them).
         return "%2E" * len(name)
     raw = name.encode("utf-8")
     out = []
@@ -62,7 +65,11 @@ def _escape_unchecked(name: str) -> str:
             out.append(chr(byte))
         else:
             out.append(f"%{byte:02X}")
-    return "".join(out)
+    escaped = "".join(out)
+    if escaped.lower() == ZARR_JSON_NAME:
+        # A node named zarr.json would collide with its parent's metadata document.
+        escaped = escaped[:4] + "%2E" + escaped[5:]
+    return escaped
 
 
 def escape(name: str, *, where: str | None = None) -> str:
@@ -77,6 +84,13 @@ def unescape(node_name: str, *, where: str | None = None) -> str:
         raise UnsafePathError(
             f"node name {node_name!r} is not a canonical escaped name",
             rule="UCP-1.0-R010",
+            path=where,
+        )
+    if len(node_name) > MAX_NODE_NAME_BYTES:
+        raise UnsafePathError(
+            f"node name {node_name[:60]!r}... is {len(node_name)} bytes; the limit is "
+            f"{MAX_NODE_NAME_BYTES}",
+            rule="UCP-1.0-R012",
             path=where,
         )
     raw = bytearray()

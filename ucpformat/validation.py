@@ -21,6 +21,7 @@ from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
+    RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
     ZARR_JSON,
     ArrayMeta,
@@ -35,7 +36,6 @@ from ucpformat.reader import Checkpoint, Tensor
 from ucpformat.storage import Store, open_store
 
 Level = Literal["error", "warning"]
-RESERVED_GROUPS = ("model", "optimizer", "training")
 MAX_SAFE_INTEGER = 2**53 - 1
 
 
@@ -202,7 +202,7 @@ def _check_tree(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta]
         children.setdefault(parent, []).append(leaf)
         if parent and parent not in groups:
             report.add("UCP-1.0-R005", path, f"parent group {parent!r} is not in the metadata")
-        if not parent and leaf.endswith(RESERVED_ROOT_SUFFIX):
+        if not parent and leaf.lower().endswith(RESERVED_ROOT_SUFFIX):
             report.add("UCP-1.0-R004", path, f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
     for reserved in RESERVED_GROUPS:
         if reserved in arrays:

@@ -37,6 +37,7 @@ from ucpformat.metadata import (
     FORMAT_VERSION,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
+    RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
     ZARR_JSON,
     ArrayMeta,
@@ -302,9 +303,17 @@ def plan(
                     f"keys must be strings, got {type(key).__name__} {key!r}", path=where,
                     rule="UCP-1.0-R011",
                 )
-            if not prefix and node.endswith(RESERVED_ROOT_SUFFIX):
+            if not prefix and node.lower().endswith(RESERVED_ROOT_SUFFIX):
                 raise InvalidValueError(
                     f"top-level names ending in {RESERVED_ROOT_SUFFIX!r} are reserved",
+                    rule="UCP-1.0-R004",
+                    path=where,
+                )
+            reserved_group = not prefix and key in RESERVED_GROUPS
+            if reserved_group and not isinstance(value, Mapping):
+                raise InvalidValueError(
+                    f"{key!r} is a reserved group: give it a mapping, not "
+                    f"{type(value).__name__}",
                     rule="UCP-1.0-R004",
                     path=where,
                 )
@@ -316,7 +325,7 @@ def plan(
                     (_array_meta(path, arr, compression, chunk_bytes, shard_bytes, attrs), arr)
                 )
                 node_names.append(node)
-            elif isinstance(value, Mapping) and _has_array(value):
+            elif isinstance(value, Mapping) and (reserved_group or _has_array(value)):
                 sub_values: dict[str, Any] = {}
                 visit(value, path, sub_values)
                 ucp = {"values": sub_values} if sub_values else {}
