@@ -197,18 +197,29 @@ def choose_grid(
 ) -> chunking.Chunking:
     shape = spec.shape
     if len(shape) == 0 or math.prod(shape) == 0:
-        return chunking.choose(shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+        return chunking.choose(shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
+                               split_dims=_split_dims(spec))
     nbytes = math.prod(shape) * itemsize
     edges = _aligned_edges(shape, cuts)
     count = math.prod(-(-n // e) for n, e in zip(shape, edges, strict=True))
     if count > 1 and count > max(1, nbytes // min_shard_bytes):
         # Too fine: write a coarse grid and exchange boundary cells.
-        return chunking.choose(shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+        return chunking.choose(shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
+                               split_dims=_split_dims(spec))
     edges = _cap_edges(edges, itemsize, shard_bytes)
     if count == 1 and nbytes <= chunk_bytes:
         return chunking.Chunking(tuple(max(1, n) for n in shape), None)
-    chunk = chunking.tile_shape(edges, itemsize, chunk_bytes, align=edges, full_shape=shape)
+    ucp = spec.attributes.get("ucp", {})
+    chunk = chunking.tile_shape(
+        edges, itemsize, chunk_bytes, align=edges, full_shape=shape,
+        split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
+    )
     return chunking.Chunking(chunk, tuple(edges))
+
+
+def _split_dims(spec: TensorSpec) -> tuple[int, ...]:
+    ucp = spec.attributes.get("ucp", {})
+    return chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {})
 
 
 def make_plan(
@@ -330,7 +341,7 @@ def save_distributed(
     root_values: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     compression: str | Mapping[str, Any] | None = None,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
     overwrite: bool = False,
     chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
     shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,

@@ -124,7 +124,7 @@ def write_object(
     coords: Sequence[int],
     data: np.ndarray[Any, Any],
     *,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
 ) -> StoredObject:
     """Encode and write one stored object; the caller owns it alone (one writer per shard)."""
     buffers = encode_object(meta, coords, data)
@@ -196,7 +196,7 @@ def commit(
     objects: Sequence[StoredObject],
     root_ucp: Mapping[str, Any],
     root_attributes: Mapping[str, Any] | None = None,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
 ) -> dict[str, Any]:
     """Write node metadata, the manifest and, last, the root: the checkpoint exists after this.
 
@@ -358,7 +358,14 @@ def _array_meta(
     attributes: Mapping[str, Any],
 ) -> ArrayMeta:
     dt = dtypes.from_numpy(arr.dtype, tensor=path)
-    ch = chunking.choose(arr.shape, dt.itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+    ucp = attributes.get("ucp", {})
+    ch = chunking.choose(
+        arr.shape,
+        dt.itemsize,
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
+    )
     return ArrayMeta(
         path=path,
         shape=tuple(int(s) for s in arr.shape),
@@ -398,7 +405,7 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     compression: str | Mapping[str, Any] | None = None,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
     overwrite: bool = False,
     chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
     shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
