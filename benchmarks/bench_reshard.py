@@ -26,11 +26,16 @@ from ucpformat.layout.rules import RuleSet
 from ucpformat.layout.sharding import ParallelConfig
 
 
-def llama_state(hidden: int, ffn: int, layers: int, vocab: int, heads: int, kv_heads: int) -> dict[str, Any]:
+def llama_state(
+    hidden: int, ffn: int, layers: int, vocab: int, heads: int, kv_heads: int
+) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     hd = hidden // heads
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}"
         shapes |= {
@@ -44,12 +49,18 @@ def llama_state(hidden: int, ffn: int, layers: int, vocab: int, heads: int, kv_h
             f"{p}.input_layernorm.weight": (hidden,),
             f"{p}.post_attention_layernorm.weight": (hidden,),
         }
-    return {n: rng.standard_normal(s, dtype=np.float32).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
+    return {
+        n: rng.standard_normal(s, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        for n, s in shapes.items()
+    }
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
-    dims = dict(hidden=512, ffn=1536, layers=2, vocab=8000, heads=8, kv_heads=4) if quick else dict(
-        hidden=1024, ffn=2816, layers=4, vocab=32000, heads=16, kv_heads=4)
+    dims = (
+        dict(hidden=512, ffn=1536, layers=2, vocab=8000, heads=8, kv_heads=4)
+        if quick
+        else dict(hidden=1024, ffn=2816, layers=4, vocab=32000, heads=16, kv_heads=4)
+    )
     gt = llama_state(**dims)
     rules = RuleSet.load("llama")
     params = {"vocab_size": dims["vocab"], "tie_word_embeddings": False}
@@ -67,11 +78,15 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             for name, full in gt.items():
                 resolved = src.resolve(name)
                 assert resolved is not None
-                lmap = src.tensor_map(full.shape, resolved.layout, resolved.conventions, coords, tensor=name)
+                lmap = src.tensor_map(
+                    full.shape, resolved.layout, resolved.conventions, coords, tensor=name
+                )
                 assert lmap is not None
                 buf = np.zeros(lmap.local_shape, dtype=full.dtype)
                 for p in lmap.pieces:
-                    buf[tuple(slice(a, b) for a, b in p.local)] = full[tuple(slice(a, b) for a, b in p.glob)]
+                    buf[tuple(slice(a, b) for a, b in p.local)] = full[
+                        tuple(slice(a, b) for a, b in p.glob)
+                    ]
                 local[name] = buf
             specs, frags, _ = src.fragments(comm.rank, local)
             return save_distributed(path, comm, specs=specs, fragments=frags)
@@ -85,7 +100,10 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             ("TP4 -> TP2", ParallelConfig(tp=2, num_layers=dims["layers"])),
             ("TP4 -> TP8", ParallelConfig(tp=8, num_layers=dims["layers"])),
             ("TP4 -> TP2 x PP2", ParallelConfig(tp=2, pp=2, num_layers=dims["layers"])),
-            ("TP4 -> FSDP4 (ZeRO-3 dim 0)", ParallelConfig(dp=4, zero=3, num_layers=dims["layers"])),
+            (
+                "TP4 -> FSDP4 (ZeRO-3 dim 0)",
+                ParallelConfig(dp=4, zero=3, num_layers=dims["layers"]),
+            ),
         ]:
             ml = ModelLayout(rules, params, target, shapes)
             needed = read = 0
@@ -95,17 +113,27 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 state = ml.local_state(ckpt, rank)
                 needed += sum(_real_bytes(ml, rank, n, a) for n, a in state.items())
                 read += ckpt.stats.bytes_read
-            rows.append({
-                "load": label,
-                "ranks": target.world,
-                "bytes needed": needed,
-                "bytes read": read,
-                "amplification": round(read / needed, 4) if needed else math.nan,
-                "seconds": round(time.perf_counter() - t0, 3),
-            })
-        rows.insert(0, {"load": f"save TP4 ({total / 2**20:.0f} MiB bf16)", "ranks": 4,
-                        "bytes needed": total, "bytes read": 0, "amplification": math.nan,
-                        "seconds": round(save_s, 3)})
+            rows.append(
+                {
+                    "load": label,
+                    "ranks": target.world,
+                    "bytes needed": needed,
+                    "bytes read": read,
+                    "amplification": round(read / needed, 4) if needed else math.nan,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                }
+            )
+        rows.insert(
+            0,
+            {
+                "load": f"save TP4 ({total / 2**20:.0f} MiB bf16)",
+                "ranks": 4,
+                "bytes needed": total,
+                "bytes read": 0,
+                "amplification": math.nan,
+                "seconds": round(save_s, 3),
+            },
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
@@ -117,7 +145,9 @@ def _real_bytes(ml: ModelLayout, rank: int, local_name: str, arr: np.ndarray[Any
     name = ml.rules.global_name(local_name, ml.params, ml.cfg, coords)
     resolved = ml.resolve(name)
     assert resolved is not None
-    lmap = ml.tensor_map(ml.shapes[name], resolved.layout, resolved.conventions, coords, tensor=name)
+    lmap = ml.tensor_map(
+        ml.shapes[name], resolved.layout, resolved.conventions, coords, tensor=name
+    )
     assert lmap is not None
     return lmap.covered * arr.itemsize
 

@@ -108,7 +108,7 @@ def run_threads(world_size: int, fn: Callable[[ThreadGroup], T]) -> list[T]:
 
     with ThreadPoolExecutor(world_size) as pool:
         futures = [pool.submit(run, r) for r in range(world_size)]
-        errors = []
+        errors: list[BaseException] = []
         results: list[Any] = []
         for f in futures:
             try:
@@ -126,7 +126,9 @@ def run_threads(world_size: int, fn: Callable[[ThreadGroup], T]) -> list[T]:
 
 def all_ok(comm: Communicator, error: BaseException | None) -> list[str]:
     """Collective: every rank's error message ("" for success)."""
-    return [str(e) for e in comm.allgather("" if error is None else f"{type(error).__name__}: {error}")]
+    return [
+        str(e) for e in comm.allgather("" if error is None else f"{type(error).__name__}: {error}")
+    ]
 
 
 __all__ = ["Communicator", "SingleProcess", "ThreadGroup", "all_ok", "run_threads"]

@@ -22,6 +22,7 @@ touches only the inner chunks that overlap them.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -76,8 +77,12 @@ class TensorSpec:
     attributes: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
-                "attributes": dict(self.attributes)}
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "attributes": dict(self.attributes),
+        }
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> TensorSpec:
@@ -143,8 +148,11 @@ def check_coverage(path: str, shape: Sequence[int], boxes: Sequence[Box]) -> lis
     """Refuse unless the boxes cover every element; returns the refinement cuts."""
     for box in boxes:
         if len(box) != len(shape) or not contains(full_box(shape), box):
-            raise LayoutError(f"fragment {list(box)} lies outside shape {list(shape)}",
-                              rule="UCP-1.0-R131", tensor=path)
+            raise LayoutError(
+                f"fragment {list(box)} lies outside shape {list(shape)}",
+                rule="UCP-1.0-R131",
+                tensor=path,
+            )
     if math.prod(shape) == 0:
         return [[0, n] for n in shape]
     cuts = _boundaries(shape, boxes)
@@ -168,7 +176,8 @@ def check_coverage(path: str, shape: Sequence[int], boxes: Sequence[Box]) -> lis
 
 def _aligned_edges(shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> list[int]:
     return [
-        chunking.regular_grid_for_boundaries(n, c) if n else 1 for n, c in zip(shape, cuts, strict=True)
+        chunking.regular_grid_for_boundaries(n, c) if n else 1
+        for n, c in zip(shape, cuts, strict=True)
     ]
 
 
@@ -197,21 +206,35 @@ def choose_grid(
 ) -> chunking.Chunking:
     shape = spec.shape
     if len(shape) == 0 or math.prod(shape) == 0:
-        return chunking.choose(shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
-                               split_dims=_split_dims(spec))
+        return chunking.choose(
+            shape,
+            itemsize,
+            chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes,
+            split_dims=_split_dims(spec),
+        )
     nbytes = math.prod(shape) * itemsize
     edges = _aligned_edges(shape, cuts)
     count = math.prod(-(-n // e) for n, e in zip(shape, edges, strict=True))
     if count > 1 and count > max(1, nbytes // min_shard_bytes):
         # Too fine: write a coarse grid and exchange boundary cells.
-        return chunking.choose(shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
-                               split_dims=_split_dims(spec))
+        return chunking.choose(
+            shape,
+            itemsize,
+            chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes,
+            split_dims=_split_dims(spec),
+        )
     edges = _cap_edges(edges, itemsize, shard_bytes)
     if count == 1 and nbytes <= chunk_bytes:
         return chunking.Chunking(tuple(max(1, n) for n in shape), None)
     ucp = spec.attributes.get("ucp", {})
     chunk = chunking.tile_shape(
-        edges, itemsize, chunk_bytes, align=edges, full_shape=shape,
+        edges,
+        itemsize,
+        chunk_bytes,
+        align=edges,
+        full_shape=shape,
         split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
     )
     return chunking.Chunking(chunk, tuple(edges))
@@ -242,8 +265,14 @@ def make_plan(
         dt = dtypes.by_name(spec.dtype, tensor=path)
         held = list(boxes.get(path, ()))
         cuts = check_coverage(path, spec.shape, [b for _, b in held])
-        grid = choose_grid(spec, dt.itemsize, cuts, chunk_bytes=chunk_bytes,
-                           shard_bytes=shard_bytes, min_shard_bytes=min_shard_bytes)
+        grid = choose_grid(
+            spec,
+            dt.itemsize,
+            cuts,
+            chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes,
+            min_shard_bytes=min_shard_bytes,
+        )
         meta = ArrayMeta(
             path=path,
             shape=spec.shape,
@@ -303,7 +332,7 @@ def _cells(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
     per_dim = []
     for (a, b), c in zip(region, cuts, strict=True):
         pts = sorted({a, b, *(x for x in c if a < x < b)})
-        per_dim.append(list(zip(pts[:-1], pts[1:], strict=True)))
+        per_dim.append(list(itertools.pairwise(pts)))
     out: list[Box] = [()]
     for segs in per_dim:
         out = [(*box, seg) for box in out for seg in segs]
@@ -327,8 +356,9 @@ def _extract(fragments: Sequence[Fragment], path: str, cell: Box) -> np.ndarray[
         if frag.path == path and contains(frag.box, cell):
             rel = tuple((a - f0, b - f0) for (a, b), (f0, _) in zip(cell, frag.box, strict=True))
             return frag.view()[as_slices(rel)]
-    raise LayoutError(f"this rank holds no fragment containing {list(cell)}", rule="UCP-1.0-R131",
-                      tensor=path)
+    raise LayoutError(
+        f"this rank holds no fragment containing {list(cell)}", rule="UCP-1.0-R131", tensor=path
+    )
 
 
 def save_distributed(
@@ -373,7 +403,9 @@ def save_distributed(
         local_desc = {
             "specs": [s.to_json() for s in specs],
             "boxes": [[f.path, [list(x) for x in f.box]] for f in fragments],
-            "groups": {g: jsonvalues.encode(dict(a), where=g) for g, a in (group_attributes or {}).items()},
+            "groups": {
+                g: jsonvalues.encode(dict(a), where=g) for g, a in (group_attributes or {}).items()
+            },
         }
     except BaseException as exc:  # reported collectively below
         error = exc
@@ -388,7 +420,8 @@ def save_distributed(
             known = specs_by_path.setdefault(spec.path, spec)
             if known != spec:
                 raise LayoutError(
-                    f"ranks disagree on the tensor: {known.to_json()} vs rank {r}: {spec.to_json()}",
+                    f"ranks disagree on the tensor: {known.to_json()} vs rank {r}: "
+                    f"{spec.to_json()}",
                     rule="UCP-1.0-R131",
                     tensor=spec.path,
                 )
@@ -396,8 +429,9 @@ def save_distributed(
             boxes.setdefault(p, []).append((r, tuple((int(a), int(b)) for a, b in box)))
     unknown = sorted(set(boxes) - set(specs_by_path))
     if unknown:
-        raise LayoutError(f"fragments of tensors no rank described: {unknown[:5]}",
-                          rule="UCP-1.0-R131")
+        raise LayoutError(
+            f"fragments of tensors no rank described: {unknown[:5]}", rule="UCP-1.0-R131"
+        )
 
     plan = make_plan(
         specs_by_path,
@@ -417,8 +451,11 @@ def save_distributed(
             prepare_destination(store, overwrite=overwrite)
         except BaseException as exc:
             prep_error = exc
-    _raise_if_failed(comm.allgather({"error": "" if prep_error is None else repr(prep_error)}),
-                     "preparing the destination", prep_error)
+    _raise_if_failed(
+        comm.allgather({"error": "" if prep_error is None else repr(prep_error)}),
+        "preparing the destination",
+        prep_error,
+    )
 
     # exchange boundary cells
     transfers = plan.transfers()
@@ -436,7 +473,9 @@ def save_distributed(
             n = box_size(cell) * meta.dtype.itemsize
             raw = received[sender][offsets[sender] : offsets[sender] + n]
             offsets[sender] += n
-            inbox[(tpath, cell)] = np.frombuffer(raw, dtype=meta.dtype.numpy).reshape(box_shape(cell))
+            inbox[(tpath, cell)] = np.frombuffer(raw, dtype=meta.dtype.numpy).reshape(
+                box_shape(cell)
+            )
 
     # write owned objects
     objects: list[StoredObject] = []
@@ -463,25 +502,34 @@ def save_distributed(
             for frag in local:
                 inter = intersect(frag.box, obj.region)
                 if inter is not None:
-                    dst = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(inter, obj.region, strict=True))
+                    dst = tuple(
+                        (a - r0, b - r0) for (a, b), (r0, _) in zip(inter, obj.region, strict=True)
+                    )
                     out[as_slices(dst)] = _extract([frag], meta.path, inter)
             for _sender, cell in obj.remote:
-                dst = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(cell, obj.region, strict=True))
+                dst = tuple(
+                    (a - r0, b - r0) for (a, b), (r0, _) in zip(cell, obj.region, strict=True)
+                )
                 out[as_slices(dst)] = inbox[(meta.path, cell)]
             return out
 
         total = sum(box_size(obj.region) * meta.dtype.itemsize for meta, obj in mine)
-        with byte_progress(progress and rank == 0, total, f"rank {rank} saving") as advance, \
-                ThreadPoolExecutor(workers or default_workers()) as pool:
+        with (
+            byte_progress(progress and rank == 0, total, f"rank {rank} saving") as advance,
+            ThreadPoolExecutor(workers or default_workers()) as pool,
+        ):
 
             def run(item: tuple[ArrayMeta, ObjectPlan]) -> StoredObject:
                 meta, obj = item
                 data = assemble(meta, obj).astype(meta.dtype.numpy, copy=False)
                 try:
-                    stored = write_object(store, meta, obj.coords, data, hash_algorithm=hash_algorithm)
+                    stored = write_object(
+                        store, meta, obj.coords, data, hash_algorithm=hash_algorithm
+                    )
                 except OSError as exc:
-                    raise WriteError(f"writing {meta.object_key(obj.coords)} failed: {exc}",
-                                     path=store.location) from exc
+                    raise WriteError(
+                        f"writing {meta.object_key(obj.coords)} failed: {exc}", path=store.location
+                    ) from exc
                 advance(data.nbytes)
                 return stored
 
@@ -490,18 +538,23 @@ def save_distributed(
         written = sum(o.nbytes for o in objects)
     except BaseException as exc:
         write_error = exc
-    results = comm.allgather({
-        "error": "" if write_error is None else repr(write_error),
-        "objects": [[o.key, o.nbytes, o.sha256] for o in objects],
-    })
+    results = comm.allgather(
+        {
+            "error": "" if write_error is None else repr(write_error),
+            "objects": [[o.key, o.nbytes, o.sha256] for o in objects],
+        }
+    )
     _raise_if_failed(results, "writing shards", write_error)
 
     commit_error: BaseException | None = None
     if rank == 0:
         try:
             all_objects = [StoredObject(k, n, h) for item in results for k, n, h in item["objects"]]
-            root_ucp: dict[str, Any] = {"producer": producer(), "created": _now(),
-                                        "saved_by": {"world_size": comm.world_size}}
+            root_ucp: dict[str, Any] = {
+                "producer": producer(),
+                "created": _now(),
+                "saved_by": {"world_size": comm.world_size},
+            }
             if metadata is not None:
                 root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
             if root_values:
@@ -516,10 +569,16 @@ def save_distributed(
             )
         except BaseException as exc:
             commit_error = exc
-    _raise_if_failed(comm.allgather({"error": "" if commit_error is None else repr(commit_error)}),
-                     "committing", commit_error)
+    _raise_if_failed(
+        comm.allgather({"error": "" if commit_error is None else repr(commit_error)}),
+        "committing",
+        commit_error,
+    )
     return DistributedSaveResult(
-        store.location, len(plan.tensors), len(objects), written,
+        store.location,
+        len(plan.tensors),
+        len(objects),
+        written,
         sum(len(b) for b in received.values()),
     )
 
@@ -550,13 +609,16 @@ def merge_group_attributes(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, d
                     target[key] = combined
                 elif target[key] != value:
                     raise LayoutError(
-                        f"ranks disagree on {gpath}.{key}: {target[key]!r} vs rank {rank}: {value!r}",
+                        f"ranks disagree on {gpath}.{key}: {target[key]!r} vs rank {rank}: "
+                        f"{value!r}",
                         rule="UCP-1.0-R131",
                     )
     return merged
 
 
-def _raise_if_failed(items: Sequence[Mapping[str, Any]], stage: str, own: BaseException | None) -> None:
+def _raise_if_failed(
+    items: Sequence[Mapping[str, Any]], stage: str, own: BaseException | None
+) -> None:
     failed = [(r, it["error"]) for r, it in enumerate(items) if it.get("error")]
     if not failed:
         return
@@ -569,7 +631,9 @@ def _raise_if_failed(items: Sequence[Mapping[str, Any]], stage: str, own: BaseEx
 # -- reading for a target layout ---------------------------------------------------------
 
 
-def read_local(ckpt: Checkpoint, path: str, local: LocalMap, *, fill: Any = 0) -> np.ndarray[Any, Any]:
+def read_local(
+    ckpt: Checkpoint, path: str, local: LocalMap, *, fill: Any = 0
+) -> np.ndarray[Any, Any]:
     """A rank's local tensor: each piece read from its box; padding set to ``fill``."""
     tensor = ckpt[path]
     out = np.full(local.local_shape, fill, dtype=tensor.dtype)
@@ -582,7 +646,7 @@ def read_local(ckpt: Checkpoint, path: str, local: LocalMap, *, fill: Any = 0) -
             out[as_slices(piece.local)] = values
         else:
             target = flat if flat is not None else out.reshape(-1)
-            (a, b), = piece.local
+            ((a, b),) = piece.local
             target[a:b] = values.reshape(-1)
     return out
 

@@ -98,7 +98,9 @@ def _rows(x: np.ndarray[Any, Any], ways: int, i: int, axis: int = 0) -> np.ndarr
     return np.split(x, ways, axis=axis)[i]
 
 
-def _tp_local(name: str, full: np.ndarray[Any, Any], mc: ModelConfig, tp: int, r: int) -> np.ndarray[Any, Any]:
+def _tp_local(
+    name: str, full: np.ndarray[Any, Any], mc: ModelConfig, tp: int, r: int
+) -> np.ndarray[Any, Any]:
     if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
         step = mc.vocab_multiple * tp
         padded_rows = math.ceil(full.shape[0] / step) * step
@@ -153,12 +155,16 @@ def local_names(mc: ModelConfig, cfg: ParallelConfig, rank: int) -> list[tuple[s
             layer = int(name.split(".")[2])
             if layer // per_stage != pp:
                 continue
-            local = name.replace(f"decoder.layers.{layer}.", f"decoder.layers.{layer - pp * per_stage}.", 1)
+            local = name.replace(
+                f"decoder.layers.{layer}.", f"decoder.layers.{layer - pp * per_stage}.", 1
+            )
             if is_expert(name):
                 e = int(name.split(".")[6])
                 if e // per_ep != ep_rank:
                     continue
-                local = local.replace(f"local_experts.{e}.", f"local_experts.{e - ep_rank * per_ep}.")
+                local = local.replace(
+                    f"local_experts.{e}.", f"local_experts.{e - ep_rank * per_ep}."
+                )
             out.append((local, name))
         elif (name.startswith("decoder.final") or name == "output_layer.weight") and last:
             out.append((name, name))
@@ -195,9 +201,7 @@ def shard(
     _, dp, _ = _coords(cfg, rank)
     edp, ways_e = dp // cfg.ep, cfg.dp // cfg.ep
     model = tp_local_state(gt["model"], mc, cfg, rank)
-    opt: dict[str, Any] = {
-        kind: tp_local_state(gt[kind], mc, cfg, rank) for kind in OPT_KINDS
-    }
+    opt: dict[str, Any] = {kind: tp_local_state(gt[kind], mc, cfg, rank) for kind in OPT_KINDS}
     if mc.tied:
         for kind in OPT_KINDS:
             opt[kind].pop("output_layer.weight", None)  # tied: the optimizer steps it once
@@ -218,7 +222,11 @@ def shard(
             flat[kind] = {}
             for group, ways, index in (("dense", cfg.dp, dp), ("expert", ways_e, edp)):
                 tensors = [t for n, t in opt[kind].items() if is_expert(n) == (group == "expert")]
-                buffer = np.concatenate([t.reshape(-1) for t in tensors]) if tensors else np.zeros(0, np.float32)
+                buffer = (
+                    np.concatenate([t.reshape(-1) for t in tensors])
+                    if tensors
+                    else np.zeros(0, np.float32)
+                )
                 size = -(-buffer.size // ways) if buffer.size else 0
                 buffer = np.concatenate([buffer, np.zeros(size * ways - buffer.size, np.float32)])
                 flat[kind][group] = buffer[index * size : (index + 1) * size]
@@ -228,6 +236,9 @@ def shard(
 
 def flat_group_order(mc: ModelConfig, cfg: ParallelConfig, rank: int, group: str) -> list[str]:
     """Local names of the parameters of a flat group, in buffer order."""
-    names = [local for local, glob in local_names(mc, cfg, rank)
-             if not (mc.tied and local == "output_layer.weight")]
+    names = [
+        local
+        for local, glob in local_names(mc, cfg, rank)
+        if not (mc.tied and local == "output_layer.weight")
+    ]
     return [n for n in names if is_expert(n) == (group == "expert")]

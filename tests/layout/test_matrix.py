@@ -41,8 +41,14 @@ LAYOUTS: dict[str, ParallelConfig] = {
 def _cfg(name: str, mc: ref.ModelConfig) -> ParallelConfig:
     base = LAYOUTS[name]
     return ParallelConfig(
-        tp=base.tp, pp=base.pp, dp=base.dp, ep=base.ep, zero=base.zero, zero_style=base.zero_style,
-        num_layers=mc.layers, num_experts=mc.experts,
+        tp=base.tp,
+        pp=base.pp,
+        dp=base.dp,
+        ep=base.ep,
+        zero=base.zero,
+        zero_style=base.zero_style,
+        num_layers=mc.layers,
+        num_experts=mc.experts,
     )
 
 
@@ -63,8 +69,13 @@ def save_from(path: Path, mc: ref.ModelConfig, gt: dict[str, Any], layout: str) 
         specs, frags, aliases = ml.fragments(rank, local["model"])
         if cfg.zero in (0, 3):
             for kind in ref.OPT_KINDS:
-                s2, f2, _ = ml.fragments(rank, local["optimizer"][kind], role="optimizer_state",
-                                         path_of=_opt_path(kind), with_layout=False)
+                s2, f2, _ = ml.fragments(
+                    rank,
+                    local["optimizer"][kind],
+                    role="optimizer_state",
+                    path_of=_opt_path(kind),
+                    with_layout=False,
+                )
                 specs += s2
                 frags += f2
         else:
@@ -75,19 +86,34 @@ def save_from(path: Path, mc: ref.ModelConfig, gt: dict[str, Any], layout: str) 
                 for kind in ref.OPT_KINDS:
                     frags += flat_fragments(local["optimizer"][kind][group], part, _opt_path(kind))
                     specs += [
-                        TensorSpec(_opt_path(kind)(n), shapes[n], "float32",
-                                   {"ucp": {"role": "optimizer_state"}})
+                        TensorSpec(
+                            _opt_path(kind)(n),
+                            shapes[n],
+                            "float32",
+                            {"ucp": {"role": "optimizer_state"}},
+                        )
                         for n, _ in params
                     ]
         groups: dict[str, Any] = {
-            "optimizer": {"values": {"type": "megatron.DistributedOptimizer",
-                                     "param_groups": [{"params": param_names, "lr": 3e-4}]}}
+            "optimizer": {
+                "values": {
+                    "type": "megatron.DistributedOptimizer",
+                    "param_groups": [{"params": param_names, "lr": 3e-4}],
+                }
+            }
         }
         if aliases:
             groups["model"] = {"aliases": aliases}
         return save_distributed(
-            path, comm, specs=specs, fragments=frags, group_attributes=groups,
-            root_values={"step": 7}, chunk_bytes=256, min_shard_bytes=256, durable=False,
+            path,
+            comm,
+            specs=specs,
+            fragments=frags,
+            group_attributes=groups,
+            root_values={"step": 7},
+            chunk_bytes=256,
+            min_shard_bytes=256,
+            durable=False,
         )
 
     return run_threads(cfg.world, rank_main)
@@ -137,7 +163,9 @@ def check_target(path: Path, gt: dict[str, Any], mc: ref.ModelConfig, layout: st
                 got_k = ml.local_state(ckpt, rank, path_of=_opt_path(kind))
                 assert sorted(got_k) == sorted(want["optimizer"][kind])
                 for n in got_k:
-                    assert_same(got_k[n], want["optimizer"][kind][n], f"{layout} rank {rank} {kind} {n}")
+                    assert_same(
+                        got_k[n], want["optimizer"][kind][n], f"{layout} rank {rank} {kind} {n}"
+                    )
         else:
             for group in ("dense", "expert"):
                 order = ref.flat_group_order(mc, cfg, rank, group)
@@ -145,7 +173,9 @@ def check_target(path: Path, gt: dict[str, Any], mc: ref.ModelConfig, layout: st
                 part = ml.flat_partition(rank, params, experts=group == "expert")
                 for kind in ref.OPT_KINDS:
                     buf = ml.read_partition(ckpt, part, _opt_path(kind), np.float32)
-                    assert_same(buf, want["optimizer"][kind][group], f"{layout} rank {rank} {kind} {group}")
+                    assert_same(
+                        buf, want["optimizer"][kind][group], f"{layout} rank {rank} {kind} {group}"
+                    )
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +185,9 @@ def untied() -> tuple[ref.ModelConfig, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def saved_untied(tmp_path_factory: pytest.TempPathFactory, untied: tuple[ref.ModelConfig, dict[str, Any]]) -> dict[str, Path]:
+def saved_untied(
+    tmp_path_factory: pytest.TempPathFactory, untied: tuple[ref.ModelConfig, dict[str, Any]]
+) -> dict[str, Path]:
     mc, gt = untied
     out = {}
     for layout in LAYOUTS:
@@ -176,7 +208,10 @@ def test_consolidated_identical_whatever_the_source(
 @pytest.mark.parametrize("target", list(LAYOUTS))
 @pytest.mark.parametrize("source", list(LAYOUTS))
 def test_load_into_any_layout(
-    saved_untied: dict[str, Path], untied: tuple[ref.ModelConfig, dict[str, Any]], source: str, target: str
+    saved_untied: dict[str, Path],
+    untied: tuple[ref.ModelConfig, dict[str, Any]],
+    source: str,
+    target: str,
 ) -> None:
     mc, gt = untied
     check_target(saved_untied[source], gt, mc, target)
@@ -184,7 +219,12 @@ def test_load_into_any_layout(
 
 @pytest.mark.parametrize(
     ("source", "target"),
-    [("tp2-pp2", "single"), ("single", "tp2-pp2-dp2-ep2-zero1"), ("pp4", "tp4"), ("dp2-zero3-flat", "pp2-dp2-zero1")],
+    [
+        ("tp2-pp2", "single"),
+        ("single", "tp2-pp2-dp2-ep2-zero1"),
+        ("pp4", "tp4"),
+        ("dp2-zero3-flat", "pp2-dp2-zero1"),
+    ],
 )
 def test_tied_output_layer(tmp_path: Path, source: str, target: str) -> None:
     mc = ref.ModelConfig(tied=True)
@@ -200,8 +240,12 @@ def test_fragments_with_a_hole_are_refused(tmp_path: Path) -> None:
     data = np.ones((4, 4), np.float32)
 
     def rank_main(comm: ThreadGroup) -> Any:
-        return save_distributed(tmp_path / "ckpt", comm, specs=[spec],
-                                fragments=[Fragment("model/w", ((0, 4), (0, 4)), data)])
+        return save_distributed(
+            tmp_path / "ckpt",
+            comm,
+            specs=[spec],
+            fragments=[Fragment("model/w", ((0, 4), (0, 4)), data)],
+        )
 
     with pytest.raises(ucpformat.errors.LayoutError) as info:
         run_threads(2, rank_main)

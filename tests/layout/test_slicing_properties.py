@@ -52,7 +52,7 @@ def materialize(x: np.ndarray[Any, Any], m: LocalMap) -> np.ndarray[Any, Any]:
         if box_shape(p.local) == box_shape(p.glob):
             out[as_slices(p.local)] = x[as_slices(p.glob)]
         else:
-            (a, b), = p.local
+            ((a, b),) = p.local
             out.reshape(-1)[a:b] = x[as_slices(p.glob)].reshape(-1)
     return out
 
@@ -68,18 +68,24 @@ def fused_case(draw: Any) -> tuple[tuple[int, ...], TensorLayout, int, str]:
     dim = draw(st.integers(0, 1)) if other else 0
     shape = [other] if other else []
     shape.insert(dim, sum(sizes))
-    layout = TensorLayout(tp_dim=dim, parts=tuple(Part(f"p{i}", s) for i, s in enumerate(sizes)),
-                          groups=groups)
+    layout = TensorLayout(
+        tp_dim=dim, parts=tuple(Part(f"p{i}", s) for i, s in enumerate(sizes)), groups=groups
+    )
     order = draw(st.sampled_from([PART_MAJOR, GROUP_MAJOR]))
     return tuple(shape), layout, tp, order
 
 
 @SETTINGS
 @given(fused_case())
-def test_fused_parts_cover_each_element_once(case: tuple[tuple[int, ...], TensorLayout, int, str]) -> None:
+def test_fused_parts_cover_each_element_once(
+    case: tuple[tuple[int, ...], TensorLayout, int, str],
+) -> None:
     shape, layout, tp, order = case
     cfg = ParallelConfig(tp=tp)
-    maps = [local_map(shape, layout, Conventions(fused_order=order), cfg, RankCoords(tp=r)) for r in range(tp)]
+    maps = [
+        local_map(shape, layout, Conventions(fused_order=order), cfg, RankCoords(tp=r))
+        for r in range(tp)
+    ]
     assert all(m is not None for m in maps)
     real = [m for m in maps if m is not None]
     assert (coverage_count(shape, real) == 1).all()
@@ -93,10 +99,15 @@ def test_fused_parts_cover_each_element_once(case: tuple[tuple[int, ...], Tensor
 
 @SETTINGS
 @given(st.integers(1, 70), st.integers(1, 4), st.sampled_from([None, 1, 8, 64]), st.integers(1, 3))
-def test_vocab_padding_covers_real_rows_once(vocab: int, tp: int, multiple: int | None, width: int) -> None:
+def test_vocab_padding_covers_real_rows_once(
+    vocab: int, tp: int, multiple: int | None, width: int
+) -> None:
     layout = TensorLayout(tp_dim=0, vocab_dim=0)
     conv = Conventions(vocab_multiple=multiple)
-    maps = [local_map((vocab, width), layout, conv, ParallelConfig(tp=tp), RankCoords(tp=r)) for r in range(tp)]
+    maps = [
+        local_map((vocab, width), layout, conv, ParallelConfig(tp=tp), RankCoords(tp=r))
+        for r in range(tp)
+    ]
     real = [m for m in maps if m is not None]
     assert (coverage_count((vocab, width), real) == 1).all()
     rows = {m.local_shape[0] for m in real}
@@ -121,7 +132,12 @@ def test_zero3_partitions_cover_each_element_once(shape: list[int], dp: int, sty
         m = local_map(shp, TensorLayout(), Conventions(), cfg, RankCoords(dp=r))
         assert m is not None
         if style == "flat":
-            m = zero3_flat_map(local_map(shp, TensorLayout(), Conventions(), cfg, RankCoords(dp=r), zero3=False) or m, dp, r)
+            m = zero3_flat_map(
+                local_map(shp, TensorLayout(), Conventions(), cfg, RankCoords(dp=r), zero3=False)
+                or m,
+                dp,
+                r,
+            )
         maps.append(m)
     assert (coverage_count(shp, maps) == 1).all()
     x = np.arange(math.prod(shp)).reshape(shp)
@@ -134,11 +150,19 @@ def test_zero3_partitions_cover_each_element_once(shape: list[int], dp: int, sty
 
 
 @SETTINGS
-@given(st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=1, max_size=4),
-       st.integers(1, 5), st.integers(1, 4))
-def test_flat_partitions_cover_each_parameter_once(shapes: list[list[int]], dp: int, align: int) -> None:
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=1, max_size=4),
+    st.integers(1, 5),
+    st.integers(1, 4),
+)
+def test_flat_partitions_cover_each_parameter_once(
+    shapes: list[list[int]], dp: int, align: int
+) -> None:
     params = [
-        (f"t{i}", local_map(tuple(s), TensorLayout(), Conventions(), ParallelConfig(), RankCoords()))
+        (
+            f"t{i}",
+            local_map(tuple(s), TensorLayout(), Conventions(), ParallelConfig(), RankCoords()),
+        )
         for i, s in enumerate(shapes)
     ]
     real = [(n, m) for n, m in params if m is not None]
@@ -146,7 +170,7 @@ def test_flat_partitions_cover_each_parameter_once(shapes: list[list[int]], dp: 
     assert len({p.size for p in parts}) == 1
     assert parts[0].size * dp >= parts[0].total
     assert (parts[0].size * dp) % (dp * align) == 0
-    for (name, m), shape in zip(real, shapes, strict=True):
+    for (name, _m), shape in zip(real, shapes, strict=True):
         count = np.zeros(tuple(shape), dtype=np.int64)
         for part in parts:
             for piece in part.pieces:
@@ -154,7 +178,10 @@ def test_flat_partitions_cover_each_parameter_once(shapes: list[list[int]], dp: 
                     count[as_slices(piece.glob)] += 1
         assert (count == 1).all()
     # buffer order: concatenating partitions gives the group's tensors raveled in order
-    data = {n: np.arange(math.prod(m.local_shape), dtype=np.int64) + 1000 * i for i, (n, m) in enumerate(real)}
+    data = {
+        n: np.arange(math.prod(m.local_shape), dtype=np.int64) + 1000 * i
+        for i, (n, m) in enumerate(real)
+    }
     flat = np.concatenate([data[n] for n, _ in real]) if real else np.zeros(0, np.int64)
     buffers = []
     for part in parts:
@@ -175,7 +202,11 @@ def test_flat_range_to_boxes_is_c_order(shape: list[int], seed: int) -> None:
     x = np.arange(total).reshape(shape)
     boxes = flat_range_to_boxes(shape, a, b)
     assert len(boxes) <= 2 * len(shape) - 1
-    got = np.concatenate([x[as_slices(bx)].reshape(-1) for bx in boxes]) if boxes else np.zeros(0, int)
+    got = (
+        np.concatenate([x[as_slices(bx)].reshape(-1) for bx in boxes])
+        if boxes
+        else np.zeros(0, int)
+    )
     assert np.array_equal(got, np.arange(a, b))
 
 
@@ -201,8 +232,13 @@ def mesh_case(draw: Any) -> tuple[tuple[int, ...], tuple[int, ...], list[Any]]:
 @given(mesh_case())
 def test_dtensor_placements_cover_each_element_once_per_replica(case: Any) -> None:
     shape, mesh, placements = case
-    replicas = math.prod(n for n, p in zip(mesh, placements, strict=True) if isinstance(p, Replicate))
-    maps = [dtensor_local_map(shape, mesh, placements, c) for c in itertools.product(*(range(n) for n in mesh))]
+    replicas = math.prod(
+        n for n, p in zip(mesh, placements, strict=True) if isinstance(p, Replicate)
+    )
+    maps = [
+        dtensor_local_map(shape, mesh, placements, c)
+        for c in itertools.product(*(range(n) for n in mesh))
+    ]
     assert (coverage_count(shape, maps) == replicas).all()
     for m in maps:
         assert not m.has_padding
@@ -212,13 +248,18 @@ def test_strided_shard_matches_fsdp2_over_tp() -> None:
     """FSDP2 (dp=2) over TP (tp=2) on dim 0 of 8 rows: TP blocks, then FSDP chunks inside."""
     x = np.arange(8)
     mesh, placements = (2, 2), [StridedShard(0, 2), Shard(0)]
-    got = {c: materialize(x, dtensor_local_map((8,), mesh, placements, c)).tolist()
-           for c in itertools.product(range(2), range(2))}
+    got = {
+        c: materialize(x, dtensor_local_map((8,), mesh, placements, c)).tolist()
+        for c in itertools.product(range(2), range(2))
+    }
     assert got == {(0, 0): [0, 1], (0, 1): [4, 5], (1, 0): [2, 3], (1, 1): [6, 7]}
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(fused_case(), st.integers(1, 3), st.integers(0, 2**31))
 def test_distributed_save_and_resharding_load_round_trip(
     tmp_path: Path, case: Any, target_tp: int, seed: int
@@ -235,8 +276,15 @@ def test_distributed_save_and_resharding_load_round_trip(
         assert m is not None
         local = materialize(x, m)
         frags = [Fragment("model/w", p.glob, local[as_slices(p.local)]) for p in m.pieces]
-        return save_distributed(path, comm, specs=[spec], fragments=frags, chunk_bytes=64,
-                                min_shard_bytes=32, durable=False)
+        return save_distributed(
+            path,
+            comm,
+            specs=[spec],
+            fragments=frags,
+            chunk_bytes=64,
+            min_shard_bytes=32,
+            durable=False,
+        )
 
     run_threads(tp, rank_main)
     ckpt = ucpformat.open(path)

@@ -66,19 +66,26 @@ def dtensor_local_map(
 ) -> LocalMap:
     """The local tensor of the mesh position ``coords`` as pieces of the global tensor."""
     if not len(mesh_shape) == len(placements) == len(coords):
-        raise LayoutError("mesh shape, placements and coordinates differ in length",
-                          rule="UCP-1.0-R114", tensor=tensor)
+        raise LayoutError(
+            "mesh shape, placements and coordinates differ in length",
+            rule="UCP-1.0-R114",
+            tensor=tensor,
+        )
     dims = [DimMap.identity(int(n)) for n in global_shape]
     for size, placement, c in zip(mesh_shape, placements, coords, strict=True):
         if not 0 <= c < size:
-            raise LayoutError(f"mesh coordinate {c} outside size {size}", rule="UCP-1.0-R114",
-                              tensor=tensor)
+            raise LayoutError(
+                f"mesh coordinate {c} outside size {size}", rule="UCP-1.0-R114", tensor=tensor
+            )
         if isinstance(placement, Replicate):
             continue
         d = placement.dim
         if not 0 <= d < len(dims):
-            raise LayoutError(f"placement {placement} is out of range for rank {len(dims)}",
-                              rule="UCP-1.0-R114", tensor=tensor)
+            raise LayoutError(
+                f"placement {placement} is out of range for rank {len(dims)}",
+                rule="UCP-1.0-R114",
+                tensor=tensor,
+            )
         if isinstance(placement, Shard):
             dims[d] = dims[d].restrict(*chunk_bounds(dims[d].length, size, c))
         else:

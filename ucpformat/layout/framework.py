@@ -51,11 +51,19 @@ class ModelLayout:
         return layout.expert is not None or layout.experts_dim is not None
 
     def tensor_map(
-        self, global_shape: Sequence[int], layout: TensorLayout, conv: Conventions, coords: RankCoords,
-        *, zero3: bool = True, tensor: str,
+        self,
+        global_shape: Sequence[int],
+        layout: TensorLayout,
+        conv: Conventions,
+        coords: RankCoords,
+        *,
+        zero3: bool = True,
+        tensor: str,
     ) -> LocalMap | None:
         """The local map of a tensor on ``coords``, including ZeRO-3 (dim-0 or flat)."""
-        tp_local = local_map(global_shape, layout, conv, self.cfg, coords, zero3=zero3, tensor=tensor)
+        tp_local = local_map(
+            global_shape, layout, conv, self.cfg, coords, zero3=zero3, tensor=tensor
+        )
         if tp_local is None or not zero3 or self.cfg.zero != 3 or self.cfg.zero_style != "flat":
             return tp_local
         expert = self._is_expert(layout)
@@ -65,7 +73,9 @@ class ModelLayout:
 
     # -- shapes ----------------------------------------------------------------------------
 
-    def global_shape(self, name: str, local_shape: Sequence[int], resolved: Resolved) -> tuple[int, ...]:
+    def global_shape(
+        self, name: str, local_shape: Sequence[int], resolved: Resolved
+    ) -> tuple[int, ...]:
         """The consolidated shape of a tensor, given its tensor-parallel local shape."""
         if name in self.shapes:
             return tuple(self.shapes[name])
@@ -81,8 +91,11 @@ class ModelLayout:
             hint = self.rules.vocab_size_hint(name, self.params)
             assert lay.vocab_dim is not None
             if hint is None:
-                raise LayoutError("the vocabulary size is needed (rule 'vocab.size')",
-                                  rule="UCP-1.0-R113", tensor=name)
+                raise LayoutError(
+                    "the vocabulary size is needed (rule 'vocab.size')",
+                    rule="UCP-1.0-R113",
+                    tensor=name,
+                )
             shape[lay.vocab_dim] = hint
         elif lay.tp_dim is not None:
             shape[lay.tp_dim] *= self.cfg.tp
@@ -90,8 +103,9 @@ class ModelLayout:
             shape[lay.experts_dim] *= self.cfg.ep
         if lay.layers_dim is not None:
             if self.cfg.num_layers is None:
-                raise LayoutError("num_layers is needed for stacked layers", rule="UCP-1.0-R112",
-                                  tensor=name)
+                raise LayoutError(
+                    "num_layers is needed for stacked layers", rule="UCP-1.0-R112", tensor=name
+                )
             shape[lay.layers_dim] = self.cfg.num_layers
         return tuple(shape)
 
@@ -127,7 +141,9 @@ class ModelLayout:
                 continue
             arr = np.asarray(value)
             shape = self.global_shape(name, arr.shape, resolved)
-            lmap = self.tensor_map(shape, resolved.layout, resolved.conventions, coords, tensor=name)
+            lmap = self.tensor_map(
+                shape, resolved.layout, resolved.conventions, coords, tensor=name
+            )
             if lmap is None:
                 raise LayoutError(
                     f"rank {rank} holds {local_name!r}, which this layout places on another rank",
@@ -145,19 +161,26 @@ class ModelLayout:
             attrs: dict[str, Any] = {"layout": resolved.layout.to_json()} if with_layout else {}
             if role:
                 attrs["role"] = role
-            specs.append(TensorSpec(path, shape, dtypes.from_numpy(arr.dtype, tensor=name).name,
-                                    {"ucp": attrs}))
+            specs.append(
+                TensorSpec(
+                    path, shape, dtypes.from_numpy(arr.dtype, tensor=name).name, {"ucp": attrs}
+                )
+            )
             for piece in lmap.pieces:
                 if box_shape(piece.local) == box_shape(piece.glob):
                     frags.append(Fragment(path, piece.glob, arr[as_slices(piece.local)]))
                 else:  # flat local (ZeRO-3 flat)
-                    (a, b), = piece.local
+                    ((a, b),) = piece.local
                     frags.append(Fragment(path, piece.glob, arr.reshape(-1)[a:b]))
         return specs, frags, aliases
 
     def group_params(
-        self, rank: int, local_names: Sequence[str], shapes: Mapping[str, Sequence[int]],
-        *, experts: bool | None = None,
+        self,
+        rank: int,
+        local_names: Sequence[str],
+        shapes: Mapping[str, Sequence[int]],
+        *,
+        experts: bool | None = None,
     ) -> list[tuple[str, LocalMap]]:
         """(global name, tensor-parallel local map) of the parameters of a flat group, in order."""
         coords = self.coords(rank)
@@ -169,16 +192,28 @@ class ModelLayout:
                 continue
             if experts is not None and self._is_expert(resolved.layout) != experts:
                 continue
-            m = local_map(shapes[name], resolved.layout, resolved.conventions, self.cfg, coords,
-                          zero3=False, tensor=name)
+            m = local_map(
+                shapes[name],
+                resolved.layout,
+                resolved.conventions,
+                self.cfg,
+                coords,
+                zero3=False,
+                tensor=name,
+            )
             if m is not None:
                 out.append((name, m))
         return out
 
     def flat_partition(
-        self, rank: int, params: Sequence[tuple[str, LocalMap]], *, experts: bool = False, align: int = 1
+        self,
+        rank: int,
+        params: Sequence[tuple[str, LocalMap]],
+        *,
+        experts: bool = False,
+        align: int = 1,
     ) -> FlatPartition:
-        """This rank's ZeRO-1/2 partition of a flat group (over the (expert) data-parallel ranks)."""
+        """This rank's ZeRO-1/2 partition of a flat group, over the (expert) data-parallel ranks."""
         coords = self.coords(rank)
         ways = self.cfg.dp // self.cfg.ep if experts else self.cfg.dp
         index = coords.edp(self.cfg) if experts else coords.dp
@@ -205,16 +240,14 @@ class ModelLayout:
         aliases = dict(group.ucp.get("aliases", {})) if group is not None else {}
         start = prefix + "/"
         entries: list[tuple[str, str]] = []  # (global name, path of the stored array)
-        for path in ckpt.keys():
-            if path.startswith(start) and "/" not in path[len(start):]:
-                entries.append((names.unescape(path[len(start):]), path))
+        for path in ckpt:
+            if path.startswith(start) and "/" not in path[len(start) :]:
+                entries.append((names.unescape(path[len(start) :]), path))
         if path_of is None:  # a tied tensor's optimizer state is kept once, with its target
             for alias, target in sorted(aliases.items()):
                 entries.append((alias, f"{prefix}/{names.escape(target)}"))
         else:
-            entries = [
-                (name, path_of(names.unescape(p[len(start):]))) for name, p in entries
-            ]
+            entries = [(name, path_of(names.unescape(p[len(start) :]))) for name, p in entries]
         for name, path in entries:
             if path not in ckpt:
                 continue
@@ -248,13 +281,21 @@ class ModelLayout:
     ) -> np.ndarray[Any, Any]:
         """A flat partition buffer from the consolidated arrays ``path_of(global name)``."""
         return read_flat(
-            ckpt, [(path_of(p.tensor), p.offset, p.glob) for p in partition.pieces], partition.size, dtype
+            ckpt,
+            [(path_of(p.tensor), p.offset, p.glob) for p in partition.pieces],
+            partition.size,
+            dtype,
         )
 
 
 def _with_position(stored: TensorLayout, resolved: Resolved) -> TensorLayout:
     """The stored semantics, with the layer/expert position the name gives if unset."""
-    if stored.layer is None and resolved.layer is not None or stored.expert is None and resolved.expert is not None:
+    if (
+        (stored.layer is None
+        and resolved.layer is not None)
+        or (stored.expert is None
+        and resolved.expert is not None)
+    ):
         doc = stored.to_json()
         if resolved.layer is not None:
             doc.setdefault("layer", resolved.layer)
@@ -275,7 +316,8 @@ def flat_fragments(
         )
     flat = buffer.reshape(-1)
     return [
-        Fragment(path_of(p.tensor), p.glob, flat[p.offset : p.offset + p.size]) for p in partition.pieces
+        Fragment(path_of(p.tensor), p.glob, flat[p.offset : p.offset + p.size])
+        for p in partition.pieces
     ]
 
 

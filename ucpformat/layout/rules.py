@@ -39,7 +39,7 @@ _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
 
 def evaluate(expr: Any, params: Mapping[str, Any], *, where: str) -> Any:
     """An integer, or an integer expression over ``params`` (+ - * //, parentheses)."""
-    if isinstance(expr, bool) or isinstance(expr, int):
+    if isinstance(expr, (bool, int)):
         return expr
     if not isinstance(expr, str):
         return expr
@@ -51,24 +51,35 @@ def evaluate(expr: Any, params: Mapping[str, Any], *, where: str) -> Any:
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, int)
+            and not isinstance(node.value, bool)
+        ):
             return node.value
         if isinstance(node, ast.Name):
             if node.id not in params:
-                raise LayoutError(f"expression {expr!r} needs parameter {node.id!r}",
-                                  rule="UCP-1.0-R121", path=where)
+                raise LayoutError(
+                    f"expression {expr!r} needs parameter {node.id!r}",
+                    rule="UCP-1.0-R121",
+                    path=where,
+                )
             value = params[node.id]
             if isinstance(value, bool) or not isinstance(value, int):
-                raise LayoutError(f"parameter {node.id!r} must be an integer", rule="UCP-1.0-R121",
-                                  path=where)
+                raise LayoutError(
+                    f"parameter {node.id!r} must be an integer", rule="UCP-1.0-R121", path=where
+                )
             return value
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.FloorDiv) and right == 0:
                 raise LayoutError(f"division by zero in {expr!r}", rule="UCP-1.0-R121", path=where)
             return _BINOPS[type(node.op)](left, right)
-        raise LayoutError(f"expression {expr!r} may only use integers, parameters, + - * // ()",
-                          rule="UCP-1.0-R121", path=where)
+        raise LayoutError(
+            f"expression {expr!r} may only use integers, parameters, + - * // ()",
+            rule="UCP-1.0-R121",
+            path=where,
+        )
 
     return ev(tree)
 
@@ -95,8 +106,9 @@ def _compile(pattern: str) -> re.Pattern[str]:
             end = pattern.index("}", i)
             name = pattern[i + 1 : end]
             if name not in CAPTURES:
-                raise LayoutError(f"unknown capture {{{name}}} in pattern {pattern!r}",
-                                  rule="UCP-1.0-R120")
+                raise LayoutError(
+                    f"unknown capture {{{name}}} in pattern {pattern!r}", rule="UCP-1.0-R120"
+                )
             out.append(rf"(?P<{name}>0|[1-9][0-9]*)")
             i = end + 1
         else:
@@ -144,8 +156,11 @@ class RuleSet:
         problems = schemas.violations("rules", doc)
         if problems:
             first = problems[0]
-            raise LayoutError(f"{first.message} (at {first.pointer})", rule=first.rule or "UCP-1.0-R120",
-                              path=source)
+            raise LayoutError(
+                f"{first.message} (at {first.pointer})",
+                rule=first.rule or "UCP-1.0-R120",
+                path=source,
+            )
         rules = []
         for r in doc["rules"]:
             rules.append(
@@ -178,8 +193,9 @@ class RuleSet:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             known = sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
-            raise LayoutError(f"no rule file {str(name_or_path)!r} (built in: {known})",
-                              rule="UCP-1.0-R120") from None
+            raise LayoutError(
+                f"no rule file {str(name_or_path)!r} (built in: {known})", rule="UCP-1.0-R120"
+            ) from None
         except json.JSONDecodeError as exc:
             raise LayoutError(f"not JSON: {exc}", rule="UCP-1.0-R120", path=str(path)) from None
         return RuleSet.from_json(doc, source=str(path))
@@ -199,8 +215,9 @@ class RuleSet:
         """Layout semantics and conventions for a consolidated (global) name; None if ignored."""
         found = self.match(name, params)
         if found is None:
-            raise LayoutError(f"no rule of {self.name!r} matches this tensor", rule="UCP-1.0-R122",
-                              tensor=name)
+            raise LayoutError(
+                f"no rule of {self.name!r} matches this tensor", rule="UCP-1.0-R122", tensor=name
+            )
         rule, caps = found
         if rule.ignore:
             return None
@@ -234,8 +251,14 @@ class RuleSet:
 
     # -- local <-> global names ------------------------------------------------------------
 
-    def _renumber(self, name: str, params: Mapping[str, Any], cfg: ParallelConfig,
-                  coords: RankCoords, direction: int) -> str:
+    def _renumber(
+        self,
+        name: str,
+        params: Mapping[str, Any],
+        cfg: ParallelConfig,
+        coords: RankCoords,
+        direction: int,
+    ) -> str:
         found = self.match(name, params)
         if found is None:
             return name
@@ -248,8 +271,9 @@ class RuleSet:
             new["layer"] = caps["layer"] + direction * start
         if "expert" in caps and expert_local:
             if cfg.num_experts is None:
-                raise LayoutError("num_experts is needed to renumber experts", rule="UCP-1.0-R111",
-                                  tensor=name)
+                raise LayoutError(
+                    "num_experts is needed to renumber experts", rule="UCP-1.0-R111", tensor=name
+                )
             per = cfg.num_experts // cfg.ep
             new["expert"] = caps["expert"] + direction * per * coords.ep(cfg)
         if new == caps:
@@ -265,13 +289,15 @@ class RuleSet:
         out.append(name[last:])
         return "".join(out)
 
-    def global_name(self, local_name: str, params: Mapping[str, Any], cfg: ParallelConfig,
-                    coords: RankCoords) -> str:
+    def global_name(
+        self, local_name: str, params: Mapping[str, Any], cfg: ParallelConfig, coords: RankCoords
+    ) -> str:
         """The consolidated name of a framework-local name on rank ``coords``."""
         return self._renumber(local_name, params, cfg, coords, +1)
 
-    def local_name(self, global_name: str, params: Mapping[str, Any], cfg: ParallelConfig,
-                   coords: RankCoords) -> str:
+    def local_name(
+        self, global_name: str, params: Mapping[str, Any], cfg: ParallelConfig, coords: RankCoords
+    ) -> str:
         """The framework-local name of a consolidated name on rank ``coords``."""
         return self._renumber(global_name, params, cfg, coords, -1)
 

@@ -88,7 +88,10 @@ class TensorLayout:
 
         def nat(v: Any, what: str, *, positive: bool = False) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if positive else 0):
-                raise bad(f"{what} must be a {'positive' if positive else 'non-negative'} integer, got {v!r}")
+                raise bad(
+                    f"{what} must be a {'positive' if positive else 'non-negative'} integer, "
+                    f"got {v!r}"
+                )
             return v
 
         def dim_of(key: str) -> int | None:
@@ -107,24 +110,36 @@ class TensorLayout:
         for p in parts_doc:
             if not isinstance(p, Mapping) or not isinstance(p.get("name"), str):
                 raise bad("each part needs a name (string) and a size")
-            parts.append(Part(p["name"], nat(p.get("size"), f"part {p['name']!r} size", positive=True)))
+            parts.append(
+                Part(p["name"], nat(p.get("size"), f"part {p['name']!r} size", positive=True))
+            )
         experts = doc.get("experts")
         layers = doc.get("layers")
         return TensorLayout(
             tp_dim=dim_of("tp"),
             parts=tuple(parts),
-            groups=None if doc.get("groups") is None else nat(doc["groups"], "groups", positive=True),
+            groups=None
+            if doc.get("groups") is None
+            else nat(doc["groups"], "groups", positive=True),
             vocab_dim=dim_of("vocab"),
             experts_dim=dim_of("experts"),
             experts_count=None
             if experts is None
-            else nat(experts.get("count") if isinstance(experts, Mapping) else None, "experts.count", positive=True),
+            else nat(
+                experts.get("count") if isinstance(experts, Mapping) else None,
+                "experts.count",
+                positive=True,
+            ),
             expert=None if doc.get("expert") is None else nat(doc["expert"], "expert"),
             layer=None if doc.get("layer") is None else nat(doc["layer"], "layer"),
             layers_dim=dim_of("layers"),
             layers_count=None
             if layers is None
-            else nat(layers.get("count") if isinstance(layers, Mapping) else None, "layers.count", positive=True),
+            else nat(
+                layers.get("count") if isinstance(layers, Mapping) else None,
+                "layers.count",
+                positive=True,
+            ),
             extra={k: v for k, v in doc.items() if k not in known},
         )
 
@@ -148,8 +163,11 @@ class TensorLayout:
         in_range(self.layers_dim, "layers.dim", "UCP-1.0-R106")
         if self.parts:
             if self.tp_dim is None:
-                raise LayoutError("fused parts need a tensor-parallel dimension (tp.dim)",
-                                  rule="UCP-1.0-R102", tensor=tensor)
+                raise LayoutError(
+                    "fused parts need a tensor-parallel dimension (tp.dim)",
+                    rule="UCP-1.0-R102",
+                    tensor=tensor,
+                )
             total = sum(p.size for p in self.parts)
             if total != shape[self.tp_dim]:
                 raise LayoutError(
@@ -159,15 +177,17 @@ class TensorLayout:
                     tensor=tensor,
                 )
             if len({p.name for p in self.parts}) != len(self.parts):
-                raise LayoutError("fused part names must be unique", rule="UCP-1.0-R102",
-                                  tensor=tensor)
+                raise LayoutError(
+                    "fused part names must be unique", rule="UCP-1.0-R102", tensor=tensor
+                )
         if self.groups is not None:
             if not self.parts:
                 raise LayoutError("groups need fused parts", rule="UCP-1.0-R103", tensor=tensor)
             for p in self.parts:
                 if p.size % self.groups:
                     raise LayoutError(
-                        f"part {p.name!r} of size {p.size} does not divide into {self.groups} groups",
+                        f"part {p.name!r} of size {p.size} does not divide into "
+                        f"{self.groups} groups",
                         rule="UCP-1.0-R103",
                         tensor=tensor,
                     )
@@ -179,8 +199,11 @@ class TensorLayout:
                 tensor=tensor,
             )
         if self.expert is not None and self.experts_dim is not None:
-            raise LayoutError("a tensor is either one expert's or stacks experts, not both",
-                              rule="UCP-1.0-R105", tensor=tensor)
+            raise LayoutError(
+                "a tensor is either one expert's or stacks experts, not both",
+                rule="UCP-1.0-R105",
+                tensor=tensor,
+            )
         if self.layers_dim is not None and self.layers_count != shape[self.layers_dim]:
             raise LayoutError(
                 f"layers.count is {self.layers_count} but dimension {self.layers_dim} has "
@@ -189,20 +212,29 @@ class TensorLayout:
                 tensor=tensor,
             )
         if self.layer is not None and self.layers_dim is not None:
-            raise LayoutError("a tensor has one layer index or stacks layers, not both",
-                              rule="UCP-1.0-R106", tensor=tensor)
+            raise LayoutError(
+                "a tensor has one layer index or stacks layers, not both",
+                rule="UCP-1.0-R106",
+                tensor=tensor,
+            )
         used = [d for d in (self.tp_dim, self.experts_dim, self.layers_dim) if d is not None]
         if len(used) != len(set(used)):
             raise LayoutError(
-                "tp, experts and layers must split different dimensions", rule="UCP-1.0-R107",
+                "tp, experts and layers must split different dimensions",
+                rule="UCP-1.0-R107",
                 tensor=tensor,
             )
         if self.vocab_dim is not None and self.tp_dim is not None and self.vocab_dim != self.tp_dim:
-            raise LayoutError("the vocabulary dimension, when split, must be the tp dimension",
-                              rule="UCP-1.0-R104", tensor=tensor)
+            raise LayoutError(
+                "the vocabulary dimension, when split, must be the tp dimension",
+                rule="UCP-1.0-R104",
+                tensor=tensor,
+            )
 
 
-def layout_of(attributes: Mapping[str, Any], shape: Sequence[int], *, tensor: str | None = None) -> TensorLayout:
+def layout_of(
+    attributes: Mapping[str, Any], shape: Sequence[int], *, tensor: str | None = None
+) -> TensorLayout:
     """The checked layout of an array from its ``attributes.ucp`` (replicated if absent)."""
     doc = attributes.get("layout")
     if doc is None:

@@ -70,7 +70,9 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     zero: int = 0  # 0: replicated; 1/2: optimizer state flat-partitioned; 3: everything
-    zero_style: str = "dim0"  # for zero=3: "dim0" (FSDP, torch.chunk on dim 0) or "flat" (DeepSpeed)
+    zero_style: str = (
+        "dim0"  # for zero=3: "dim0" (FSDP, torch.chunk on dim 0) or "flat" (DeepSpeed)
+    )
     num_layers: int | None = None
     pp_layers: tuple[int, ...] | None = None  # layers per stage (default: even split)
     num_experts: int | None = None
@@ -106,12 +108,15 @@ class ParallelConfig:
     def stage_layers(self, stage: int) -> range:
         """Global layer indices held by a pipeline stage."""
         if self.num_layers is None:
-            raise LayoutError("num_layers is needed to place layers on pipeline stages",
-                              rule="UCP-1.0-R112")
+            raise LayoutError(
+                "num_layers is needed to place layers on pipeline stages", rule="UCP-1.0-R112"
+            )
         counts = self.pp_layers or self._even_split()
         if sum(counts) != self.num_layers:
-            raise LayoutError(f"pp_layers {counts} do not sum to num_layers {self.num_layers}",
-                              rule="UCP-1.0-R112")
+            raise LayoutError(
+                f"pp_layers {counts} do not sum to num_layers {self.num_layers}",
+                rule="UCP-1.0-R112",
+            )
         start = sum(counts[:stage])
         return range(start, start + counts[stage])
 
@@ -128,8 +133,9 @@ class ParallelConfig:
         for stage in range(self.pp):
             if layer in self.stage_layers(stage):
                 return stage
-        raise LayoutError(f"layer {layer} is outside the model's {self.num_layers} layers",
-                          rule="UCP-1.0-R112")
+        raise LayoutError(
+            f"layer {layer} is outside the model's {self.num_layers} layers", rule="UCP-1.0-R112"
+        )
 
     def holds_stage(self, conventions: Conventions, stage: int) -> bool:
         where = conventions.stage
@@ -166,7 +172,8 @@ class DimMap:
 
     @staticmethod
     def concat(maps: Sequence[DimMap]) -> DimMap:
-        out, off = [], 0
+        out: list[tuple[int, int, int]] = []
+        off = 0
         for m in maps:
             out.extend((ls + off, gs, n) for ls, gs, n in m.segments)
             off += m.length
@@ -295,8 +302,11 @@ def local_map(
     is_expert = layout.expert is not None or layout.experts_dim is not None
     if layout.expert is not None:
         if cfg.num_experts is None:
-            raise LayoutError("num_experts is needed to place per-expert tensors",
-                              rule="UCP-1.0-R111", tensor=tensor)
+            raise LayoutError(
+                "num_experts is needed to place per-expert tensors",
+                rule="UCP-1.0-R111",
+                tensor=tensor,
+            )
         per = _split(cfg.num_experts, cfg.ep, 0, "experts", tensor)[1]
         if layout.expert // per != coords.ep(cfg):
             return None
@@ -312,7 +322,9 @@ def local_map(
             shape[layout.tp_dim], layout, conventions, cfg.tp, coords.tp, tensor=tensor
         )
     elif layout.vocab_dim is not None and conventions.vocab_multiple:
-        dims[layout.vocab_dim] = vocab_dim_map(shape[layout.vocab_dim], conventions.vocab_multiple, 1, 0)
+        dims[layout.vocab_dim] = vocab_dim_map(
+            shape[layout.vocab_dim], conventions.vocab_multiple, 1, 0
+        )
     if zero3 and cfg.zero == 3 and cfg.zero_style == "dim0" and dims:
         ways = cfg.dp // cfg.ep if is_expert else cfg.dp
         index = coords.edp(cfg) if is_expert else coords.dp
