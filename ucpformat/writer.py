@@ -264,8 +264,19 @@ class Plan:
         return sum(m.nbytes for m, _ in self.arrays)
 
 
+class Group(dict[str, Any]):
+    """A mapping that ``save`` always stores as a group, even when it holds no array.
+
+    A plain mapping becomes a group only if it holds an array somewhere; otherwise it is
+    a JSON value of its parent. Wrap it in ``Group`` where the layout needs a group (for
+    example ``optimizer/state/<parameter>`` whose state has no tensor). The top-level
+    names ``model``, ``optimizer`` and ``training`` are always groups.
+    """
+
+
 def _has_array(value: Any) -> bool:
-    if isinstance(value, np.ndarray | np.generic):
+    """True if ``value`` must be stored as a group (it holds an array or a Group)."""
+    if isinstance(value, np.ndarray | np.generic | Group):
         return True
     if isinstance(value, Mapping):
         return any(_has_array(v) for v in value.values())
@@ -286,8 +297,9 @@ def plan(
     """Turn a nested mapping into the arrays and groups of a checkpoint.
 
     Arrays (numpy arrays and numpy scalars) become zarr arrays; mappings that contain an
-    array somewhere become groups; every other value must be JSON and is stored in its
-    group's ``attributes.ucp.values``.
+    array (or a :class:`Group`) somewhere become groups, as do the reserved top-level
+    mappings ``model``, ``optimizer`` and ``training``; every other value must be JSON and
+    is stored in its group's ``attributes.ucp.values``.
     """
     if not isinstance(state, Mapping):
         raise InvalidValueError(f"the state must be a mapping, got {type(state).__name__}")
