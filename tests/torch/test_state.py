@@ -540,8 +540,23 @@ def test_non_tensor_per_parameter_state_and_extra_state(tmp_path: Path) -> None:
         def set_extra_state(self, state: Any) -> None:
             self.calls = state["calls"]
 
-    model = torch.nn.Sequential(WithExtra(3, 2))
+    class TensorExtra(torch.nn.Module):  # extra state that is a tensor
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.zeros(4, dtype=torch.int16)
+
+        def get_extra_state(self) -> Any:
+            return self.table
+
+        def set_extra_state(self, state: Any) -> None:
+            self.table = state.clone()
+
+        def forward(self, x: Any) -> Any:
+            return x
+
+    model = torch.nn.Sequential(WithExtra(3, 2), TensorExtra())
     model[0].calls = 5
+    model[1].table += 3
     opt = CountingSGD(model.parameters(), lr=0.1)  # no momentum: no tensor state at all
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
@@ -551,10 +566,13 @@ def test_non_tensor_per_parameter_state_and_extra_state(tmp_path: Path) -> None:
     assert ckpt.values("model")["0._extra_state"] == {"calls": 5, "mode": "fast"}
     assert ucpformat.validate(tmp_path / "c").valid
 
-    model2 = torch.nn.Sequential(WithExtra(3, 2))
+    assert ckpt["model/1._extra_state"].attributes["role"] == "buffer"
+
+    model2 = torch.nn.Sequential(WithExtra(3, 2), TensorExtra())
     opt2 = CountingSGD(model2.parameters(), lr=0.1)
     ucpt.load(ckpt, model=model2, optimizer=opt2)
     assert model2[0].calls == 5
+    assert model2[1].table.tolist() == [3, 3, 3, 3]
     assert_same(opt.state_dict(), opt2.state_dict())
 
 

@@ -417,8 +417,9 @@ class _ModelPlan:
 
 
 def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _ModelPlan:
-    if "model" not in ckpt.groups:
-        raise TensorNotFoundError("the checkpoint has no model group", path=ckpt.location)
+    if "model" not in ckpt.groups and strict:
+        raise KeyMismatchError("the checkpoint has no model group; pass strict=False to "
+                               "load the rest anyway", path=ckpt.location)
     stored = _children(ckpt, "model")
     values = _values(ckpt, "model")
     sd = model.state_dict()
@@ -439,8 +440,8 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
     live.update(model.named_buffers(remove_duplicate=False))
     plan = _ModelPlan([], {}, {}, missing, unexpected)
     for fqn, current in sd.items():
-        if fqn in values:
-            plan.fallback_values[fqn] = values[fqn]
+        if fqn in values:  # extra state stored as JSON: shaped like the module's own
+            plan.fallback_values[fqn] = like(current, values[fqn])
             continue
         path = stored.get(fqn)
         if path is None:
@@ -457,8 +458,10 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
                 tensor=path,
             )
         target = live.get(fqn)
-        if target is not None and target.shape == current.shape and (
-            target.data_ptr() == current.data_ptr()
+        if (
+            target is not None
+            and (target.shape, target.dtype) == (current.shape, current.dtype)
+            and target.data_ptr() == current.data_ptr()
         ):
             plan.copies.append((fqn, path, target))
         else:  # a state_dict hook made this entry: let the module load it
@@ -478,7 +481,7 @@ def _apply_model(ckpt: Checkpoint, model: torch.nn.Module, plan: _ModelPlan) -> 
 
 @dataclass
 class _OptimizerPlan:
-    state_dict: dict[str, Any]
+    state_dict: dict[str, Any] | None  # None: nothing to load
     missing: list[str]
     unexpected: list[str]
 
@@ -514,7 +517,11 @@ def _plan_optimizer(
     strict: bool,
 ) -> _OptimizerPlan:
     if "optimizer" not in ckpt.groups:
-        raise TensorNotFoundError("the checkpoint has no optimizer group", path=ckpt.location)
+        if strict:
+            raise KeyMismatchError("the checkpoint has no optimizer group; pass strict=False "
+                                   "to load the rest anyway", path=ckpt.location)
+        everything = [f for group in optimizer_fqns(optimizer, model) for f in group]
+        return _OptimizerPlan(None, everything, [])
     saved = ckpt.values("optimizer")
     saved_type = saved.get("type")
     if strict and saved_type != qualified_name(optimizer):
@@ -523,7 +530,7 @@ def _plan_optimizer(
             f"{qualified_name(optimizer)!r}; pass strict=False to load it anyway",
             path="optimizer",
         )
-    saved_groups = saved.get("param_groups")
+    saved_groups = saved.get("param_groups", [])
     if not isinstance(saved_groups, list) or not all(
         isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in saved_groups
     ):
@@ -575,12 +582,17 @@ def _plan_optimizer(
         groups.append(hyper)
         for fqn, pid in zip(group_fqns, packed["params"], strict=True):
             entry = entries.get(fqn)
-            if entry is not None and fqn in group_of:
+            if fqn not in group_of:  # strict=False: keep what the optimizer has
+                if pid in current_sd["state"]:
+                    state[pid] = current_sd["state"][pid]
+            elif entry is not None:
                 state[pid] = dict(entry)
     return _OptimizerPlan({"state": state, "param_groups": groups}, missing, unexpected)
 
 
 def _read_optimizer_arrays(ckpt: Checkpoint, plan: _OptimizerPlan) -> None:
+    if plan.state_dict is None:
+        return
     for entry in plan.state_dict["state"].values():
         for key, value in entry.items():
             if isinstance(value, _ArrayRef):
@@ -618,19 +630,20 @@ def load(
         start = ckpt.stats.bytes_read
         model_plan = _plan_model(ckpt, model, strict) if model is not None else None
         opt_plan = None
-        if optimizer is not None and ("optimizer" in ckpt.groups or strict):
+        if optimizer is not None:
             opt_plan = _plan_optimizer(ckpt, optimizer, model, strict)
         training_values = _values(ckpt, "training")
         if scheduler is not None and "scheduler" not in training_values and strict:
-            raise TensorNotFoundError("the checkpoint holds no scheduler state "
-                                      "(training/scheduler)", path=ckpt.location)
+            raise KeyMismatchError("the checkpoint holds no scheduler state "
+                                   "(training/scheduler); pass strict=False to load the rest "
+                                   "anyway", path=ckpt.location)
         # Everything is checked: now read and modify.
         if optimizer is not None and opt_plan is not None:
             _read_optimizer_arrays(ckpt, opt_plan)
         training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
         if model is not None and model_plan is not None:
             _apply_model(ckpt, model, model_plan)
-        if optimizer is not None and opt_plan is not None:
+        if optimizer is not None and opt_plan is not None and opt_plan.state_dict is not None:
             optimizer.load_state_dict(opt_plan.state_dict)
         if scheduler is not None and "scheduler" in training_values:
             scheduler.load_state_dict(like(scheduler.state_dict(), training_values["scheduler"]))
