@@ -44,3 +44,15 @@ def test_group_marker_forces_a_group(tmp_path: Path) -> None:
     assert ckpt.values("optimizer/state") == {"fc.bias": {"n": 1}}
     assert "ext/inner" in ckpt.groups and "ext" in ckpt.groups
     assert ckpt.to_dict()["optimizer"]["state"] == {"fc.weight": {"step": 3}, "fc.bias": {"n": 1}}
+
+
+def test_group_carries_further_ucp_members(tmp_path: Path) -> None:
+    tied = {"emb.weight": np.ones((2, 2), np.float32), "bias": np.zeros(2, np.float32)}
+    state = {"model": ucpformat.Group(tied, ucp={"aliases": {"head.weight": "emb.weight"}})}
+    ucpformat.save(tmp_path / "c", state)
+    ckpt = ucpformat.open(tmp_path / "c")
+    assert ckpt.groups["model"].ucp["aliases"] == {"head.weight": "emb.weight"}
+    assert ucpformat.validate(tmp_path / "c").valid
+    state = {"model": ucpformat.Group(tied, ucp={"aliases": {"head.weight": "nothing"}})}
+    ucpformat.save(tmp_path / "d", state)
+    assert "UCP-1.0-R108" in ucpformat.validate(tmp_path / "d").rules()

@@ -271,7 +271,16 @@ class Group(dict[str, Any]):
     a JSON value of its parent. Wrap it in ``Group`` where the layout needs a group (for
     example ``optimizer/state/<parameter>`` whose state has no tensor). The top-level
     names ``model``, ``optimizer`` and ``training`` are always groups.
+
+    ``ucp`` holds further members of the group's ``attributes.ucp`` (``aliases`` of tied
+    tensors, UCP-1.0-R108); its ``values`` are the mapping's JSON entries.
     """
+
+    def __init__(self, *args: Any, ucp: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if ucp is not None and "values" in ucp:
+            raise InvalidValueError("a Group's JSON values are its entries, not ucp['values']")
+        self.ucp: dict[str, Any] = dict(ucp or {})
 
 
 def _has_array(value: Any) -> bool:
@@ -340,7 +349,12 @@ def plan(
             elif isinstance(value, Mapping) and (reserved_group or _has_array(value)):
                 sub_values: dict[str, Any] = {}
                 visit(value, path, sub_values)
-                ucp = {"values": sub_values} if sub_values else {}
+                ucp = (
+                    jsonvalues.encode(value.ucp, where=f"{where}.ucp")
+                    if isinstance(value, Group) else {}
+                )
+                if sub_values:
+                    ucp["values"] = sub_values
                 result.groups.append(GroupMeta(path, {"ucp": ucp} if ucp else {}))
                 node_names.append(node)
             else:
