@@ -1,10 +1,14 @@
 """Save and load single-process PyTorch training state as a UCP checkpoint.
 
-Layout (format 1.0, section "Training state"):
+Layout (spec ucp-1.0.md section 14, R080-R084; tied tensors R108):
 
 * ``model/<fqn>``: one array per tensor of ``model.state_dict()`` (parameters and
-  buffers), ``attributes.ucp.role`` ``"parameter"`` or ``"buffer"``. Non-tensor entries
-  (a module's extra state) are JSON values of the ``model`` group, keyed by FQN.
+  buffers), ``attributes.ucp.role`` ``"parameter"`` or ``"buffer"``. A tensor held under
+  several names (tied weights) is stored once, under the first of its names in
+  ``state_dict`` order; the ``model`` group's ``attributes.ucp.aliases`` maps each other
+  name to it. Non-tensor entries (a module's extra state) are JSON values of the
+  ``model`` group, keyed by FQN. Names are taken inside ``torch.compile`` and
+  (Distributed)DataParallel wrappers (no ``_orig_mod.`` / ``module.`` prefix).
 * ``optimizer``: values ``type`` (the optimizer's fully qualified class name) and
   ``param_groups`` (every hyperparameter; ``params`` lists parameter FQNs, never torch's
   integer ids). ``optimizer/state/<fqn>/<name>`` holds every tensor of the per-parameter
@@ -14,9 +18,9 @@ Layout (format 1.0, section "Training state"):
   entries of ``extra`` (tensors become arrays of role ``"training_state"``).
 
 Naming optimizer parameters: torch numbers them in ``param_groups`` order; each number
-is mapped to the parameter object and from there to its name in the model. A parameter
-with several names (tied weights) is named by the first of its names in
-``model.state_dict()`` order.
+is mapped to the parameter object and from there to its name in the model. A tied
+parameter is named by the first of its names in ``model.state_dict()`` order: the name
+it is stored under.
 """
 
 from __future__ import annotations
@@ -179,6 +183,53 @@ def parameter_names(
     return {k: v[1] for k, v in best.items()}
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside ``torch.compile`` and (Distributed)DataParallel wrappers.
+
+    Their ``_orig_mod.`` and ``module.`` prefixes are not part of a tensor's name
+    (UCP-1.0-R014); the wrapped and the bare model hold the same parameter objects.
+    """
+    wrappers = tuple(
+        cls for cls in (getattr(torch.nn.parallel, "DistributedDataParallel", None),
+                        getattr(torch.nn, "DataParallel", None))
+        if isinstance(cls, type)
+    )
+    while True:
+        original = getattr(model, "_orig_mod", None)
+        if type(model).__name__ == "OptimizedModule" and isinstance(original, torch.nn.Module):
+            model = original
+        elif wrappers and isinstance(model, wrappers):
+            inner = model.module
+            assert isinstance(inner, torch.nn.Module)
+            model = inner
+        else:
+            return model
+
+
+def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` under every one of its names."""
+    live: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    live.update(model.named_buffers(remove_duplicate=False))
+    return live
+
+
+def tied_aliases(model: torch.nn.Module, state_keys: Sequence[str]) -> dict[str, str]:
+    """alias -> target for tied tensors: a state_dict name of a tensor that an earlier
+    name (in state_dict order) already holds maps to that earlier name (UCP-1.0-R108)."""
+    live = _live_tensors(model)
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for key in state_keys:
+        tensor = live.get(key)
+        if tensor is None:
+            continue
+        if id(tensor) in first:
+            aliases[key] = first[id(tensor)]
+        else:
+            first[id(tensor)] = key
+    return aliases
+
+
 def _describe(param: torch.Tensor) -> str:
     return f"a {param.dtype} tensor of shape {list(param.shape)}"
 
@@ -191,7 +242,7 @@ def optimizer_fqns(
     Names come from ``model``; without a model, from the ``param_names`` torch keeps in
     each group when the optimizer was built from ``named_parameters()``.
     """
-    by_id = parameter_names(model) if model is not None else {}
+    by_id = parameter_names(unwrap(model)) if model is not None else {}
     out: list[list[str]] = []
     for gi, group in enumerate(optimizer.param_groups):
         group_names = group.get("param_names")
@@ -248,11 +299,15 @@ def state_of(
     state: dict[str, Any] = {}
     roles: dict[str, str] = {}
     if model is not None:
+        model = unwrap(model)
         sd = model.state_dict()
         params = {fqn for fqn, _ in model.named_parameters(remove_duplicate=False)}
-        group = Group()
+        aliases = tied_aliases(model, list(sd))
+        group = Group(ucp={"aliases": aliases} if aliases else None)
         for fqn, value in sd.items():
             where = f"model/{fqn}"
+            if fqn in aliases:  # tied: stored once, under its first name
+                continue
             if isinstance(value, torch.Tensor):
                 group[fqn] = to_numpy(value, name=where)
                 roles[names.path_of("model", fqn)] = "parameter" if fqn in params else "buffer"
@@ -421,6 +476,10 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
         raise KeyMismatchError("the checkpoint has no model group; pass strict=False to "
                                "load the rest anyway", path=ckpt.location)
     stored = _children(ckpt, "model")
+    group = ckpt.groups.get("model")
+    for alias, target in (group.ucp.get("aliases", {}) if group else {}).items():
+        if isinstance(target, str) and target in stored and alias not in stored:
+            stored[str(alias)] = stored[target]  # a tied tensor stored once (R108)
     values = _values(ckpt, "model")
     sd = model.state_dict()
     missing = [k for k in sd if k not in stored and k not in values]
@@ -436,8 +495,8 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
             + "; ".join(parts) + "); pass strict=False to load the common ones",
             path=ckpt.location,
         )
-    live: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    live.update(model.named_buffers(remove_duplicate=False))
+    live = _live_tensors(model)
+    copied: set[tuple[str, int]] = set()  # a tied tensor is read and copied once
     plan = _ModelPlan([], {}, {}, missing, unexpected)
     for fqn, current in sd.items():
         if fqn in values:  # extra state stored as JSON: shaped like the module's own
@@ -463,7 +522,9 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
             and (target.shape, target.dtype) == (current.shape, current.dtype)
             and target.data_ptr() == current.data_ptr()
         ):
-            plan.copies.append((fqn, path, target))
+            if (path, id(target)) not in copied:
+                copied.add((path, id(target)))
+                plan.copies.append((fqn, path, target))
         else:  # a state_dict hook made this entry: let the module load it
             plan.fallback_arrays[fqn] = path
     return plan
@@ -626,6 +687,8 @@ def load(
     ``strict=False`` loads what matches and lists the rest in the result. Tensors of
     ``training/`` come back on ``map_location``.
     """
+    if model is not None:
+        model = unwrap(model)
     with _opened(path) as ckpt:
         start = ckpt.stats.bytes_read
         model_plan = _plan_model(ckpt, model, strict) if model is not None else None
@@ -666,7 +729,8 @@ def load_state_dict(
     """A new state dict of the tensors under group ``prefix`` (a node path), keyed by name.
 
     Keys are the logical names relative to ``prefix`` (FQNs for ``model``), joined with
-    ``/`` below it. Non-tensor values (extra state) are not included.
+    ``/`` below it; a tied tensor's aliases map to the same tensor object, as in
+    ``model.state_dict()``. Non-tensor values (extra state) are not included.
     """
     with _opened(path) as ckpt:
         group = prefix.strip("/")
@@ -678,6 +742,11 @@ def load_state_dict(
             if node.startswith(start):
                 key = "/".join(names.split_path(node[len(start):]))
                 out[key] = _read(ckpt, node, map_location)
+        meta = ckpt.groups.get(group)
+        aliases = meta.ucp.get("aliases", {}) if meta is not None else {}
+        for alias, target in aliases.items():  # tied: one tensor under both names
+            if isinstance(target, str) and target in out:
+                out[str(alias)] = out[target]
         return out
 
 
