@@ -503,6 +503,15 @@ def test_shape_mismatch_names_the_tensor_and_modifies_nothing(tmp_path: Path) ->
     with pytest.raises(ShapeMismatchError, match=r"model/4\.weight.*\[3, 16\].*\[4, 16\]"):
         ucpt.load(tmp_path / "c", model=model, strict=False)
     assert_same(before, dict(model.state_dict()))
+    # the optimizer alone (named by torch's param_names): its per-element states
+    src = mlp(0)
+    src_opt = torch.optim.Adam(src.named_parameters())
+    train(src, src_opt, None, range(1))
+    ucpt.save(tmp_path / "o", model=src, optimizer=src_opt)
+    opt = torch.optim.Adam(model.named_parameters())
+    with pytest.raises(ShapeMismatchError, match=r"optimizer/state/4\.weight/exp_avg.*\[4, 16\]"):
+        ucpt.load(tmp_path / "o", optimizer=opt)
+    assert opt.state_dict()["state"] == {}
 
 
 def test_optimizer_parameter_outside_the_model_is_refused(tmp_path: Path) -> None:

@@ -641,14 +641,34 @@ def _plan_optimizer(
             hyper = {k: v for k, v in packed.items() if k != "params"}
         hyper["params"] = packed["params"]
         groups.append(hyper)
-        for fqn, pid in zip(group_fqns, packed["params"], strict=True):
+        live = optimizer.param_groups[gi]["params"]
+        for fqn, pid, param in zip(group_fqns, packed["params"], live, strict=True):
             entry = entries.get(fqn)
             if fqn not in group_of:  # strict=False: keep what the optimizer has
                 if pid in current_sd["state"]:
                     state[pid] = current_sd["state"][pid]
             elif entry is not None:
+                _check_state_shapes(ckpt, fqn, entry, tuple(param.shape))
                 state[pid] = dict(entry)
     return _OptimizerPlan({"state": state, "param_groups": groups}, missing, unexpected)
+
+
+def _check_state_shapes(
+    ckpt: Checkpoint, fqn: str, entry: Mapping[str, Any], shape: tuple[int, ...]
+) -> None:
+    """A per-element state (stored with its parameter's stored shape) must fit the live
+    parameter; other shapes (0-d steps, factored moments) are the optimizer's business."""
+    stored_param = ckpt.arrays.get(names.path_of("model", fqn))
+    for value in entry.values():
+        if not isinstance(value, _ArrayRef):
+            continue
+        stored = ckpt.arrays[value.path].shape
+        if stored_param is not None and stored == stored_param.shape and stored != shape:
+            raise ShapeMismatchError(
+                f"stored shape {list(stored)} differs from the optimizer's parameter "
+                f"{fqn!r} of shape {list(shape)}",
+                tensor=value.path,
+            )
 
 
 def _read_optimizer_arrays(ckpt: Checkpoint, plan: _OptimizerPlan) -> None:
