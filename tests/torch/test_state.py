@@ -397,14 +397,14 @@ def test_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     model, opt, sched = fresh(0)
     losses = train(model, opt, sched, range(5))
     ucpt.save(tmp_path / "c", model=model, optimizer=opt, scheduler=sched, step=5,
-              extra={"rng": torch.get_rng_state(),
+              extra={"rng": {"torch_cpu": torch.get_rng_state()},
                      "data": {"epoch": 0, "offset": 40, "order": torch.arange(10)}})
     del model, opt, sched
 
     torch.manual_seed(1234)  # anything: the RNG state comes from the checkpoint
     model, opt, sched = fresh(7)
     result = ucpt.load(tmp_path / "c", model=model, optimizer=opt, scheduler=sched)
-    torch.set_rng_state(result.training["rng"])
+    torch.set_rng_state(result.training["rng"]["torch_cpu"])
     assert result.step == 5 and result.training["data"]["offset"] == 40
     assert result.training["data"]["order"].tolist() == list(range(10))
     losses += train(model, opt, sched, range(result.step, 12))
