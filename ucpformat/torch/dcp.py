@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ucpformat import chunking, dtypes, jsonvalues, names
+from ucpformat import chunking, dtypes, jsonvalues, names, schemas
 from ucpformat.codecs import Compression
 from ucpformat.distributed import DEFAULT_MIN_SHARD_BYTES, TensorSpec, make_plan
 from ucpformat.errors import (
@@ -391,12 +391,19 @@ class UCPWriter(StorageWriter):
                              "of a UCPWriter run on the coordinator?)", path=store.location)
         results: list[WriteResult] = []
         items_of: dict[str, list[WriteItem]] = {}
-        for item in plan.items:
-            if _is_tensor_item(item):
-                items_of.setdefault(item.index.fqn, []).append(item)
-            else:
-                results.append(self._value_result(item, planner))
-        metas = {p: parse_array(p, doc) for p, doc in tasks.metas.items()}
+        metas: dict[str, ArrayMeta] = {}
+        # Every rank must reach the exchange, or an owner waits forever for its cells:
+        # an error before it is raised after it.
+        error: BaseException | None = None
+        try:
+            for item in plan.items:
+                if _is_tensor_item(item):
+                    items_of.setdefault(item.index.fqn, []).append(item)
+                else:
+                    results.append(self._value_result(item, planner))
+            metas = {p: parse_array(p, doc) for p, doc in tasks.metas.items()}
+        except BaseException as exc:
+            error = exc
 
         def fragments(apath: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
             meta = metas[apath]
@@ -412,7 +419,7 @@ class UCPWriter(StorageWriter):
                 out.append((box, arr.astype(meta.dtype.numpy, copy=False)))
             return out
 
-        inbox = self._exchange(tasks, metas, fragments)
+        inbox = self._exchange(tasks, fragments, error)
 
         by_path: dict[str, list[_ObjectTask]] = {}
         for obj in tasks.objects:
@@ -504,6 +511,7 @@ class UCPWriter(StorageWriter):
         check_groups_and_arrays(metas, groups)
         _check_siblings([*metas, *groups])
 
+        _check_optimizer_values(group_values.get("optimizer", {}), metas)
         roles = self._model_roles(group_values.get("optimizer", {}))
         final_metas = []
         for apath, meta in sorted(metas.items()):
@@ -580,21 +588,29 @@ class UCPWriter(StorageWriter):
     def _exchange(
         self,
         tasks: _RankTasks,
-        metas: Mapping[str, ArrayMeta],
-        fragments: Any,
+        fragments: Callable[[str], list[tuple[Box, np.ndarray[Any, Any]]]],
+        error: BaseException | None,
     ) -> dict[tuple[str, Box], np.ndarray[Any, Any]]:
-        """Send the cells others need and receive the cells this rank's shards need."""
+        """Send the cells others need and receive the cells this rank's shards need.
+
+        Sizes follow from the plan, so every send and receive is posted even when this
+        rank has failed (``error``, or while reading a cell): it then sends zeros, and
+        raises once the exchange is over. Its failure reaches DCP, which then does not
+        call ``finish``: nothing is committed.
+        """
         if not tasks.sends and not tasks.recvs:
+            if error is not None:
+                raise error
             return {}
         assert tasks.peers is not None
         group = self.process_group
         device = _p2p_device(group)
-        error: BaseException | None = None
+        itemsize = {p: dtypes.by_name(doc["data_type"]).itemsize for p, doc in tasks.metas.items()}
+        numpy_type = {p: dtypes.by_name(doc["data_type"]).numpy for p, doc in tasks.metas.items()}
         outgoing: dict[int, list[bytes]] = {}
         cache: dict[str, list[tuple[Box, np.ndarray[Any, Any]]]] = {}
         for owner, apath, cell in tasks.sends:
-            meta = metas[apath]
-            nbytes = box_size(cell) * meta.dtype.itemsize
+            nbytes = box_size(cell) * itemsize[apath]
             try:
                 if error is not None:
                     raise error
@@ -609,8 +625,7 @@ class UCPWriter(StorageWriter):
         cache.clear()
         expected: dict[int, int] = {}
         for sender, apath, cell in tasks.recvs:
-            nbytes = box_size(cell) * metas[apath].dtype.itemsize
-            expected[sender] = expected.get(sender, 0) + nbytes
+            expected[sender] = expected.get(sender, 0) + box_size(cell) * itemsize[apath]
         buffers = {src: torch.empty(n, dtype=torch.uint8, device=device)
                    for src, n in expected.items()}
         ops = [dist.P2POp(dist.irecv, buf, tasks.peers[src], group)
@@ -626,11 +641,10 @@ class UCPWriter(StorageWriter):
         offsets = dict.fromkeys(buffers, 0)
         host = {src: buf.cpu().numpy() for src, buf in buffers.items()}
         for sender, apath, cell in tasks.recvs:
-            meta = metas[apath]
-            n = box_size(cell) * meta.dtype.itemsize
+            n = box_size(cell) * itemsize[apath]
             raw = host[sender][offsets[sender]: offsets[sender] + n]
             offsets[sender] += n
-            inbox[(apath, cell)] = raw.view(meta.dtype.numpy).reshape(box_shape(cell))
+            inbox[(apath, cell)] = raw.view(numpy_type[apath]).reshape(box_shape(cell))
         return inbox
 
     def _model_roles(self, optimizer_values: Mapping[str, Any]) -> dict[str, str]:
@@ -697,6 +711,28 @@ def _bytes_meta(
     return ArrayMeta(path=path, shape=(size,), dtype=dt, chunk_shape=ch.chunk_shape,
                      shard_shape=ch.shard_shape, compression=Compression.parse(compression, dt),
                      fill_value=zero_bits(dt), attributes={})
+
+
+def _check_optimizer_values(values: Mapping[str, Any], arrays: Mapping[str, ArrayMeta]) -> None:
+    """Refuse param groups the spec refuses (R081, R082), before anything is committed."""
+    if not values:
+        return
+    hint = ("save the optimizer state of torch.distributed.checkpoint.state_dict."
+            "get_state_dict / get_optimizer_state_dict, which names parameters by FQN")
+    for v in schemas.violations("optimizer", dict(values)):
+        raise InvalidValueError(f"optimizer values{v.pointer}: {v.message} ({hint})",
+                                rule=v.rule, path="optimizer")
+    model = {names.unescape(p.partition("/")[2]) for p in arrays
+             if p.startswith("model/") and p.count("/") == 1}
+    if not model:
+        return
+    for group in values.get("param_groups", []):
+        for param in group.get("params", []):
+            if param not in model:
+                raise InvalidValueError(
+                    f"param_groups names {param!r}, which is not a tensor of the model state "
+                    f"({hint})", rule="UCP-1.0-R082", path="optimizer",
+                )
 
 
 def _check_siblings(paths: Sequence[str]) -> None:
