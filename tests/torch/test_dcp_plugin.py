@@ -147,6 +147,30 @@ def test_layout_is_a_plain_ucp_checkpoint(tmp_path: Path) -> None:
     assert_same_training_state((model, opt), again)
 
 
+def test_roles_and_loading_without_a_model(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    state = dcp_state(model, opt)
+    dcp.save(state, storage_writer=UCPWriter(tmp_path / "a", model=torch.nn.DataParallel(model)))
+    dcp.save(state, storage_writer=UCPWriter(tmp_path / "b"))
+    a, b = ucpformat.open(tmp_path / "a"), ucpformat.open(tmp_path / "b")
+    assert a["model/1.running_mean"].attributes["role"] == "buffer"
+    assert a["model/0.weight"].attributes["role"] == "parameter"
+    assert "role" not in b["model/1.running_mean"].attributes  # DCP does not say
+    assert b["model/0.weight"].attributes["role"] == "parameter"  # named by param_groups
+    # DCP's "load everything" planner rebuilds the nested state from our planner_data
+    everything = _load_state_dict_from_keys(storage_reader=UCPReader(tmp_path / "a"))
+    assert everything.keys() == {"model", "optim"}
+    for fqn, tensor in model.state_dict().items():
+        assert torch.equal(everything["model"][fqn], tensor), fqn
+    assert everything["optim"]["param_groups"][0]["momentum"] == 0.9
+
+
 def test_readable_by_tensorstore(tmp_path: Path) -> None:
     ts = pytest.importorskip("tensorstore")
     model, opt = trained(0, torch.bfloat16)

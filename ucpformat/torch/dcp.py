@@ -103,7 +103,7 @@ from ucpformat.torch.dcp_keys import (
     record_from_json,
     record_to_json,
 )
-from ucpformat.torch.state import like
+from ucpformat.torch.state import like, unwrap
 from ucpformat.writer import (
     StoredObject,
     _now,
@@ -225,8 +225,9 @@ class UCPWriter(StorageWriter):
         self.process_group = process_group
         self._roles: dict[str, str] = {}
         if model is not None:
-            self._roles.update((n, "buffer") for n, _ in model.named_buffers())
-            self._roles.update((n, "parameter") for n, _ in model.named_parameters())
+            bare = unwrap(model)  # names as get_state_dict gives them (no wrapper prefixes)
+            self._roles.update((n, "buffer") for n, _ in bare.named_buffers())
+            self._roles.update((n, "parameter") for n, _ in bare.named_parameters())
         self._is_coordinator = False
         self._state: _SavePlanState | None = None
         self._store: Store | None = None
