@@ -198,6 +198,7 @@ def test_checkpoint_id_and_overwrite(tmp_path: Path) -> None:
     dcp.load(sd, checkpoint_id=path, storage_reader=UCPReader())
     set_state_dict(*fresh, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     assert_same_training_state(other, fresh)
+    assert ucpt.dcp.UCPWriter is UCPWriter  # reachable as ucpformat.torch.dcp, lazily
     assert UCPReader.validate_checkpoint_id(path)
     assert not UCPReader.validate_checkpoint_id(tmp_path / "nothing")
     assert issubclass(CheckpointExistsError, FileExistsError)
