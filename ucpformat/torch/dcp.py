@@ -281,15 +281,14 @@ class UCPWriter(StorageWriter):
                 for key, opath in p.planner_data.items():
                     object_paths.setdefault(str(key), tuple(opath))
         tensor_keys: dict[str, WriteItem] = {}
-        value_keys: list[str] = []
+        value_keys: dict[str, None] = {}  # in first-seen order
         boxes: dict[str, list[tuple[int, Box]]] = {}
         for rank, p in enumerate(plans):
             for item in p.items:
                 key = item.index.fqn
                 object_paths.setdefault(key, (key,))
                 if not _is_tensor_item(item):
-                    if key not in value_keys:
-                        value_keys.append(key)
+                    value_keys[key] = None
                     continue
                 td = item.tensor_data
                 if td is None:  # pragma: no cover - DCP always sets it for tensors
