@@ -122,7 +122,7 @@ def test_layout_is_a_plain_ucp_checkpoint(tmp_path: Path) -> None:
     model, opt = trained(0)
     sched = {"last_epoch": 3, "best": float("inf"), "milestones": [1, 2]}
     dcp.save(dcp_state(model, opt, step=5, scheduler=sched),
-             storage_writer=UCPWriter(tmp_path / "ckpt", metadata={"run": "a"}))
+             storage_writer=UCPWriter(tmp_path / "ckpt", metadata={"run": "a"}, optimizer=opt))
     report = ucpformat.validate(tmp_path / "ckpt", deep=True)
     assert not report.issues, report
     ckpt = ucpformat.open(tmp_path / "ckpt")
@@ -137,13 +137,14 @@ def test_layout_is_a_plain_ucp_checkpoint(tmp_path: Path) -> None:
             stored = ckpt.tensor("optimizer", "state", fqn, name)
             assert stored.attributes["role"] == "optimizer_state"
             np.testing.assert_array_equal(stored.read(), value.numpy())
+    assert ckpt.values("optimizer")["type"] == "torch.optim.adamw.AdamW"
     groups = ckpt.values("optimizer")["param_groups"]
     assert groups[0]["params"] == list(model.state_dict())
     assert groups[0]["betas"] == [0.8, 0.9] and groups[0]["lr"] == 1e-2
     assert ckpt.values("training") == {"step": 5, "scheduler": sched}
     # what ucpformat.torch reads back is the same training state
     again = trained(2)
-    ucpt.load(tmp_path / "ckpt", model=again[0], optimizer=again[1], strict=False)
+    ucpt.load(tmp_path / "ckpt", model=again[0], optimizer=again[1])
     assert_same_training_state((model, opt), again)
 
 

@@ -103,7 +103,7 @@ from ucpformat.torch.dcp_keys import (
     record_from_json,
     record_to_json,
 )
-from ucpformat.torch.state import like, unwrap
+from ucpformat.torch.state import like, qualified_name, unwrap
 from ucpformat.writer import (
     StoredObject,
     _now,
@@ -184,7 +184,9 @@ class UCPWriter(StorageWriter):
     ``model`` and ``optim``/``optimizer``, see :mod:`ucpformat.torch.dcp_keys`). ``model``
     (optional) tells parameters from buffers for the arrays' roles; without it, model
     tensors named in the optimizer's param groups are parameters and the rest get no
-    role. ``metadata`` is free-form JSON stored in the root.
+    role. ``optimizer`` (optional) names the optimizer's class in the ``optimizer`` group
+    (``type``), as ``ucpformat.torch.save`` does. ``metadata`` is free-form JSON stored in
+    the root.
 
     ``min_shard_bytes``: chunks whose aligned shards would be smaller than this on average
     are written as coarser shards, each assembled by one owner from cells sent by the
@@ -200,6 +202,7 @@ class UCPWriter(StorageWriter):
         overwrite: bool = False,
         key_map: KeyMap | None = None,
         model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         metadata: Mapping[str, Any] | None = None,
         compression: str | Mapping[str, Any] | None = None,
         hash_algorithm: str | None = "sha256",
@@ -228,6 +231,7 @@ class UCPWriter(StorageWriter):
             bare = unwrap(model)  # names as get_state_dict gives them (no wrapper prefixes)
             self._roles.update((n, "buffer") for n, _ in bare.named_buffers())
             self._roles.update((n, "parameter") for n, _ in bare.named_parameters())
+        self._optimizer_type = qualified_name(optimizer) if optimizer is not None else None
         self._is_coordinator = False
         self._state: _SavePlanState | None = None
         self._store: Store | None = None
@@ -507,6 +511,8 @@ class UCPWriter(StorageWriter):
             (state.values[k][0], state.values[k][1], v) for k, v in value_of.items()
         ]
         group_values, value_entries = assemble_values(json_values, groups)
+        if self._optimizer_type is not None and "optimizer" in groups:
+            group_values.setdefault("optimizer", {}).setdefault("type", self._optimizer_type)
         entries.update(value_entries)
         check_groups_and_arrays(metas, groups)
         _check_siblings([*metas, *groups])
