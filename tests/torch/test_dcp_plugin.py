@@ -495,26 +495,28 @@ def _free_port() -> int:
 
 
 def _launch(scenario: str, root: Path, world: int, timeout: float = 240) -> None:
+    """Run ``world`` ranks of the worker; their output goes to files (a full pipe blocks)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.torch.dcp_worker", scenario, str(root)],
-                         env=dict(env, RANK=str(r)), cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    outputs = []
+    logs = [root / f"{scenario}-rank{r}.log" for r in range(world)]
+    procs = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.torch.dcp_worker", scenario, str(root)],
+                env=dict(env, RANK=str(r)), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+            p.wait(timeout=timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    failed = [(r, out) for r, (p, out) in enumerate(zip(procs, outputs, strict=True))
-              if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r}:\n{out[-4000:]}" for r, out in failed)
+                p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(f"--- rank {r} (exit {procs[r].returncode}):\n"
+                                  f"{logs[r].read_text()[-4000:]}" for r in failed)
 
 
 @pytest.fixture(scope="module")
