@@ -13,7 +13,8 @@ DCP object path                                       UCP location
 ``(model, *tail)``  (``KeyMap.model``, "model")        array ``model/<fqn>``, or a JSON value
                                                       of group ``model`` keyed by ``<fqn>``;
                                                       ``<fqn>`` is ``".".join(tail)``
-``(fqn,)`` tensor, only with ``KeyMap(model=None)``   array ``model/<fqn>`` (torchtitan puts
+``(fqn,)`` tensor, when no key is under ``model``    array ``model/<fqn>`` (``dcp.save(
+                                                      model.state_dict())``; torchtitan puts
                                                       model FQNs at the top level)
 ``(optim, "state", fqn, name)``                       array ``optimizer/state/<fqn>/<name>``,
 ``(optim, "state.<fqn>.<name>")`` (flattened form)    or a value of group
@@ -27,7 +28,10 @@ DCP object path                                       UCP location
                                                       ``training/<key>/<tail...>``
 ====================================================  =====================================
 
-``optim`` is any of ``KeyMap.optimizer_keys`` (``"optim"`` and ``"optimizer"``).
+``optim`` is any of ``KeyMap.optimizer_keys`` (``"optim"`` and ``"optimizer"``). One
+wrapper key above everything (the DCP tutorial's ``{"app": AppState(...)}``) is looked
+through (``KeyMap.wrapper``, or found when every key is under one that holds ``model``
+or ``optim``).
 Tensors become arrays at that path; JSON values go to the deepest *group* on their path
 (a group exists where arrays live below it, plus ``model``, ``optimizer``, ``training``
 and ``optimizer/state/<fqn>``), nested by the rest of the path: ``("lr_scheduler",
