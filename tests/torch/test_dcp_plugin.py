@@ -118,6 +118,28 @@ def test_round_trip_model_and_adam_bit_exact(tmp_path: Path, dtype: Any) -> None
     assert isinstance(fresh[1].state_dict()["param_groups"][0]["betas"], tuple)
 
 
+def test_tensor_hyperparameters_are_stored_as_numbers(tmp_path: Path) -> None:
+    def build(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        model = MLP()
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01 * (seed + 1)))
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        return model, opt
+
+    saved = build(0)
+    dcp.save(dcp_state(*saved), storage_writer=UCPWriter(tmp_path / "ckpt", durable=False))
+    assert not ucpformat.validate(tmp_path / "ckpt", deep=True).issues
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    assert ckpt.values("optimizer")["param_groups"][0]["lr"] == pytest.approx(0.01)
+    assert not any("param_groups" in p for p in ckpt)
+    fresh = build(1)
+    load_into(*fresh, UCPReader(tmp_path / "ckpt"))
+    lr = fresh[1].param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and torch.equal(lr, torch.tensor(0.01))
+    assert_same_training_state(saved, fresh)
+
+
 def test_layout_is_a_plain_ucp_checkpoint(tmp_path: Path) -> None:
     model, opt = trained(0)
     sched = {"last_epoch": 3, "best": float("inf"), "milestones": [1, 2]}

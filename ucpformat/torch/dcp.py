@@ -39,6 +39,7 @@ the inner chunks that overlap them.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,7 @@ from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.storage import Store, open_store
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.dcp_keys import (
+    MAX_VALUE_TENSOR,
     RECORD_KEY,
     Entry,
     KeyMap,
@@ -158,6 +160,7 @@ class _RankTasks:
     sends: list[tuple[int, str, Box]]  # (owner, path, cell), in the order every rank agrees on
     recvs: list[tuple[int, str, Box]]  # (sender, path, cell)
     peers: list[int] | None  # global rank of each rank of the group, when cells move
+    tensor_values: list[str]  # DCP keys of tensors stored as JSON values
 
 
 @dataclass
@@ -170,6 +173,7 @@ class _SavePlanState:
     tensor_entries: dict[str, Entry]
     values: dict[str, tuple[ObjectPath, ValueTarget]]
     context: SaveContext
+    tensor_values: dict[str, tuple[str, tuple[int, ...]]]
 
 
 # -- the writer -----------------------------------------------------------------------------
@@ -320,8 +324,24 @@ class UCPWriter(StorageWriter):
         path_of_key: dict[str, str] = {}
         key_of_path: dict[str, str] = {}
         tensor_entries: dict[str, Entry] = {}
+        tensor_values: dict[str, tuple[str, tuple[int, ...]]] = {}
+        values: dict[str, tuple[ObjectPath, ValueTarget]] = {}
         for key, item in tensor_keys.items():
             target = locate(object_paths[key], tensor=True, ctx=ctx)
+            td = item.tensor_data
+            assert td is not None
+            if target.param_entry is not None or target.logical[:2] == ("optimizer",
+                                                                          "param_groups"):
+                # a tensor hyperparameter: stored as a JSON number (list), as the spec says
+                shape = tuple(int(n) for n in td.size)
+                if math.prod(shape) > MAX_VALUE_TENSOR:
+                    raise InvalidValueError(
+                        f"a tensor of shape {list(shape)} in param_groups is too large to "
+                        f"store as a JSON value (at most {MAX_VALUE_TENSOR} elements)", path=key)
+                dt = data_type(td.properties.dtype, tensor=key)
+                tensor_values[key] = (dt.name, shape)
+                values[key] = (object_paths[key], target)
+                continue
             apath = node_path(target.logical)
             other = key_of_path.get(apath)
             if other is not None:
@@ -330,14 +350,11 @@ class UCPWriter(StorageWriter):
                     "pass UCPWriter(key_map=...) to tell them apart", path=key,
                 )
             path_of_key[key], key_of_path[apath] = apath, key
-            td = item.tensor_data
-            assert td is not None
             dt = data_type(td.properties.dtype, tensor=key)
             specs[apath] = TensorSpec(apath, tuple(int(s) for s in td.size), dt.name)
             tensor_entries[key] = Entry(object_paths[key], array=apath)
 
         # values: located now so that a clash fails before anything is written
-        values: dict[str, tuple[ObjectPath, ValueTarget]] = {}
         groups = {a for p in specs for a in ancestors(p)}
         for key in value_keys:
             target = locate(object_paths[key], tensor=False, ctx=ctx)
@@ -352,7 +369,7 @@ class UCPWriter(StorageWriter):
             values[key] = (object_paths[key], target)
         check_groups_and_arrays(specs, groups)
 
-        with_boxes = {path_of_key[k]: b for k, b in boxes.items()}
+        with_boxes = {path_of_key[k]: b for k, b in boxes.items() if k in path_of_key}
         plan = make_plan(
             specs, with_boxes, world,
             compression=self.compression, chunk_bytes=self.chunk_bytes,
@@ -366,7 +383,7 @@ class UCPWriter(StorageWriter):
         prepare_destination(store, overwrite=self.overwrite)
 
         per_rank = [
-            _RankTasks(r, {}, {}, [], [], [], peers) for r in range(world)
+            _RankTasks(r, {}, {}, [], [], [], peers, sorted(tensor_values)) for r in range(world)
         ]
         expected: set[str] = set()
         for apath, tplan in sorted(plan.tensors.items()):
@@ -383,7 +400,7 @@ class UCPWriter(StorageWriter):
             tasks.key_of = {p: key_of_path[p] for p in used}
         self._state = _SavePlanState(
             world, {p: tp.meta for p, tp in plan.tensors.items()}, expected,
-            tensor_entries, values, ctx,
+            tensor_entries, values, ctx, tensor_values,
         )
         return [replace(p, storage_data=t) for p, t in zip(plans, per_rank, strict=True)]
 
@@ -400,9 +417,15 @@ class UCPWriter(StorageWriter):
         # an error before it is raised after it.
         error: BaseException | None = None
         try:
+            as_value = set(tasks.tensor_values)
             for item in plan.items:
-                if _is_tensor_item(item):
+                if _is_tensor_item(item) and item.index.fqn not in as_value:
                     items_of.setdefault(item.index.fqn, []).append(item)
+                elif _is_tensor_item(item):
+                    data = planner.resolve_data(item)
+                    assert isinstance(data, torch.Tensor)
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={
+                        "value": encode_value(data.detach().cpu().tolist(), key=item.index.fqn)}))
                 else:
                     results.append(self._value_result(item, planner))
             metas = {p: parse_array(p, doc) for p, doc in tasks.metas.items()}
@@ -511,6 +534,8 @@ class UCPWriter(StorageWriter):
             (state.values[k][0], state.values[k][1], v) for k, v in value_of.items()
         ]
         group_values, value_entries = assemble_values(json_values, groups)
+        for key, spec in state.tensor_values.items():
+            value_entries[key] = replace(value_entries[key], tensor=spec)
         if self._optimizer_type is not None and "optimizer" in groups:
             group_values.setdefault("optimizer", {}).setdefault("type", self._optimizer_type)
         entries.update(value_entries)
@@ -818,13 +843,17 @@ class UCPReader(StorageReader):
         self._entries = self._load_entries(ckpt)
         md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for key, entry in self._entries.items():
-            if entry.array is None or entry.encoding is not None:
+            if entry.tensor is not None:  # a small tensor stored as a JSON value
+                dtype_name, dims = entry.tensor
+            elif entry.array is None or entry.encoding is not None:
                 md[key] = BytesStorageMetadata()
                 continue
-            meta = ckpt.arrays[entry.array]
-            shape = torch.Size(meta.shape)
+            else:
+                meta = ckpt.arrays[entry.array]
+                dtype_name, dims = meta.dtype.name, meta.shape
+            shape = torch.Size(dims)
             md[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype(meta.dtype, tensor=meta.path)),
+                properties=TensorProperties(dtype=torch_dtype(dtype_name, tensor=key)),
                 size=shape,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
             )
@@ -862,11 +891,20 @@ class UCPReader(StorageReader):
 
         def read(item: ReadItem) -> np.ndarray[Any, Any]:
             entry = self._entry(item.storage_index.fqn)
-            assert entry.array is not None
             base = item.storage_index.offset or ()
             lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
                 if base else [int(o) for o in item.storage_offsets]
             hi = [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
+            if entry.tensor is not None:
+                assert entry.group is not None
+                value = lookup(ckpt.values(entry.group), entry.pointer, where=entry.key)
+                dtype_name, dims = entry.tensor
+                full = np.asarray(value, dtype=dtypes.by_name(dtype_name).numpy)
+                if full.shape != dims:
+                    raise FormatError(f"the value has shape {list(full.shape)}, the entry "
+                                      f"says {list(dims)}", path=entry.key)
+                return full[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
+            assert entry.array is not None
             return ckpt[entry.array].read_region(lo, hi)
 
         window = 4 * (self.workers or default_workers())

@@ -20,7 +20,8 @@ DCP object path                                       UCP location
 ``(optim, "state.<fqn>.<name>")`` (flattened form)    or a value of group
                                                       ``optimizer/state/<fqn>``
 ``(optim, "param_groups", i, key)``                   ``param_groups[i][key]`` of the values of
-                                                      group ``optimizer`` (``params`` are FQNs)
+                                                      group ``optimizer`` (``params`` are FQNs;
+                                                      a tensor is stored as a number or list)
 ``(optim, "param_groups.<fqn>.<key>")`` (flattened)   grouped: parameters whose hyperparameters
                                                       are equal share one ``param_groups`` entry
 ``(optim, *other)``                                   ``optimizer/<other...>``
@@ -47,11 +48,12 @@ with the spellings chosen by a :class:`KeyMap`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ucpformat import jsonvalues, names
+from ucpformat import dtypes, jsonvalues, names
 from ucpformat.errors import FormatError, InvalidValueError
 
 PathItem = str | int
@@ -60,6 +62,8 @@ ObjectPath = tuple[PathItem, ...]
 #: Version of the ``attributes.ucp.torch_dcp`` record.
 RECORD_FORMAT: Final = 1
 RECORD_KEY: Final = "torch_dcp"
+#: Largest tensor stored as a JSON value (a tensor hyperparameter of a param group).
+MAX_VALUE_TENSOR: Final = 4096
 ENCODINGS: Final = ("bytes", "bytesio")
 
 
@@ -200,18 +204,14 @@ def locate(full_path: ObjectPath, *, tensor: bool, ctx: SaveContext) -> ValueTar
                 path=key,
             )
         if first == "param_groups" and len(tail) >= 3 and isinstance(tail[1], int):
-            if tensor:
-                raise InvalidValueError(
-                    "a tensor hyperparameter in param_groups cannot be stored as JSON; "
-                    "use a Python number", path=key,
-                )
-            return ValueTarget(("optimizer", *tail))
+            return ValueTarget(("optimizer", *tail))  # a tensor is stored as a number
+
         if len(tail) == 1 and isinstance(first, str):
             kind, dot, rest = first.partition(".")
             if kind == "state" and dot:
                 fqn, name = _split_flat_state(rest, ctx.fqns, key)
                 return ValueTarget(("optimizer", "state", fqn, name))
-            if kind == "param_groups" and dot and "." in rest and not tensor:
+            if kind == "param_groups" and dot and "." in rest:
                 fqn, _, hyper = rest.rpartition(".")
                 return ValueTarget(param_entry=(fqn, hyper))
         return ValueTarget(("optimizer", *tail))
@@ -232,6 +232,8 @@ class Entry:
     encoding: str | None = None  # "bytes" / "bytesio": a uint8 array holding raw bytes
     group: str | None = None  # node path of the group whose values hold it
     pointer: tuple[PathItem, ...] = ()  # inside that group's values
+    #: (data type, shape) of a small tensor stored as a JSON value (a tensor hyperparameter)
+    tensor: tuple[str, tuple[int, ...]] | None = None
 
     @property
     def key(self) -> str:
@@ -246,6 +248,8 @@ class Entry:
         else:
             doc["group"] = self.group
             doc["pointer"] = list(self.pointer)
+            if self.tensor is not None:
+                doc["tensor"] = {"data_type": self.tensor[0], "shape": list(self.tensor[1])}
         return doc
 
     @staticmethod
@@ -277,7 +281,21 @@ class Entry:
                 names.check_path(value, where=where)
         if encoding is not None and encoding not in ENCODINGS:
             raise bad(f"'encoding' must be one of {ENCODINGS}")
-        return Entry(tuple(path), array, encoding, group, tuple(pointer))
+        tensor = doc.get("tensor")
+        as_tensor: tuple[str, tuple[int, ...]] | None = None
+        if tensor is not None:
+            shape = tensor.get("shape") if isinstance(tensor, Mapping) else None
+            dtype = tensor.get("data_type") if isinstance(tensor, Mapping) else None
+            if (
+                group is None or dtype not in dtypes.BY_NAME or not isinstance(shape, list)
+                or len(shape) > 8 or not all(isinstance(n, int) and not isinstance(n, bool)
+                                             and 0 <= n <= MAX_VALUE_TENSOR for n in shape)
+                or math.prod(shape) > MAX_VALUE_TENSOR
+            ):
+                raise bad("'tensor' must be {'data_type': <a data type>, 'shape': [a few "
+                          f"integers, at most {MAX_VALUE_TENSOR} elements]}} on a value")
+            as_tensor = (str(dtype), tuple(shape))
+        return Entry(tuple(path), array, encoding, group, tuple(pointer), as_tensor)
 
 
 def record_to_json(entries: Mapping[str, Entry]) -> dict[str, Any]:
