@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from ucpformat._version import __version__
-from ucpformat.cli import diff, inspect, validate
+from ucpformat.cli import demo, diff, inspect, validate
 from ucpformat.cli.common import ERROR, FOUND, CommandError
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -30,7 +30,7 @@ from ucpformat.errors import (
 
 #: The subcommands, in the order ``ucp --help`` lists them. The demo is one module, so
 #: that a fuller demo can replace it without touching anything else.
-COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff)
+COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, demo)
 
 
 class _Parser(argparse.ArgumentParser):
