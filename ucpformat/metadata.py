@@ -7,12 +7,14 @@ documents; tests/test_schema_code_agreement.py proves it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 import numpy as np
 
@@ -47,6 +49,15 @@ MAX_CHUNKS_PER_SHARD: Final = 2**24
 _VERSION_RE = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)$")
 
 
+def _is_map(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """``isinstance(value, Mapping)``, fast for the dicts that JSON parsing makes.
+
+    Opening a checkpoint runs this about ten times per array; the ABC check costs a
+    quarter of a microsecond more each time.
+    """
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def _fail(message: str, rule: str, where: str | None) -> FormatError:
     return FormatError(message, rule=rule, tensor=where)
 
@@ -72,7 +83,7 @@ class ArrayMeta:
     def ucp(self) -> Mapping[str, Any]:
         """The array's ``attributes.ucp`` object (empty if absent)."""
         value = self.attributes.get("ucp", {})
-        return value if isinstance(value, Mapping) else {}
+        return value if _is_map(value) else {}
 
     @property
     def sparse(self) -> bool:
@@ -158,13 +169,13 @@ def _int_list(value: Any, what: str, where: str, *, minimum: int) -> tuple[int, 
 
 
 def _parse_bytes_codec(codec: Any, dt: DataType, where: str) -> None:
-    if not isinstance(codec, Mapping) or codec.get("name") != "bytes":
+    if not _is_map(codec) or codec.get("name") != "bytes":
         raise _fail(
             f"the first codec must be 'bytes', got {codec!r}", "UCP-1.0-R022", where
         )
     cfg = codec.get("configuration")
-    endian = cfg.get("endian") if isinstance(cfg, Mapping) else None
-    if cfg is not None and not isinstance(cfg, Mapping):
+    endian = cfg.get("endian") if _is_map(cfg) else None
+    if cfg is not None and not _is_map(cfg):
         raise _fail("'bytes' configuration must be an object", "UCP-1.0-R022", where)
     if dt.itemsize == 1:
         if endian is not None:
@@ -190,7 +201,7 @@ def _parse_compression(codec: Mapping[str, Any], where: str) -> Compression:
             rule="UCP-1.0-R024",
             tensor=where,
         )
-    if not isinstance(cfg, Mapping):
+    if not _is_map(cfg):
         raise _fail(f"{name} configuration must be an object", "UCP-1.0-R024", where)
 
     def int_in(key: str, lo: int, hi: int, *, required: bool = True) -> None:
@@ -229,7 +240,7 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
     _parse_bytes_codec(chain[0], dt, where)
     last = chain[-1]
     if (
-        not isinstance(last, Mapping)
+        not _is_map(last)
         or last.get("name") != "crc32c"
         or set(last) - {"name", "configuration"}
         or last.get("configuration", {}) != {}
@@ -238,7 +249,7 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
             f"every chunk must end with the crc32c codec, got {last!r}", "UCP-1.0-R040", where
         )
     if len(chain) == 3:
-        if not isinstance(chain[1], Mapping):
+        if not _is_map(chain[1]):
             raise _fail("codecs must be objects", "UCP-1.0-R022", where)
         return _parse_compression(chain[1], where)
     return None
@@ -247,7 +258,7 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
 def parse_array(path: str, doc: Any) -> ArrayMeta:
     """Parse and check one array's zarr.json document."""
     where = path
-    if not isinstance(doc, Mapping):
+    if not _is_map(doc):
         raise _fail("array metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
         raise _fail("not a zarr v3 array (zarr_format 3, node_type 'array')", "UCP-1.0-R001", where)
@@ -270,9 +281,9 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
             )
     grid = doc.get("chunk_grid")
     if (
-        not isinstance(grid, Mapping)
+        not _is_map(grid)
         or grid.get("name") != "regular"
-        or not isinstance(grid.get("configuration"), Mapping)
+        or not _is_map(grid.get("configuration"))
     ):
         raise _fail("chunk_grid must be 'regular'", "UCP-1.0-R021", where)
     grid_shape = _int_list(grid["configuration"].get("chunk_shape"), "chunk_shape", where, minimum=1)
@@ -296,12 +307,12 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         raise _fail("codecs must be a non-empty list", "UCP-1.0-R022", where)
     first = codecs[0]
     shard_shape: tuple[int, ...] | None
-    if isinstance(first, Mapping) and first.get("name") == "sharding_indexed":
+    if _is_map(first) and first.get("name") == "sharding_indexed":
         if len(codecs) != 1:
             raise _fail("sharding_indexed must be the only array-level codec", "UCP-1.0-R022",
                         where)
         cfg = first.get("configuration")
-        if not isinstance(cfg, Mapping):
+        if not _is_map(cfg):
             raise _fail("sharding_indexed needs a configuration", "UCP-1.0-R022", where)
         chunk_shape = _int_list(cfg.get("chunk_shape"), "inner chunk_shape", where, minimum=1)
         if len(chunk_shape) != len(shape) or any(
@@ -336,10 +347,10 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         raise _fail("fill_value is required", "UCP-1.0-R026", where)
     fill = dtypes.fill_value_from_json(dt, doc["fill_value"], tensor=where)
     attributes = doc.get("attributes", {})
-    if not isinstance(attributes, Mapping):
+    if not _is_map(attributes):
         raise _fail("attributes must be an object", "UCP-1.0-R001", where)
     ucp = attributes.get("ucp", {})
-    if not isinstance(ucp, Mapping):
+    if not _is_map(ucp):
         raise _fail("attributes.ucp must be an object", "UCP-1.0-R029", where)
     sparse = ucp.get("sparse", False)
     if not isinstance(sparse, bool):
@@ -379,30 +390,30 @@ class GroupMeta:
     @property
     def ucp(self) -> Mapping[str, Any]:
         value = self.attributes.get("ucp", {})
-        return value if isinstance(value, Mapping) else {}
+        return value if _is_map(value) else {}
 
     @property
     def values(self) -> Mapping[str, Any]:
         value = self.ucp.get("values", {})
-        return value if isinstance(value, Mapping) else {}
+        return value if _is_map(value) else {}
 
     def to_zarr_json(self) -> dict[str, Any]:
         return {"zarr_format": 3, "node_type": "group", "attributes": dict(self.attributes)}
 
 
 def parse_group(path: str, doc: Any) -> GroupMeta:
-    if not isinstance(doc, Mapping):
+    if not _is_map(doc):
         raise _fail("group metadata must be a JSON object", "UCP-1.0-R001", path or "/")
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise _fail("not a zarr v3 group", "UCP-1.0-R001", path or "/")
     attributes = doc.get("attributes", {})
-    if not isinstance(attributes, Mapping):
+    if not _is_map(attributes):
         raise _fail("attributes must be an object", "UCP-1.0-R001", path or "/")
     ucp = attributes.get("ucp", {})
-    if not isinstance(ucp, Mapping):
+    if not _is_map(ucp):
         raise _fail("attributes.ucp must be an object", "UCP-1.0-R029", path or "/")
     values = ucp.get("values", {})
-    if not isinstance(values, Mapping):
+    if not _is_map(values):
         raise _fail("attributes.ucp.values must be an object", "UCP-1.0-R070", path or "/")
     return GroupMeta(path=path, attributes=attributes)
 
@@ -444,19 +455,41 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
+    out = dict(pairs)  # built in C; a duplicate key makes it shorter than the pairs
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r}")
+            seen.add(k)
     return out
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a large metadata document is parsed.
+
+    Parsing the consolidated metadata of 10,000 tensors allocates about a million
+    containers; each allocation burst triggers a collection that traverses all of them
+    again (a third of the parse time). Nothing parsed here forms reference cycles.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
     """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys)."""
     try:
         text = data.decode("utf-8")
-        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+        with gc_paused():
+            return json.loads(
+                text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates
+            )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"not valid JSON: {exc}", rule=rule, path=what) from None
 

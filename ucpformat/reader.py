@@ -38,6 +38,7 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    gc_paused,
     loads,
     parse_array,
     parse_group,
@@ -637,7 +638,8 @@ def open_checkpoint(
             rule="UCP-1.0-R061",
             path=store.location,
         )
-    arrays, groups = parse_consolidated(doc, where=store.location)
+    with gc_paused():
+        arrays, groups = parse_consolidated(doc, where=store.location)
     return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
 
 
