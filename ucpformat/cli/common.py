@@ -81,8 +81,14 @@ def manifest_files(ckpt: Checkpoint) -> int | None:
 
 
 def write_json(doc: Any) -> None:
-    """Print a JSON document on stdout (strict JSON: no NaN or Infinity)."""
-    sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+    """Print a JSON document on stdout (strict JSON: no NaN or Infinity).
+
+    Indented on a terminal; one compact line otherwise, because only an un-indented
+    ``json.dumps`` runs in C (indenting the document of 10,000 tensors costs 0.2 s).
+    """
+    pretty = sys.stdout.isatty()
+    text = json.dumps(doc, ensure_ascii=False, allow_nan=False, indent=2 if pretty else None)
+    sys.stdout.write(text + "\n")
 
 
 def human_bytes(n: int) -> str:

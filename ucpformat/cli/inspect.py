@@ -65,8 +65,13 @@ def run(args: argparse.Namespace) -> int:
 # -- the JSON document ----------------------------------------------------------------
 
 
-def tensor_json(meta: ArrayMeta) -> dict[str, Any]:
-    parts = names.split_path(meta.path)
+def tensor_json(meta: ArrayMeta, parents: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """One tensor of ``inspect --json``; ``parents`` caches the unescaped group paths."""
+    parent, _, leaf = meta.path.rpartition("/")
+    cache = {} if parents is None else parents
+    if parent not in cache:
+        cache[parent] = names.split_path(parent)
+    parts = [*cache[parent], names.unescape(leaf)]
     return {
         "path": meta.path,
         "name": parts[-1],
@@ -84,6 +89,7 @@ def tensor_json(meta: ArrayMeta) -> dict[str, Any]:
 def document(ckpt: Checkpoint, files: int | None) -> dict[str, Any]:
     """What ``inspect --json`` prints. Values are as stored (non-finite floats tagged)."""
     ucp = ckpt.ucp
+    parents: dict[str, list[str]] = {}
     groups: dict[str, Any] = {"": dict(ckpt.root.values)}
     for path in sorted(ckpt.groups):
         groups[path] = dict(ckpt.groups[path].values)
@@ -95,7 +101,7 @@ def document(ckpt: Checkpoint, files: int | None) -> dict[str, Any]:
         "step": training_step(ckpt),
         "metadata": dict(ucp.get("metadata", {})),
         "groups": groups,
-        "tensors": [tensor_json(ckpt.arrays[p]) for p in sorted(ckpt.arrays)],
+        "tensors": [tensor_json(ckpt.arrays[p], parents) for p in sorted(ckpt.arrays)],
         "nbytes": sum(m.nbytes for m in ckpt.arrays.values()),
         "files": files,
     }
