@@ -28,7 +28,7 @@ from rich.text import Text
 import ucpformat
 from ucpformat.cli import inspect as inspect_cmd
 from ucpformat.cli import validate as validate_cmd
-from ucpformat.cli.common import OK, CommandError, console, human_bytes, manifest_files
+from ucpformat.cli.common import ERROR, OK, CommandError, console, human_bytes, manifest_files
 from ucpformat.errors import UCPError
 from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 
@@ -44,7 +44,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dir", default=None,
                    help="keep the checkpoints in this directory (default: a temporary one)")
-    p.set_defaults(run=run, invalid_status=2)
+    p.set_defaults(run=run, invalid_status=ERROR)
 
 
 # -- the training state ------------------------------------------------------------------
