@@ -1,5 +1,8 @@
 """Run every benchmark (``benchmarks/bench_*.py``) and write a Markdown report.
 
+A benchmark module has ``run(quick: bool)`` returning a list of :class:`benchmarks.Table`
+or a list of row dicts (printed as one table titled by the module's first doc line).
+
     python -m benchmarks.run [--quick] [--only NAME ...] [--output FILE]
 """
 
@@ -15,6 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import benchmarks
 from benchmarks import Table
@@ -25,6 +30,18 @@ def discover() -> list[str]:
     return sorted(
         m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_")
     )
+
+
+def as_tables(result: Any, module: ModuleType) -> list[Table]:
+    """A benchmark's result as tables: a list of Tables, or a list of row dicts (one table)."""
+    items = list(result)
+    if all(isinstance(t, Table) for t in items):
+        return items
+    if all(isinstance(r, dict) for r in items):
+        title = (module.__doc__ or module.__name__).strip().splitlines()[0].rstrip(".")
+        columns = list(items[0]) if items else []
+        return [Table(title, columns, [[str(r.get(c, "")) for c in columns] for r in items])]
+    raise TypeError(f"{module.__name__}.run must return Tables or row dicts")
 
 
 def environment() -> str:
@@ -61,8 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"running {name} ({mode}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         module = importlib.import_module(f"benchmarks.{name}")
-        tables: list[Table] = module.run(quick=args.quick)
-        for table in tables:
+        for table in as_tables(module.run(quick=args.quick), module):
             table.notes.append(f"{name}: {time.perf_counter() - started:.1f} s in all")
             text = table.to_markdown()
             print(text)

@@ -13,6 +13,17 @@ def test_runner_finds_the_benchmarks() -> None:
     assert "bench_open" in run.discover()
 
 
+def test_row_dicts_become_a_table() -> None:
+    import types
+
+    module = types.ModuleType("bench_x", "Something measured.\n\nMore text.")
+    (table,) = run.as_tables([{"a": 1, "b": 2.5}, {"a": 3, "b": 4}], module)
+    assert table.title == "Something measured"
+    assert table.columns == ["a", "b"] and table.rows == [["1", "2.5"], ["3", "4"]]
+    with pytest.raises(TypeError):
+        run.as_tables([1, 2], module)
+
+
 def test_table_markdown() -> None:
     table = Table("T", ["method", "ms"], [["a", "1.0"]], ["a note"])
     assert table.to_markdown() == "### T\n\n| method | ms |\n|---|---:|\n| a | 1.0 |\n\n- a note\n"

@@ -115,10 +115,11 @@ def test_validate_invalid(capsys: pytest.CaptureFixture[str], saved: Callable[..
     assert code == 1 and out == ""
 
 
+@pytest.mark.parametrize("hash_algorithm", [None, "sha256"])
 def test_validate_deep_finds_a_flipped_bit(
-    capsys: pytest.CaptureFixture[str], saved: Callable[..., Path]
+    capsys: pytest.CaptureFixture[str], saved: Callable[..., Path], hash_algorithm: str | None
 ) -> None:
-    path = saved()
+    path = saved(hash_algorithm=hash_algorithm)
     victim = next(p for p in data_files(path) if "fc.weight" in str(p))
     raw = bytearray(victim.read_bytes())
     raw[0] ^= 0x40
@@ -127,7 +128,8 @@ def test_validate_deep_finds_a_flipped_bit(
     code, out, _ = ucp(capsys, "validate", "--deep", "--json", str(path))
     assert code == 1
     rules = {e["rule"] for e in json.loads(out)["errors"]}
-    assert {"UCP-1.0-R041", "UCP-1.0-R043"} <= rules
+    assert "UCP-1.0-R041" in rules  # the chunk's CRC32C
+    assert ("UCP-1.0-R043" in rules) == (hash_algorithm == "sha256")  # the manifest's SHA-256
 
 
 def test_validate_uncommitted_is_invalid(
@@ -185,7 +187,8 @@ def test_inspect_tree(capsys: pytest.CaptureFixture[str], saved: Callable[..., P
     assert "emb.weight  bfloat16 [33, 8]" in out
     assert "type = torch.optim.AdamW" in out
     assert "param_groups = 1 group; [0] 2 params lr=0.001" in out
-    assert "training = " in out and "inf" in out
+    assert "training/  0 tensors" in out
+    assert "step = 3" in out and "best_loss = inf" in out
     manifest = json.loads((path / MANIFEST_KEY).read_text())
     assert out.strip().splitlines()[-1].endswith(f"{len(manifest['files'])} files")
     assert "8 tensors" in out.strip().splitlines()[-1]
@@ -199,7 +202,7 @@ def test_inspect_json(capsys: pytest.CaptureFixture[str], saved: Callable[..., P
     assert {"location", "version", "metadata", "groups", "tensors", "files"} <= set(doc)
     assert doc["version"] == "1.0"
     assert doc["groups"]["optimizer"]["type"] == "torch.optim.AdamW"
-    assert doc["groups"][""]["training"]["step"] == 3
+    assert doc["groups"]["training"] == {"step": 3, "best_loss": {"$ucp_float": "Infinity"}}
     assert doc["step"] == 3
     manifest = json.loads((path / MANIFEST_KEY).read_text())
     assert doc["files"] == len(manifest["files"])

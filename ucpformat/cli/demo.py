@@ -164,20 +164,22 @@ def walkthrough(directory: Path, out: Console, *, keep: bool = True) -> int:
           "scheduler, the data position and the RNG state.")
 
     n.section("Save")
-    n.command(f"ucpformat.save({str(ckpt_path)!r}, state, progress=True)")
+    n.command(f'ucpformat.save({str(ckpt_path)!r}, state, hash_algorithm="sha256", '
+              "progress=True)")
     t = time.perf_counter()
     result = ucpformat.save(ckpt_path, state, metadata={"model": "tiny-mlp", "demo": True},
-                            progress=sys.stderr.isatty())
+                            hash_algorithm="sha256", progress=sys.stderr.isatty())
     n.say(f"{result.tensors} tensors, {human_bytes(result.nbytes)}, {result.objects} stored "
-          f"objects in {time.perf_counter() - t:.2f} s. Data first, the root zarr.json last: "
-          "that write is the commit.")
+          f"objects in {time.perf_counter() - t:.2f} s. A CRC32C on every chunk; the manifest "
+          "lists every file's size (and, as asked here, its SHA-256). Data first, the root "
+          "zarr.json last: that write is the commit.")
 
     n.section("Inspect (reads the root metadata only)")
     n.command(f"ucp inspect {ckpt_path}")
     with ucpformat.open(ckpt_path) as ckpt:
         inspect_cmd.render(ckpt, manifest_files(ckpt))
 
-    n.section("Validate deeply (every SHA-256 and CRC32C)")
+    n.section("Validate deeply (every CRC32C and SHA-256)")
     n.command(f"ucp validate --deep {ckpt_path}")
     report = ucpformat.validate(ckpt_path, deep=True, progress=sys.stderr.isatty())
     for issue in report.issues:

@@ -25,7 +25,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--deep", action="store_true",
-                   help="also read every stored object: every CRC32C and SHA-256 is checked")
+                   help="also read every stored object: check every CRC32C, and every SHA-256 "
+                   "the manifest records")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true",
                      help='print {"valid", "errors", "warnings"} as JSON')
