@@ -232,16 +232,29 @@ def test_inspect_reads_no_tensor_data(
 
 
 def test_inspect_attributes_and_layout(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    def attrs(path: str, arr: Any) -> dict[str, Any]:
-        return {"ucp": {"role": "parameter", "layout": {"tp_dim": 0}}}
+    layout = {"tp": {"dim": 0}, "parts": [{"name": "q", "size": 8}, {"name": "k", "size": 4},
+                                         {"name": "v", "size": 4}], "groups": 2, "layer": 11}
 
-    ucpformat.save(tmp_path / "c", {"model": {"w": np.ones((4, 4), np.float32)}},
+    def attrs(path: str, arr: Any) -> dict[str, Any]:
+        return {"ucp": {"role": "parameter", "layout": layout}}
+
+    ucpformat.save(tmp_path / "c", {"model": {"qkv": np.ones((16, 4), np.float32)}},
                    array_attributes=attrs)
     code, out, _ = ucp(capsys, "inspect", str(tmp_path / "c"))
     assert code == 0
-    assert 'role=parameter layout={"tp_dim": 0}' in out
+    assert "role=parameter layout[tp=dim0 parts=q:8,k:4,v:4 groups=2 layer=11]" in out
     doc = json.loads(ucp(capsys, "inspect", "--json", str(tmp_path / "c"))[1])
-    assert doc["tensors"][0]["attributes"] == {"role": "parameter", "layout": {"tp_dim": 0}}
+    assert doc["tensors"][0]["attributes"] == {"role": "parameter", "layout": layout}
+
+
+def test_layout_text() -> None:
+    from ucpformat.cli.inspect import layout_text
+
+    assert layout_text({"experts": {"dim": 0, "count": 8}, "expert": 3}) == (
+        "layout[experts=dim0,count=8 expert=3]"
+    )
+    assert layout_text({"vocab": {"dim": 0}, "x": {"y": 1}}) == 'layout[vocab=dim0 x={"y": 1}]'
+    assert layout_text([1]) == "layout=[1]"
 
 
 def test_inspect_truncates_large_groups(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

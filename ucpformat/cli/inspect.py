@@ -110,12 +110,32 @@ def document(ckpt: Checkpoint, files: int | None) -> dict[str, Any]:
 # -- the tree --------------------------------------------------------------------------
 
 
+def layout_text(layout: Any) -> str:
+    """``attributes.ucp.layout`` on one line: ``layout[tp=dim0 parts=q:4096,k:1024 layer=3]``."""
+    if not isinstance(layout, Mapping):
+        return f"layout={value_text(layout, 80)}"
+    items = []
+    for key, value in layout.items():
+        if isinstance(value, Mapping) and "dim" in value:
+            rest = "".join(f",{k}={value_text(v, 30)}" for k, v in value.items() if k != "dim")
+            items.append(f"{key}=dim{value_text(value['dim'], 10)}{rest}")
+        elif key == "parts" and isinstance(value, list) and all(
+            isinstance(p, Mapping) and "name" in p and "size" in p for p in value
+        ):
+            items.append("parts=" + ",".join(f"{p['name']}:{p['size']}" for p in value))
+        else:
+            items.append(f"{key}={value_text(value, 60)}")
+    return "layout[" + " ".join(items) + "]"
+
+
 def _attributes_text(ucp: Mapping[str, Any]) -> str:
     parts = []
     for key in sorted(ucp, key=lambda k: (k != "role", k != "layout", k)):
         value = ucp[key]
         if key == "role":
             parts.append(f"role={value}")
+        elif key == "layout":
+            parts.append(layout_text(value))
         elif value is True:
             parts.append(key)
         else:
