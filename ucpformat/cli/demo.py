@@ -195,11 +195,13 @@ def walkthrough(directory: Path, out: Console, *, keep: bool = True) -> int:
         ckpt.stats.reset()
         rows = embed[1000:1008]
         ok = rows.tobytes() == state["model"]["embed.weight"][1000:1008].tobytes()
+        edge = embed.meta.chunk_shape[0]
+        touched = 1007 // edge - 1000 // edge + 1
+        index = ", plus the shard index" if embed.meta.shard_shape is not None else ""
         n.say(f"8 of {embed.shape[0]} rows ({rows.dtype}, {rows.shape}): read "
               f"{human_bytes(ckpt.stats.bytes_read)} in {ckpt.stats.requests} requests out of "
-              f"{human_bytes(embed.nbytes)} (inner chunks of {embed.meta.chunk_shape[0]} rows; "
-              f"only the one that overlaps, plus the shard index). "
-              f"Bit-exact: {'yes' if ok else 'NO'}.")
+              f"{human_bytes(embed.nbytes)}: the {touched} inner chunk(s) of {edge} rows that "
+              f"overlap{index}. Bit-exact: {'yes' if ok else 'NO'}.")
         if not ok:
             return 1
 
