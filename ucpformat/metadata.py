@@ -443,11 +443,13 @@ def parse_version(value: Any, *, where: str) -> tuple[int, int]:
     return major, minor
 
 
-def dumps(doc: Any) -> bytes:
-    """Canonical JSON encoding used for every metadata document."""
-    return json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False, allow_nan=False).encode(
-        "utf-8"
-    )
+def dumps(doc: Any, *, compact: bool = False) -> bytes:
+    """JSON encoding of metadata documents: indented, or compact for the large root."""
+    if compact:
+        text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    else:
+        text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
 
 
 def _refuse_constant(name: str) -> Any:

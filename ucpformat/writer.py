@@ -228,7 +228,8 @@ def commit(
         "attributes": attributes,
         "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": consolidated},
     }
-    store.put(ZARR_JSON, [dumps(root)], atomic=True)
+    # Compact: the root holds every node's metadata; it is parsed on every open.
+    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
     store.delete(IN_PROGRESS_KEY)
     return root
 
