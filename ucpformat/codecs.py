@@ -47,8 +47,10 @@ class Compression:
     configuration: Mapping[str, Any] = field(default_factory=dict)
 
     @staticmethod
-    def parse(spec: str | Mapping[str, Any] | Compression | None, dtype: DataType) -> Compression | None:
-        """Accept ``None``, ``"zstd"``, ``"zstd:5"``, ``"gzip"``, ``"blosc"`` or a zarr codec dict."""
+    def parse(
+        spec: str | Mapping[str, Any] | Compression | None, dtype: DataType
+    ) -> Compression | None:
+        """Accept ``None``, ``"zstd"``, ``"zstd:5"``, ``"gzip"``, ``"blosc"`` or a codec dict."""
         if spec is None or isinstance(spec, Compression):
             return spec
         if isinstance(spec, str):
@@ -92,10 +94,15 @@ class Compression:
     def numcodec(self) -> Any:
         cfg = self.configuration
         if self.name == "zstd":
-            return numcodecs.Zstd(level=int(cfg.get("level", 0)), checksum=bool(cfg.get("checksum", False)))
+            return numcodecs.Zstd(
+                level=int(cfg.get("level", 0)), checksum=bool(cfg.get("checksum", False))
+            )
         if self.name == "gzip":
             return numcodecs.GZip(level=int(cfg.get("level", 5)))
-        shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(cfg.get("shuffle", "noshuffle"))]
+        shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+        shuffle = shuffles[str(cfg.get("shuffle", "noshuffle"))]
+        # Chunks are handed over as bytes: without the typesize, blosc would shuffle
+        # single bytes (a no-op) whatever the configuration says.
         return numcodecs.Blosc(
             cname=str(cfg.get("cname", "zstd")),
             clevel=int(cfg.get("clevel", 5)),
@@ -126,7 +133,7 @@ class ChunkCodec:
 
     def encode(self, chunk: np.ndarray[Any, Any]) -> list[Any]:
         """Encode a C-contiguous little-endian chunk; returns buffers to write in order."""
-        raw = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data
         payload: Any = raw if self._numcodec is None else self._numcodec.encode(raw)
         return [payload, crc_bytes(payload)]
 
@@ -137,7 +144,8 @@ class ChunkCodec:
         view = memoryview(data).cast("B")
         if len(view) < CRC_BYTES:
             raise CorruptDataError(
-                f"chunk {chunk} is truncated ({len(view)} bytes)", rule="UCP-1.0-R041", tensor=tensor
+                f"chunk {chunk} is truncated ({len(view)} bytes)", rule="UCP-1.0-R041",
+                tensor=tensor,
             )
         payload, stored = view[:-CRC_BYTES], bytes(view[-CRC_BYTES:])
         if crc_bytes(payload) != stored:
@@ -153,7 +161,8 @@ class ChunkCodec:
                 payload = memoryview(self._numcodec.decode(payload)).cast("B")
             except Exception as exc:
                 raise CorruptDataError(
-                    f"chunk {chunk} cannot be decompressed ({self.compression.name if self.compression else ''}): {exc}",
+                    f"chunk {chunk} cannot be decompressed "
+                    f"({self.compression.name if self.compression else ''}): {exc}",
                     rule="UCP-1.0-R041",
                     tensor=tensor,
                 ) from exc

@@ -48,7 +48,8 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
     if isinstance(value, float):
         if math.isfinite(value):
             return value
-        return {FLOAT_TAG: "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+        tag = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return {FLOAT_TAG: tag}
     if isinstance(value, list | tuple):
         return [encode(v, where=f"{where}[{i}]", depth=depth + 1) for i, v in enumerate(value)]
     if isinstance(value, Mapping):

@@ -273,7 +273,9 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         or not isinstance(grid.get("configuration"), Mapping)
     ):
         raise _fail("chunk_grid must be 'regular'", "UCP-1.0-R021", where)
-    grid_shape = _int_list(grid["configuration"].get("chunk_shape"), "chunk_shape", where, minimum=1)
+    grid_shape = _int_list(
+        grid["configuration"].get("chunk_shape"), "chunk_shape", where, minimum=1
+    )
     if len(grid_shape) != len(shape):
         raise _fail(
             f"chunk_shape {list(grid_shape)} and shape {list(shape)} differ in rank",
@@ -311,7 +313,8 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
                 "UCP-1.0-R028",
                 where,
             )
-        if math.prod(g // c for g, c in zip(grid_shape, chunk_shape, strict=True)) > MAX_CHUNKS_PER_SHARD:
+        per_shard = math.prod(g // c for g, c in zip(grid_shape, chunk_shape, strict=True))
+        if per_shard > MAX_CHUNKS_PER_SHARD:
             raise _fail(
                 f"a shard holds more than {MAX_CHUNKS_PER_SHARD} inner chunks", "UCP-1.0-R028",
                 where,

@@ -218,7 +218,10 @@ class Checkpoint:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<ucpformat.Checkpoint {self.location!r} version={self.version} tensors={len(self)}>"
+        return (
+            f"<ucpformat.Checkpoint {self.location!r} version={self.version} "
+            f"tensors={len(self)}>"
+        )
 
 
 def _nest(out: dict[str, Any], rel_path: str) -> dict[str, Any]:
@@ -410,6 +413,7 @@ class Tensor:
             data_len = (size or 0) - isize
 
         # gather byte ranges of the needed chunks
+        assert index is not None
         wanted: list[tuple[tuple[int, ...], int, int]] = []
         for local in needed:
             offset, nbytes = (int(v) for v in index[local])
@@ -429,10 +433,10 @@ class Tensor:
                 )
             wanted.append((local, offset, nbytes))
 
-        for local, offset, nbytes, data in self._fetch(key, whole, wanted):
+        for local, _offset, _nbytes, raw in self._fetch(key, whole, wanted):
             glo = [o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True)]
             gchunk = [g // c for g, c in zip(glo, cs, strict=True)]
-            chunk = codec.decode(data, cs, tensor=self.path, chunk=self._chunk_label(gchunk, key))
+            chunk = codec.decode(raw, cs, tensor=self.path, chunk=self._chunk_label(gchunk, key))
             self._place(glo, chunk, req_lo, req_hi, out)
 
     def _fetch(

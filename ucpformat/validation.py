@@ -194,7 +194,9 @@ def _parse_nodes(
     return arrays, groups
 
 
-def _check_tree(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report) -> None:
+def _check_tree(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
     children: dict[str, list[str]] = {}
     for path in [*arrays, *groups]:
         parent, _, leaf = path.rpartition("/")
@@ -202,7 +204,8 @@ def _check_tree(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta]
         if parent and parent not in groups:
             report.add("UCP-1.0-R005", path, f"parent group {parent!r} is not in the metadata")
         if not parent and leaf.endswith(RESERVED_ROOT_SUFFIX):
-            report.add("UCP-1.0-R004", path, f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
+            report.add("UCP-1.0-R004", path,
+                       f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
     for reserved in RESERVED_GROUPS:
         if reserved in arrays:
             report.add("UCP-1.0-R004", reserved, f"{reserved!r} must be a group, not an array")
@@ -250,7 +253,9 @@ def _walk_ints(value: Any) -> Iterable[int]:
             yield from _walk_ints(v)
 
 
-def _check_values(groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], report: Report) -> None:
+def _check_values(
+    groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], report: Report
+) -> None:
     sources = [("/", root_ucp.get("values", {})), ("/", root_ucp.get("metadata", {}))]
     sources += [(p, g.values) for p, g in groups.items()]
     for path, values in sources:
@@ -263,7 +268,9 @@ def _check_values(groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], 
             )
 
 
-def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report) -> None:
+def _check_optimizer(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
     opt = groups.get("optimizer")
     if opt is None:
         return
@@ -271,7 +278,9 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
     for v in schemas.violations("optimizer", dict(values)):
         report.add(v.rule, "optimizer", f"values{v.pointer}: {v.message}")
     model_params = {
-        names.unescape(p.split("/", 1)[1]) for p in arrays if p.startswith("model/") and p.count("/") == 1
+        names.unescape(p.split("/", 1)[1])
+        for p in arrays
+        if p.startswith("model/") and p.count("/") == 1
     }
     has_model = "model" in groups
     named: set[str] = set()
@@ -281,7 +290,8 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
         for p in params if isinstance(params, list) else []:
             if isinstance(p, str):
                 if p in named:
-                    report.add("UCP-1.0-R081", "optimizer", f"parameter {p!r} is in more than one param group")
+                    report.add("UCP-1.0-R081", "optimizer",
+                               f"parameter {p!r} is in more than one param group")
                 named.add(p)
                 if has_model and p not in model_params:
                     report.add("UCP-1.0-R082", "optimizer",
@@ -294,13 +304,16 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
             except UCPError:
                 continue
             if has_model and pname not in model_params:
-                report.add("UCP-1.0-R082", path, f"optimizer state for {pname!r}, which is not a tensor of model/")
+                report.add("UCP-1.0-R082", path,
+                           f"optimizer state for {pname!r}, which is not a tensor of model/")
             if pgs and pname not in named:
-                report.add("UCP-1.0-R082", path, f"optimizer state for {pname!r}, which no param group lists")
+                report.add("UCP-1.0-R082", path,
+                           f"optimizer state for {pname!r}, which no param group lists")
     for path in arrays:
         parts = path.split("/")
         if parts[0] == "optimizer" and len(parts) >= 2 and parts[1] == "state" and len(parts) != 4:
-            report.add("UCP-1.0-R081", path, "optimizer state arrays live at optimizer/state/<parameter>/<state>")
+            report.add("UCP-1.0-R081", path,
+                       "optimizer state arrays live at optimizer/state/<parameter>/<state>")
 
 
 def expected_objects(meta: ArrayMeta) -> list[str]:
@@ -323,9 +336,11 @@ def _check_manifest(
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
         return None
     if len(raw) != ref.get("nbytes"):
-        report.add("UCP-1.0-R043", MANIFEST_KEY, f"the manifest is {len(raw)} bytes, the root says {ref.get('nbytes')}")
+        report.add("UCP-1.0-R043", MANIFEST_KEY,
+                   f"the manifest is {len(raw)} bytes, the root says {ref.get('nbytes')}")
     if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
-        report.add("UCP-1.0-R043", MANIFEST_KEY, "the manifest's SHA-256 differs from the one in the root")
+        report.add("UCP-1.0-R043", MANIFEST_KEY,
+                   "the manifest's SHA-256 differs from the one in the root")
     try:
         manifest = loads(raw, what=MANIFEST_KEY, rule="UCP-1.0-R042")
     except UCPError as exc:
@@ -355,7 +370,8 @@ def _check_manifest(
         if size is None:
             report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
         elif size != entry.get("nbytes"):
-            report.add("UCP-1.0-R043", key, f"is {size} bytes, the manifest says {entry.get('nbytes')}")
+            report.add("UCP-1.0-R043", key,
+                       f"is {size} bytes, the manifest says {entry.get('nbytes')}")
     known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
     for key in store.list():
         if key not in known:
@@ -406,7 +422,10 @@ def _deep(
             return Issue(exc.rule, exc.tensor or tensor.path, exc.message)
         return None
 
-    with byte_progress(progress, 2 * total, "verifying") as advance, ThreadPoolExecutor(workers) as pool:
+    with (
+        byte_progress(progress, 2 * total, "verifying") as advance,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         for nbytes, issue in pool.map(check_file, list(files)):
             advance(nbytes)
             if issue:

@@ -106,7 +106,10 @@ def encode_object(meta: ArrayMeta, coords: Sequence[int], data: np.ndarray[Any, 
         if math.prod(meta.chunk_shape) == 0:
             continue
         block = data[
-            tuple(slice(low, min(low + c, n)) for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True))
+            tuple(
+                slice(low, min(low + c, n))
+                for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True)
+            )
         ]
         parts = codec.encode(_padded(block, meta.chunk_shape, meta.fill_value))
         size = sum(memoryview(p).nbytes for p in parts)
@@ -203,7 +206,8 @@ def commit(
     """
     files: dict[str, dict[str, Any]] = {o.key: o.to_json() for o in objects}
     consolidated: dict[str, Any] = {}
-    for node in sorted([*groups, *arrays], key=lambda n: n.path):
+    nodes: list[ArrayMeta | GroupMeta] = [*groups, *arrays]
+    for node in sorted(nodes, key=lambda n: n.path):
         doc = node.to_zarr_json()
         body = dumps(doc)
         store.put(f"{node.path}/{ZARR_JSON}", [body])
@@ -225,7 +229,9 @@ def commit(
         "zarr_format": 3,
         "node_type": "group",
         "attributes": attributes,
-        "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": consolidated},
+        "consolidated_metadata": {
+            "kind": "inline", "must_understand": False, "metadata": consolidated
+        },
     }
     store.put(ZARR_JSON, [dumps(root)], atomic=True)
     store.delete(IN_PROGRESS_KEY)
