@@ -16,6 +16,10 @@ from collections.abc import Iterable
 from ucpformat.errors import InvalidNameError, UnsafePathError
 
 MAX_NODE_NAME_BYTES = 255
+#: Node names no tensor or group may have, compared ignoring ASCII case: every node keeps
+#: its own metadata in ``<node>/zarr.json``, so a child called ``zarr.json`` would collide
+#: with its parent's metadata file (spec UCP-1.0-R004).
+RESERVED_NODE_NAMES = frozenset({"zarr.json"})
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _NODE_NAME_RE = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
 
@@ -101,7 +105,29 @@ def unescape(node_name: str, *, where: str | None = None) -> str:
             rule="UCP-1.0-R010",
             path=where,
         )
+    if is_reserved(node_name):
+        raise UnsafePathError(
+            f"node name {node_name!r} is reserved: it is the name of every node's metadata file",
+            rule="UCP-1.0-R004",
+            path=where,
+        )
     return name
+
+
+def is_reserved(node_name: str) -> bool:
+    """True for node names no tensor or group may have (``zarr.json``, in any ASCII case)."""
+    return node_name.lower() in RESERVED_NODE_NAMES
+
+
+def check_not_reserved(node_name: str, *, where: str | None = None) -> None:
+    """Raise InvalidNameError if a tensor or group would get a reserved node name."""
+    if is_reserved(node_name):
+        raise InvalidNameError(
+            f"{node_name!r} cannot name a tensor or group: every node keeps its metadata in a "
+            "file of that name",
+            rule="UCP-1.0-R004",
+            path=where,
+        )
 
 
 def join(*node_names: str) -> str:

@@ -315,6 +315,10 @@ def plan(
                     path=where,
                 )
             path = f"{prefix}/{node}" if prefix else node
+            if isinstance(value, np.ndarray | np.generic) or (
+                isinstance(value, Mapping) and _has_array(value)
+            ):
+                names.check_not_reserved(node, where=where)
             if isinstance(value, np.ndarray | np.generic):
                 arr = np.asarray(value)
                 attrs = dict(array_attributes(path, arr) or {}) if array_attributes else {}
