@@ -36,7 +36,10 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
     if depth > MAX_DEPTH:
         raise InvalidValueError(f"value nested deeper than {MAX_DEPTH} levels",
                                 rule="UCP-1.0-R070", path=where)
-    if value is None or isinstance(value, bool | str):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        _check_text(value, where)
         return value
     if isinstance(value, np.generic):
         value = value.item()
@@ -61,18 +64,32 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
                     rule="UCP-1.0-R070",
                     path=where,
                 )
+            _check_text(k, where)
+            if k == FLOAT_TAG:
+                # Readers take any object with this key for a non-finite float.
+                raise InvalidValueError(
+                    f"the key {FLOAT_TAG!r} is reserved for non-finite floats",
+                    rule="UCP-1.0-R070",
+                    path=where,
+                )
             out[k] = encode(v, where=f"{where}.{k}", depth=depth + 1)
-        if set(out) == {FLOAT_TAG}:
-            raise InvalidValueError(
-                f"a mapping whose only key is {FLOAT_TAG!r} is reserved for non-finite floats",
-                rule="UCP-1.0-R070",
-                path=where,
-            )
         return out
     raise InvalidValueError(
         f"{type(value).__name__} is neither an array nor a JSON value", rule="UCP-1.0-R070",
         path=where,
     )
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse strings that have no UTF-8 encoding (lone surrogates): JSON files are UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidValueError(
+            f"string {text[:60]!r} is not valid Unicode (lone surrogate)",
+            rule="UCP-1.0-R070",
+            path=where,
+        ) from None
 
 
 def decode(value: Any, *, where: str, depth: int = 0) -> Any:
