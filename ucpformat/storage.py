@@ -8,6 +8,7 @@ symbolic link can reach outside it (spec requirements UCP-1.0-R010 and UCP-1.0-R
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -174,13 +175,20 @@ class LocalStore(Store):
         target = f"{path}.tmp-{uuid.uuid4().hex}" if atomic else path
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            written = _write_all(fd, buffers)
-            if self.durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                written = _write_all(fd, buffers)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if atomic:
+                os.replace(target, path)
+        except BaseException:
+            if atomic:  # leave no temporary file behind (it would be a foreign file)
+                with contextlib.suppress(OSError):
+                    os.unlink(target)
+            raise
         if atomic:
-            os.replace(target, path)
             if self.durable:
                 _fsync_dir(directory)
         else:

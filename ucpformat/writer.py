@@ -10,9 +10,11 @@ un-commits it (deletes the root) before anything else is touched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import itertools
+import json
 import math
 import os
 import platform
@@ -165,20 +167,15 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    if not committed and not in_progress and not store.is_empty() and not overwrite:
+    if not in_progress and not store.is_empty() and not (committed and _holds_checkpoint(store)):
+        # overwrite=True replaces a checkpoint; it never deletes a directory of other files.
         raise CheckpointExistsError(
-            "the destination holds files that are not a UCP checkpoint; refusing to mix them",
+            "the destination holds files that are not a UCP checkpoint; refusing to mix them "
+            "with a checkpoint or to delete them (even with overwrite=True)",
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    marker = dumps(
-        {
-            "writer": f"ucpformat {__version__}",
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": _now(),
-        }
-    )
+    marker = _in_progress_marker()
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
     # committed checkpoint intact or something every reader refuses.
     store.put(IN_PROGRESS_KEY, [marker], atomic=True)
@@ -188,6 +185,28 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
         if key != IN_PROGRESS_KEY:
             store.delete(key)
     store.flush()
+
+
+def _in_progress_marker() -> bytes:
+    return dumps(
+        {
+            "writer": f"ucpformat {__version__}",
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _now(),
+        }
+    )
+
+
+def _holds_checkpoint(store: Store) -> bool:
+    """True if the root zarr.json is a UCP root (a JSON object with ``attributes.ucp``)."""
+    raw = store.get(ZARR_JSON)
+    try:
+        doc = json.loads(raw or b"")
+    except ValueError:
+        return False
+    attrs = doc.get("attributes") if isinstance(doc, Mapping) else None
+    return isinstance(attrs, Mapping) and isinstance(attrs.get("ucp"), Mapping)
 
 
 def commit(
@@ -424,25 +443,40 @@ def save(
         shard_bytes=shard_bytes,
         array_attributes=array_attributes,
     )
-    store = open_store(path, durable=durable)
-    prepare_destination(store, overwrite=overwrite)
-    objects = write_arrays(
-        store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers, progress=progress
-    )
     root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
     if metadata is not None:
         root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
     if the_plan.root_values:
         root_ucp["values"] = the_plan.root_values
-    commit(
-        store,
-        arrays=[m for m, _ in the_plan.arrays],
-        groups=the_plan.groups,
-        objects=objects,
-        root_ucp=root_ucp,
-        hash_algorithm=hash_algorithm,
-    )
+    store = open_store(path, durable=durable)
+    with _storage_errors(store):
+        prepare_destination(store, overwrite=overwrite)
+        objects = write_arrays(
+            store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
+            progress=progress,
+        )
+        commit(
+            store,
+            arrays=[m for m, _ in the_plan.arrays],
+            groups=the_plan.groups,
+            objects=objects,
+            root_ucp=root_ucp,
+            hash_algorithm=hash_algorithm,
+        )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
+
+
+@contextlib.contextmanager
+def _storage_errors(store: Store) -> Iterator[None]:
+    """Report a failure of the storage (OSError) as a WriteError naming the checkpoint."""
+    try:
+        yield
+    except UCPError:
+        raise
+    except OSError as exc:
+        raise WriteError(
+            f"the save failed and nothing was committed: {exc}", path=store.location
+        ) from exc
 
 
 def default_workers() -> int:
