@@ -44,6 +44,7 @@ from ucpformat.metadata import (
     ArrayMeta,
     GroupMeta,
     dumps,
+    parse_array,
 )
 from ucpformat.storage import Store, open_store
 
@@ -379,7 +380,7 @@ def _array_meta(
 ) -> ArrayMeta:
     dt = dtypes.from_numpy(arr.dtype, tensor=path)
     ch = chunking.choose(arr.shape, dt.itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
-    return ArrayMeta(
+    meta = ArrayMeta(
         path=path,
         shape=tuple(int(s) for s in arr.shape),
         dtype=dt,
@@ -389,6 +390,9 @@ def _array_meta(
         fill_value=zero_bits(dt),
         attributes=attributes,
     )
+    # Write nothing a reader would refuse (a bad attribute, a chunking bug): check first.
+    parse_array(path, json.loads(dumps(meta.to_zarr_json())))
+    return meta
 
 
 def zero_bits(dt: dtypes.DataType) -> Any:
