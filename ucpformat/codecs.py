@@ -108,6 +108,7 @@ class Compression:
             clevel=int(cfg.get("clevel", 5)),
             shuffle=shuffle,
             blocksize=int(cfg.get("blocksize", 0)),
+            typesize=int(cfg["typesize"]) if "typesize" in cfg else None,
         )
 
 
