@@ -29,9 +29,10 @@ from ucpformat.metadata import (
     parse_array,
     parse_group,
     parse_version,
+    stored_object_coords,
 )
 from ucpformat.progress import byte_progress
-from ucpformat.reader import Checkpoint, Tensor
+from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor
 from ucpformat.storage import Store, open_store
 
 Level = Literal["error", "warning"]
@@ -153,6 +154,12 @@ def _validate(
     except UCPError as exc:
         report.add_error(exc, "/")
         return
+    must = ucp.get("must_understand", [])
+    features = {m for m in must if isinstance(m, str)} if isinstance(must, list) else set()
+    unknown = sorted(features - UNDERSTOOD_FEATURES)
+    if unknown:
+        report.add("UCP-1.0-R061", "/",
+                   f"needs features this reader does not implement: {unknown}")
     if store.exists(IN_PROGRESS_KEY):
         report.add(
             "UCP-1.0-R056", "/",
@@ -167,7 +174,7 @@ def _validate(
     _check_optimizer(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
     if deep and report.valid:
-        root = parse_group("", doc)
+        root = parse_group("", doc, root=True)
         ckpt = Checkpoint(store, root, arrays, groups)
         _deep(ckpt, manifest, report, progress=progress, workers=workers)
 
