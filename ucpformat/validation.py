@@ -324,7 +324,11 @@ def _check_optimizer(
 
 
 def expected_objects(meta: ArrayMeta) -> list[str]:
-    """Keys of every stored object a non-sparse array must have."""
+    """Keys of every stored object a non-sparse array must have.
+
+    Callers bound ``meta.object_count`` first: a hostile shape can describe more objects
+    than fit in memory.
+    """
     if math.prod(meta.shape) == 0:
         return []
     from ucpformat.writer import object_coords
@@ -365,9 +369,18 @@ def _check_manifest(
             report.add("UCP-1.0-R042", meta.path, "its zarr.json is not in the manifest")
         if meta.sparse:
             continue
+        count = meta.object_count
+        if count > len(files):
+            report.add(
+                "UCP-1.0-R030", meta.path,
+                f"needs {count} stored objects, more than the manifest lists in all "
+                f"({len(files)}): most of them were never written",
+            )
+            continue
         for key in expected_objects(meta):
             if key not in files:
-                report.add("UCP-1.0-R030", meta.path, f"stored object {key} is not in the manifest (never written)")
+                report.add("UCP-1.0-R030", meta.path,
+                           f"stored object {key} is not in the manifest (never written)")
     for key, entry in files.items():
         try:
             size = store.size(key)
@@ -416,7 +429,10 @@ def _deep(
 
     for meta in ckpt.arrays.values():
         tensor = ckpt[meta.path]
-        for coords in object_coords(meta):
+        # A sparse array's objects are those the manifest lists (its shape may be huge); a
+        # non-sparse array has every object, and the manifest has been checked to list them.
+        coords_list = stored_object_coords(meta, files) if meta.sparse else object_coords(meta)
+        for coords in coords_list:
             lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
             tasks.append((tensor, lo, hi))
