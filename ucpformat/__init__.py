@@ -16,7 +16,7 @@ from ucpformat.errors import UCPError
 from ucpformat.metadata import FORMAT_VERSION
 from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
 from ucpformat.validation import Issue, Report, validate
-from ucpformat.writer import SaveResult, save
+from ucpformat.writer import SaveResult, adopt, save
 from ucpformat.zarr_dtypes import register as _register_zarr_dtypes
 
 _register_zarr_dtypes()
@@ -34,6 +34,7 @@ __all__ = [
     "Tensor",
     "UCPError",
     "__version__",
+    "adopt",
     "errors",
     "open",
     "open_checkpoint",
