@@ -253,13 +253,12 @@ def _parse_compression(codec: Mapping[str, Any], where: str) -> Compression:
 
 def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
     """bytes -> [compressor] -> crc32c."""
-    if not isinstance(chain, list) or not 2 <= len(chain) <= 3:
+    if not isinstance(chain, list) or not chain:
         raise _fail(
             "a codec chain must be bytes, an optional compressor, then crc32c",
             "UCP-1.0-R022",
             where,
         )
-    _parse_bytes_codec(chain[0], dt, where)
     last = chain[-1]
     if (
         not isinstance(last, Mapping)
@@ -270,6 +269,13 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
         raise _fail(
             f"every chunk must end with the crc32c codec, got {last!r}", "UCP-1.0-R040", where
         )
+    if not 2 <= len(chain) <= 3:
+        raise _fail(
+            "a codec chain must be bytes, an optional compressor, then crc32c",
+            "UCP-1.0-R022",
+            where,
+        )
+    _parse_bytes_codec(chain[0], dt, where)
     if len(chain) == 3:
         if not isinstance(chain[1], Mapping):
             raise _fail("codecs must be objects", "UCP-1.0-R022", where)
