@@ -38,6 +38,9 @@ from ucpformat.storage import Store, open_store
 Level = Literal["error", "warning"]
 RESERVED_GROUPS = ("model", "optimizer", "training")
 MAX_SAFE_INTEGER = 2**53 - 1
+#: Deep validation of a checkpoint whose manifest is unreadable reads at most this many
+#: objects per array.
+DEEP_OBJECTS_WITHOUT_MANIFEST = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,9 @@ def _validate(
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
-    if deep and report.valid:
+    if deep:
+        # Also when shallow checks failed: every file and every array that parsed is still
+        # read, so one run reports all the damage.
         root = parse_group("", doc, root=True)
         ckpt = Checkpoint(store, root, arrays, groups)
         _deep(ckpt, manifest, report, progress=progress, workers=workers)
@@ -427,11 +432,13 @@ def _deep(
     tasks: list[tuple[Tensor, list[int], list[int]]] = []
     from ucpformat.writer import object_coords
 
+    # Never enumerate more objects than the manifest lists (a hostile shape can describe
+    # 2**60): a non-sparse array that needs more is already reported (R030).
+    bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
     for meta in ckpt.arrays.values():
         tensor = ckpt[meta.path]
-        # A sparse array's objects are those the manifest lists (its shape may be huge); a
-        # non-sparse array has every object, and the manifest has been checked to list them.
-        coords_list = stored_object_coords(meta, files) if meta.sparse else object_coords(meta)
+        enumerable = not meta.sparse and meta.object_count <= bound
+        coords_list = object_coords(meta) if enumerable else stored_object_coords(meta, files)
         for coords in coords_list:
             lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
