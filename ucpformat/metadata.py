@@ -392,7 +392,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
                     "UCP-1.0-R084", where)
     names = doc.get("dimension_names")
     dim_names: tuple[str | None, ...] | None = None
-    if names is not None:
+    if "dimension_names" in doc:
         if not isinstance(names, list) or len(names) != len(shape) or not all(
             n is None or isinstance(n, str) for n in names
         ):
