@@ -10,6 +10,7 @@ and the chunk it concerns.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,13 +158,12 @@ class ChunkCodec:
                 tensor=tensor,
             )
         nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
-        if self._numcodec is not None:
+        if self._numcodec is not None and self.compression is not None:
             try:
-                payload = memoryview(self._numcodec.decode(payload)).cast("B")
+                payload = self._decompress(payload, nbytes)
             except Exception as exc:
                 raise CorruptDataError(
-                    f"chunk {chunk} cannot be decompressed "
-                    f"({self.compression.name if self.compression else ''}): {exc}",
+                    f"chunk {chunk} cannot be decompressed ({self.compression.name}): {exc}",
                     rule="UCP-1.0-R041",
                     tensor=tensor,
                 ) from exc
@@ -174,6 +174,92 @@ class ChunkCodec:
                 tensor=tensor,
             )
         return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))
+
+    def _decompress(self, payload: memoryview, nbytes: int) -> memoryview:
+        """Decompress into at most ``nbytes`` (plus one, to tell "too long"): a hostile chunk
+        of a few KB that expands to gigabytes (a decompression bomb) is refused before it
+        is expanded (spec UCP-1.0-R090)."""
+        assert self.compression is not None and self._numcodec is not None
+        name = self.compression.name
+        if name == "gzip":
+            return memoryview(_gunzip(payload, nbytes))
+        declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
+        if declared is not None and declared != nbytes:
+            raise ValueError(f"it declares {declared} decompressed bytes, expected {nbytes}")
+        out = np.empty(nbytes, dtype=np.uint8)
+        # numcodecs refuses output that does not fit ``out``; a zstd frame of unknown size
+        # must fill it exactly.
+        self._numcodec.decode(payload, out=out)
+        return out.data
+
+
+def _gunzip(data: Any, limit: int) -> bytes:
+    """Decompress (possibly concatenated) gzip members, refusing more than ``limit`` bytes."""
+    out = bytearray()
+    rest = bytes(data)
+    while True:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out += d.decompress(rest, limit + 1 - len(out))
+        if len(out) > limit:
+            raise ValueError(f"it decompresses to more than the {limit} bytes expected")
+        if not d.eof:
+            raise ValueError("the gzip stream is truncated")
+        rest = d.unused_data
+        if not rest:
+            return bytes(out)
+
+
+def _blosc_nbytes(data: Any) -> int:
+    """The uncompressed size a blosc (1.x) buffer declares in its 16-byte header."""
+    view = memoryview(data).cast("B")
+    if len(view) < 16:
+        raise ValueError("the blosc header is truncated")
+    return int.from_bytes(view[4:8], "little")
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def _zstd_content_size(data: Any) -> int | None:
+    """Total decompressed size the zstd frames declare (RFC 8878), None if a frame omits it.
+
+    Walks frame and block headers only; decompresses nothing.
+    """
+    view = memoryview(data).cast("B")
+    total = 0
+    pos = 0
+    while pos < len(view):
+        if len(view) - pos < 8:
+            raise ValueError("a zstd frame header is truncated")
+        magic = int.from_bytes(view[pos : pos + 4], "little")
+        if magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
+            pos += 8 + int.from_bytes(view[pos + 4 : pos + 8], "little")
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise ValueError("not a zstd frame")
+        fhd = view[pos + 4]
+        fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
+        pos += 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+        fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if pos + fcs_len > len(view):
+            raise ValueError("a zstd frame header is truncated")
+        if fcs_len == 0:
+            return None
+        size = int.from_bytes(view[pos : pos + fcs_len], "little")
+        total += size + (256 if fcs_len == 2 else 0)
+        pos += fcs_len
+        while True:  # blocks
+            if pos + 3 > len(view):
+                raise ValueError("a zstd block header is truncated")
+            header = int.from_bytes(view[pos : pos + 3], "little")
+            block_type, block_size = (header >> 1) & 3, header >> 3
+            pos += 3 + (1 if block_type == 1 else block_size)
+            if header & 1:
+                break
+        pos += 4 if fhd & 4 else 0
+    if pos != len(view):
+        raise ValueError("the zstd data is truncated")
+    return total
 
 
 # -- shard index ------------------------------------------------------------------------
