@@ -3,6 +3,7 @@ requirement it breaks (``exc.rule``) and a message that names the tensor or file
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -766,3 +767,98 @@ def test_manifest_of_refused_checkpoint_is_not_needed_to_refuse(saved: Callable[
     ckpt = ucpformat.open(path)
     assert ckpt["model/fc.weight"].read().shape == (96, 40)
     assert {rule(42), rule(55)} <= ucpformat.validate(path).rules()
+
+
+# -- compressed chunks that lie about their size -----------------------------------------------
+
+BOMBS = r"""
+import json, resource, sys
+import numpy as np
+import ucpformat
+from ucpformat.codecs import Compression, crc_bytes
+from ucpformat.dtypes import BY_NAME
+
+root = sys.argv[1]
+bombs = {}
+for name in ("zstd", "gzip:1", "blosc"):
+    comp = Compression.parse(name, BY_NAME["uint8"])
+    bombs[name] = bytes(comp.numcodec().encode(np.zeros(300_000_000, np.uint8)))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+results = {}
+for name, bomb in bombs.items():
+    path = f"{root}/{name.split(':')[0]}"
+    ucpformat.save(path, {"model": {"x": np.ones(64, np.uint8)}}, compression=name,
+                   durable=False)
+    with open(f"{path}/model/x/c/0", "wb") as f:  # a valid CRC: only the size lies
+        f.write(bomb + crc_bytes(bomb))
+    try:
+        ucpformat.open(path)["model/x"].read()
+        results[name] = None
+    except ucpformat.errors.UCPError as exc:
+        results[name] = [type(exc).__name__, exc.rule, str(exc), len(bomb)]
+growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"results": results, "growth_kib": growth}))
+"""
+
+
+@pytest.mark.slow
+def test_decompression_bombs_are_refused_before_they_expand(tmp_path: Path) -> None:
+    """A few-KB chunk that expands to 300 MB is refused without allocating the 300 MB
+    (measured as the peak resident memory of a fresh process)."""
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", BOMBS, str(tmp_path)], capture_output=True,
+                          env={**os.environ, "PYTHONPATH": pythonpath}, check=True)
+    out = json.loads(done.stdout)
+    for name, result in out["results"].items():
+        assert result is not None, name
+        cls, rule_id, message, size = result
+        assert size < 3_000_000 and cls == "CorruptDataError" and rule_id == rule(41), result
+        assert "model/x" in message and "chunk (0)" in message
+    assert out["growth_kib"] < 100 * 1024, out
+
+
+@pytest.mark.parametrize("name", ["zstd", "gzip", "blosc"])
+def test_chunks_that_decompress_short_or_long_are_refused(tmp_path: Path, name: str) -> None:
+    """A writer that stores an edge chunk unpadded (a classic zarr bug) or too long is
+    refused, never padded with garbage or cut."""
+    from ucpformat.codecs import Compression, crc_bytes
+
+    ucpformat.save(tmp_path / "c", {"model": {"x": np.arange(64, dtype=np.uint8)}},
+                   compression=name, durable=False)
+    chunk = tmp_path / "c" / "model" / "x" / "c" / "0"
+    codec = Compression.parse(name, BY_NAME["uint8"]).numcodec()
+    for n in (60, 65, 0):
+        body = bytes(codec.encode(np.arange(n, dtype=np.uint8)))
+        chunk.write_bytes(body + crc_bytes(body))
+        with pytest.raises(errors.CorruptDataError) as exc:
+            ucpformat.open(tmp_path / "c")["model/x"].read()
+        assert_refused(exc, errors.CorruptDataError, 41, "model/x", "chunk (0)")
+
+
+def test_zstd_frames_of_every_kind_are_read(tmp_path: Path) -> None:
+    """Several frames, skippable frames and frames without a content size (valid zstd that
+    other writers produce) are read; the size check is exact for each."""
+    import numcodecs
+
+    from ucpformat.codecs import crc_bytes
+
+    z = numcodecs.Zstd(level=3)
+    a = np.arange(100, dtype=np.uint8)
+    ucpformat.save(tmp_path / "c", {"model": {"x": a}}, compression="zstd", durable=False)
+    chunk = tmp_path / "c" / "model" / "x" / "c" / "0"
+    one = bytes(z.encode(a))
+    assert one[4] == 0x20  # single segment, 1-byte content size
+    no_size = one[:4] + b"\x00\x08" + one[6:]  # same blocks, window descriptor, no size
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
+    variants = {
+        "two frames": bytes(z.encode(a[:30])) + bytes(z.encode(a[30:])),
+        "skippable frame first": skippable + one,
+        "no content size": no_size,
+    }
+    for body in variants.values():
+        chunk.write_bytes(body + crc_bytes(body))
+        assert_bits_equal(ucpformat.open(tmp_path / "c")["model/x"].read(), a)
+    for body in (bytes(z.encode(a[:99])), no_size[:-3], bytes(z.encode(a)) + b"\x00"):
+        chunk.write_bytes(body + crc_bytes(body))
+        with pytest.raises(errors.CorruptDataError):
+            ucpformat.open(tmp_path / "c")["model/x"].read()
