@@ -3,12 +3,14 @@ requirement it breaks (``exc.rule``) and a message that names the tensor or file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -27,6 +29,8 @@ from conftest import (
     snapshot,
     write_json,
 )
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import ucpformat
 from ucpformat import errors, writer
@@ -862,3 +866,97 @@ def test_zstd_frames_of_every_kind_are_read(tmp_path: Path) -> None:
         chunk.write_bytes(body + crc_bytes(body))
         with pytest.raises(errors.CorruptDataError):
             ucpformat.open(tmp_path / "c")["model/x"].read()
+
+
+# -- random damage ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint with sharded compressed, sharded raw and unsharded arrays, and its state."""
+    rng = np.random.default_rng(11)
+    state = {"model": {"w": rng.standard_normal((13, 11)).astype(np.float32),
+                       "z": rng.integers(0, 9, (9, 7)).astype(np.int16),
+                       "b": np.arange(5, dtype=np.int32)},
+             "training": {"step": 5}}
+    path = tmp_path_factory.mktemp("template") / "c"
+    ucpformat.save(path, state, chunk_bytes=16, shard_bytes=160, compression="zstd",
+                   durable=False)
+    return path, state
+
+
+DAMAGES = ["flip", "truncate", "append", "replace", "zero"]
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_damage_to_stored_objects_is_detected_never_misread(
+    template: tuple[Path, dict[str, Any]], data: st.DataObject
+) -> None:
+    src, state = template
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c"
+        shutil.copytree(src, path)
+        files = sorted(str(p.relative_to(path)) for p in path.glob("model/*/c/**/*")
+                       if p.is_file())
+        target = path / data.draw(st.sampled_from(files))
+        raw = bytearray(target.read_bytes())
+        damage = data.draw(st.sampled_from(DAMAGES))
+        if damage == "flip":
+            for i in data.draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=4,
+                                        unique=True)):
+                raw[i] ^= data.draw(st.integers(1, 255))
+        elif damage == "truncate":
+            del raw[data.draw(st.integers(0, len(raw) - 1)):]
+        elif damage == "append":
+            raw += data.draw(st.binary(min_size=1, max_size=40))
+        elif damage == "replace":
+            raw = bytearray(data.draw(st.binary(min_size=len(raw), max_size=len(raw))))
+        else:
+            raw = bytearray(len(raw))
+        assume(bytes(raw) != target.read_bytes())
+        target.write_bytes(bytes(raw))
+        ckpt = ucpformat.open(path)
+        for name, expected in state["model"].items():
+            t = ckpt[f"model/{name}"]
+            for index in ((), (slice(1, None), slice(None, None, 2))[: expected.ndim]):
+                try:
+                    got = t[index]
+                except (errors.CorruptDataError, errors.MissingChunkError) as exc:
+                    assert exc.rule in (rule(41), rule(31)) and exc.tensor == t.path
+                    continue
+                assert_bits_equal(got, expected[index])
+        report = ucpformat.validate(path, deep=True)
+        assert not report.valid
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_damage_to_metadata_never_crashes(
+    template: tuple[Path, dict[str, Any]], data: st.DataObject
+) -> None:
+    """Any damage to the root or a node's zarr.json gives a checkpoint that opens, or an
+    error of ucpformat's hierarchy; reads and validation raise nothing else either."""
+    src, _state = template
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c"
+        shutil.copytree(src, path)
+        target = path / data.draw(st.sampled_from(
+            ["zarr.json", "zarr.json", "model/w/zarr.json", "manifest.ucp.json"]))
+        raw = bytearray(target.read_bytes())
+        for _ in range(data.draw(st.integers(1, 3))):
+            i = data.draw(st.integers(0, len(raw) - 1))
+            raw[i] = data.draw(st.sampled_from(list(b'0123456789-.,:[]{}"eE \\x')))
+        target.write_bytes(bytes(raw))
+        try:
+            ckpt = ucpformat.open(path)
+        except errors.UCPError:
+            pass
+        else:
+            for t in ckpt.tensors():
+                with contextlib.suppress(errors.UCPError):
+                    t[...]
+        report = ucpformat.validate(path, deep=True)
+        assert isinstance(report.valid, bool)
