@@ -46,6 +46,7 @@ CODE_ONLY: dict[str, str | None] = {
     "UCP-1.0-R005": None,  # a node's parent must be a group: across documents
     "UCP-1.0-R060": None,  # another major version: the schema is of 1.x documents
     "UCP-1.0-R061": r"does not implement",  # which features this reader implements
+    "UCP-1.0-R070": r"nested deeper than",  # values nested beyond 64 levels (a reader limit)
 }
 
 
@@ -390,3 +391,15 @@ def test_code_only_rules_are_code_only(
     assert schemas.violations(kind, doc) == []
     exc = code_check(kind, path, doc)
     assert exc is not None and exc.rule == rule and code_only(exc)
+
+
+def test_deeply_nested_values_are_a_code_only_limit(corpus: dict[str, list[Any]]) -> None:
+    path, doc = _pick(corpus, "group", "values")
+    doc = copy.deepcopy(doc)
+    deep: Any = 1
+    for _ in range(70):
+        deep = [deep]
+    doc["attributes"]["ucp"]["values"]["deep"] = deep
+    assert schemas.violations("group", doc) == []
+    exc = code_check("group", path, doc)
+    assert exc is not None and code_only(exc)
