@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import zarr
-from conftest import random_array, read_json
 
 import ucpformat
+from tests.helpers import random_array, read_json
 from ucpformat import writer
 from ucpformat.dtypes import BY_NAME, DATA_TYPES, DataType
 from ucpformat.errors import CheckpointExistsError, MissingChunkError, WriteError

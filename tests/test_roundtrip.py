@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_bits_equal, random_array
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ucpformat
+from tests.helpers import assert_bits_equal, random_array
 from ucpformat import names, writer
 from ucpformat.codecs import Compression
 from ucpformat.dtypes import DATA_TYPES, DataType
@@ -198,15 +198,17 @@ def test_blosc_shuffles_with_the_declared_typesize(tmp_path: Path) -> None:
 
 # -- whole states ------------------------------------------------------------------------
 
-SPECIAL_NAMES = ["a/b", "..", ".", "__x", "_y", "語彙", "x" * 200, "%2E", "a b", "ß", "~", "c",
-                 "W", "é" * 20, "zarr", "json", "-", "0"]
+SPECIAL_NAMES = ["a/b", "..", ".", "...", "__x", "_y", "語彙", "x" * 200, "%2E", "a b", "ß", "~",
+                 "c", "W", "é" * 20, "zarr.json", "ZARR.json", "-", "0"]
+RESERVED_GROUPS = ("model", "optimizer", "training")
 
 
 def _valid_node_name(name: str) -> bool:
     try:
-        return not names.is_reserved(names.escape(name))
+        names.escape(name)
     except ucpformat.errors.InvalidNameError:
         return False
+    return True
 
 
 node_names = st.one_of(st.sampled_from(SPECIAL_NAMES), st.text(min_size=1, max_size=12)).filter(
@@ -247,12 +249,14 @@ def _unique_nodes(d: dict[str, Any]) -> dict[str, Any]:
 
 
 states = st.recursive(
-    st.dictionaries(node_names, st.one_of(small_arrays, json_values), max_size=4),
+    st.dictionaries(node_names, st.one_of(small_arrays, json_values), max_size=4).map(
+        _unique_nodes),
     lambda children: st.dictionaries(node_names, st.one_of(children, small_arrays, json_values),
-                                     max_size=4),
+                                     max_size=4).map(_unique_nodes),
     max_leaves=10,
-).map(_unique_nodes).filter(
-    lambda d: not any(names.escape(k).endswith(".ucp.json") for k in d)
+).filter(
+    lambda d: not any(names.escape(k).lower().endswith(".ucp.json") for k in d)
+    and all(isinstance(d[g], dict) for g in RESERVED_GROUPS if g in d)
 )
 
 

@@ -20,11 +20,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from conftest import random_array, read_json
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import ucpformat
+from tests.helpers import random_array, read_json
 from ucpformat import schemas
 from ucpformat.dtypes import DATA_TYPES
 from ucpformat.errors import UCPError
@@ -39,7 +39,6 @@ CODE_ONLY: dict[str, str | None] = {
     "UCP-1.0-R027": r"more than 2\*\*63-1 bytes",  # the byte size is a product
     "UCP-1.0-R028": None,  # shard shape a multiple of the chunk shape; chunks per shard
     "UCP-1.0-R010": None,  # canonical escapes (the schema checks only the alphabet)
-    "UCP-1.0-R004": r"reserved",  # the node name zarr.json, in any case
     "UCP-1.0-R013": None,  # case-colliding siblings
     "UCP-1.0-R021": r"differ in rank",  # two arrays' lengths must agree
     "UCP-1.0-R001": r"dimension_names",  # one name per dimension: lengths must agree

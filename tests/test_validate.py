@@ -12,9 +12,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import edit_node, edit_root, flip_byte, read_json, refresh_manifest, write_json
 
 import ucpformat
+from tests.helpers import (
+    edit_node,
+    edit_root,
+    flip_byte,
+    read_json,
+    refresh_manifest,
+    write_explicit,
+    write_json,
+)
 from ucpformat.codecs import EMPTY, crc_bytes, index_nbytes
 
 
@@ -161,11 +169,11 @@ def test_damage_is_reported_with_its_rule(sharded: Path, damage: str) -> None:
 
 @pytest.mark.parametrize("hashed", [True, False])
 def test_deep_catches_same_size_corruption_that_shallow_cannot(
-    saved: Callable[..., Path], rng: np.random.Generator, hashed: bool
+    tmp_path: Path, rng: np.random.Generator, hashed: bool
 ) -> None:
     w = rng.standard_normal((13, 11)).astype(np.float32)
-    path = saved({"model": {"w": w}}, chunk_bytes=16, shard_bytes=160,
-                 hash_algorithm="sha256" if hashed else None)
+    path = write_explicit(tmp_path / "c", {"model/w": (w, (2, 2), (2, 12), None)},
+                          hash_algorithm="sha256" if hashed else None)
     flip_byte(_shard(path, 3), 2)  # inside the first inner chunk of shard 3: same size
     assert ucpformat.validate(path).valid  # sizes all match
     deep = ucpformat.validate(path, deep=True)

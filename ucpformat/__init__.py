@@ -16,7 +16,7 @@ from ucpformat.errors import UCPError
 from ucpformat.metadata import FORMAT_VERSION
 from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
 from ucpformat.validation import Issue, Report, validate
-from ucpformat.writer import SaveResult, adopt, save
+from ucpformat.writer import Group, SaveResult, adopt, save
 from ucpformat.zarr_dtypes import register as _register_zarr_dtypes
 
 _register_zarr_dtypes()
@@ -28,6 +28,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "DataType",
+    "Group",
     "Issue",
     "Report",
     "SaveResult",

@@ -9,11 +9,17 @@ Shards are whole multiples of the inner chunk; one writer owns each shard.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_SHARD_BYTES = 1 << 30
+#: Inner chunk edges are cut so that splitting any dimension into up to this many equal
+#: parts (tensor parallelism, FSDP) falls on chunk boundaries ...
+DEFAULT_SPLITS = 8
+#: ... unless chunks would become smaller than this.
+DEFAULT_MIN_CHUNK_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -25,24 +31,53 @@ class Chunking:
 
 
 def tile_shape(
-    shape: Sequence[int], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES,
-    *, align: Sequence[int] | None = None,
+    shape: Sequence[int],
+    itemsize: int,
+    target_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    align: Sequence[int] | None = None,
+    full_shape: Sequence[int] | None = None,
+    split_dims: Iterable[int] = (0,),
+    splits: int = DEFAULT_SPLITS,
+    min_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
 ) -> tuple[int, ...]:
     """A chunk shape of at most ``target_bytes`` (or one element) for ``shape``.
 
-    ``align``, if given, holds per-dimension sizes the chunk edge must divide (for
-    example a shard edge); halving then stops at divisors of it.
+    Only ``split_dims`` (the dimensions parallel layouts split: 0 for FSDP/ZeRO-3, the
+    tensor-parallel dimension, stacked experts or layers) are cut, unless a chunk cannot
+    otherwise fit; then other dimensions are cut too, longest first. Chunks that span
+    every other dimension fully are contiguous in memory, so a reader can place them
+    without a copy. After the size cap, edges of split dimensions longer than ``1/splits``
+    of the tensor's dimension (``full_shape``, default ``shape``) are halved while chunks
+    stay at least ``min_bytes``: splitting a dimension up to ``splits`` ways then falls
+    on chunk boundaries. ``align`` holds per-dimension sizes each edge must divide (a
+    shard edge); halving then picks divisors of it.
     """
+    ndim = len(shape)
     chunk = [max(1, s) for s in shape]
     if align is not None:
         chunk = [min(c, a) for c, a in zip(chunk, align, strict=True)]
+    preferred = sorted({d for d in split_dims if 0 <= d < ndim})
+
+    def halve(d: int) -> bool:
+        before = chunk[d]
+        chunk[d] = _halve(chunk[d], None if align is None else align[d])
+        return chunk[d] != before
+
     while math.prod(chunk) * itemsize > target_bytes:
-        # the dimension with the longest extent that can still be halved
-        candidates = [i for i, c in enumerate(chunk) if c > 1]
-        if not candidates:
+        candidates = [d for d in preferred if chunk[d] > 1] or [
+            d for d in range(ndim) if chunk[d] > 1
+        ]
+        if not candidates or not halve(max(candidates, key=lambda d: (chunk[d], -d))):
             break
-        i = max(candidates, key=lambda d: (chunk[d], -d))
-        chunk[i] = _halve(chunk[i], None if align is None else align[i])
+    full = list(full_shape if full_shape is not None else shape)
+    limits = [max(1, -(-n // splits)) for n in full]
+    while True:
+        over = [d for d in preferred if chunk[d] > limits[d] and chunk[d] > 1]
+        if not over or math.prod(chunk) * itemsize // 2 < min_bytes:
+            break
+        if not halve(max(over, key=lambda i: (chunk[i] / limits[i], -i))):
+            break
     return tuple(chunk)
 
 
@@ -63,12 +98,13 @@ def choose(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    split_dims: Iterable[int] = (0,),
 ) -> Chunking:
     """Chunking for a tensor written by a single writer."""
     shape = tuple(shape)
     if len(shape) == 0:
         return Chunking((), None)
-    chunk = tile_shape(shape, itemsize, chunk_bytes)
+    chunk = tile_shape(shape, itemsize, chunk_bytes, split_dims=split_dims)
     # an empty dimension still has one (empty) row of chunks: shard edges must be >= 1
     grid = [max(1, -(-s // c)) for s, c in zip(shape, chunk, strict=True)]
     if all(g <= 1 for g in grid):
@@ -82,6 +118,18 @@ def choose(
         slab = math.prod(shard[:d]) * chunk[d] * math.prod(shard[d + 1 :]) * itemsize
         shard[d] = chunk[d] * min(max(1, shard_bytes // slab), grid[d])
     return Chunking(chunk, tuple(shard))
+
+
+def split_dims_of(attributes: Mapping[str, Any]) -> tuple[int, ...]:
+    """Dimensions parallel layouts split, from an array's ``attributes.ucp.layout``."""
+    dims = {0}
+    layout = attributes.get("layout") if isinstance(attributes, Mapping) else None
+    if isinstance(layout, Mapping):
+        for key in ("tp", "experts", "layers"):
+            obj = layout.get(key)
+            if isinstance(obj, Mapping) and isinstance(obj.get("dim"), int):
+                dims.add(obj["dim"])
+    return tuple(sorted(dims))
 
 
 def regular_grid_for_boundaries(

@@ -31,9 +31,9 @@ BLOSC_CNAMES = ("lz4", "lz4hc", "blosclz", "zstd", "zlib")
 BLOSC_SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 
 
-def crc32c(data: Any) -> int:
-    """CRC32C (Castagnoli) of a bytes-like object."""
-    return int(_crc32c.crc32c(data))
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of a bytes-like object, continuing from ``value``."""
+    return int(_crc32c.crc32c(data, value))
 
 
 def crc_bytes(data: Any) -> bytes:

@@ -122,3 +122,21 @@ class InvalidValueError(WriteError, ValueError):
 
 class LayoutError(UCPError, ValueError):
     """Layout semantics are inconsistent, or a target layout cannot be applied."""
+
+
+# -- loading into a framework's objects ---------------------------------------------
+
+
+class LoadError(UCPError):
+    """A checkpoint does not fit the objects it is loaded into (model, optimizer, ...)."""
+
+
+class KeyMismatchError(LoadError, KeyError):
+    """Tensors or parameters are missing from the checkpoint, or it holds unexpected ones."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self._render()
+
+
+class ShapeMismatchError(LoadError, ValueError):
+    """A stored tensor's shape differs from that of the tensor it is loaded into."""

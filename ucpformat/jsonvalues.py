@@ -65,14 +65,13 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
                     path=where,
                 )
             _check_text(k, where)
-            if k == FLOAT_TAG:
-                # Readers take any object with this key for a non-finite float.
-                raise InvalidValueError(
-                    f"the key {FLOAT_TAG!r} is reserved for non-finite floats",
-                    rule="UCP-1.0-R070",
-                    path=where,
-                )
             out[k] = encode(v, where=f"{where}.{k}", depth=depth + 1)
+        if FLOAT_TAG in out:
+            raise InvalidValueError(
+                f"the key {FLOAT_TAG!r} is reserved for non-finite floats",
+                rule="UCP-1.0-R070",
+                path=where,
+            )
         return out
     raise InvalidValueError(
         f"{type(value).__name__} is neither an array nor a JSON value", rule="UCP-1.0-R070",

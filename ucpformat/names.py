@@ -2,10 +2,11 @@
 
 A logical name (``decoder.layers.3.mlp.fc1.weight``, ``語彙/embed``) is stored as a zarr
 node name in which every byte of its UTF-8 encoding outside ``[A-Za-z0-9._-]`` is
-percent-encoded (``%2F``), as are the dots of the names ``.`` and ``..`` and the first
-underscore of a name that starts with ``__``. Escaping is a bijection, so a node name is
-valid only when it is the canonical escape of some name; that rule alone keeps every
-path inside the checkpoint. See spec/ucp-1.0.md, section "Names".
+percent-encoded (``%2F``), as are the dots of a name made only of dots (``.``, ``..``),
+the dot of a name that is ``zarr.json`` up to ASCII case, and the first underscore of a
+name that starts with ``__``. Escaping is a bijection, so a node name is valid only when
+it is the canonical escape of some name; that rule alone keeps every path inside the
+checkpoint. See spec/ucp-1.0.md, section "Names".
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from collections.abc import Iterable
 from ucpformat.errors import InvalidNameError, UnsafePathError
 
 MAX_NODE_NAME_BYTES = 255
-#: Node names no tensor or group may have, compared ignoring ASCII case: every node keeps
-#: its own metadata in ``<node>/zarr.json``, so a child called ``zarr.json`` would collide
-#: with its parent's metadata file (spec UCP-1.0-R004).
-RESERVED_NODE_NAMES = frozenset({"zarr.json"})
+ZARR_JSON_NAME = "zarr.json"
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_ALL_SAFE_RE = re.compile(r"[A-Za-z0-9._-]+")
 _NODE_NAME_RE = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
 
 
@@ -57,16 +56,24 @@ def check_name(name: str, *, where: str | None = None) -> None:
 
 
 def _escape_unchecked(name: str) -> str:
-    if name in (".", ".."):
+    if name.strip(".") == "":
+        # zarr v3 forbids node names made only of periods ("." and ".." among them).
         return "%2E" * len(name)
-    raw = name.encode("utf-8")
-    out = []
-    for i, byte in enumerate(raw):
-        if byte in _SAFE and not (i == 0 and byte == ord("_") and raw.startswith(b"__")):
-            out.append(chr(byte))
-        else:
-            out.append(f"%{byte:02X}")
-    return "".join(out)
+    if _ALL_SAFE_RE.fullmatch(name) and not name.startswith("__"):
+        escaped = name  # fast path, the common case: the loop below would keep every byte
+    else:
+        raw = name.encode("utf-8")
+        out = []
+        for i, byte in enumerate(raw):
+            if byte in _SAFE and not (i == 0 and byte == ord("_") and raw.startswith(b"__")):
+                out.append(chr(byte))
+            else:
+                out.append(f"%{byte:02X}")
+        escaped = "".join(out)
+    if escaped.lower() == ZARR_JSON_NAME:
+        # A node named zarr.json would collide with its parent's metadata document.
+        escaped = escaped[:4] + "%2E" + escaped[5:]
+    return escaped
 
 
 def escape(name: str, *, where: str | None = None) -> str:
@@ -83,6 +90,24 @@ def unescape(node_name: str, *, where: str | None = None) -> str:
             rule="UCP-1.0-R010",
             path=where,
         )
+    if len(node_name) > MAX_NODE_NAME_BYTES:
+        raise UnsafePathError(
+            f"node name {node_name[:60]!r}... is {len(node_name)} bytes; the limit is "
+            f"{MAX_NODE_NAME_BYTES}",
+            rule="UCP-1.0-R012",
+            path=where,
+        )
+    name = node_name if "%" not in node_name else _percent_decode(node_name, where)
+    if name == "" or "\x00" in name or _escape_unchecked(name) != node_name:
+        raise UnsafePathError(
+            f"node name {node_name!r} is not the canonical escape of a valid name",
+            rule="UCP-1.0-R010",
+            path=where,
+        )
+    return name
+
+
+def _percent_decode(node_name: str, where: str | None) -> str:
     raw = bytearray()
     i = 0
     while i < len(node_name):
@@ -94,40 +119,11 @@ def unescape(node_name: str, *, where: str | None = None) -> str:
             raw.append(ord(ch))
             i += 1
     try:
-        name = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UnsafePathError(
             f"node name {node_name!r} does not decode to UTF-8", rule="UCP-1.0-R010", path=where
         ) from None
-    if name == "" or "\x00" in name or _escape_unchecked(name) != node_name:
-        raise UnsafePathError(
-            f"node name {node_name!r} is not the canonical escape of a valid name",
-            rule="UCP-1.0-R010",
-            path=where,
-        )
-    if is_reserved(node_name):
-        raise UnsafePathError(
-            f"node name {node_name!r} is reserved: it is the name of every node's metadata file",
-            rule="UCP-1.0-R004",
-            path=where,
-        )
-    return name
-
-
-def is_reserved(node_name: str) -> bool:
-    """True for node names no tensor or group may have (``zarr.json``, in any ASCII case)."""
-    return node_name.lower() in RESERVED_NODE_NAMES
-
-
-def check_not_reserved(node_name: str, *, where: str | None = None) -> None:
-    """Raise InvalidNameError if a tensor or group would get a reserved node name."""
-    if is_reserved(node_name):
-        raise InvalidNameError(
-            f"{node_name!r} cannot name a tensor or group: every node keeps its metadata in a "
-            "file of that name",
-            rule="UCP-1.0-R004",
-            path=where,
-        )
 
 
 def join(*node_names: str) -> str:

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from ucpformat import jsonvalues, names
-from ucpformat.codecs import EMPTY, decode_index, index_nbytes
+from ucpformat.codecs import CRC_BYTES, EMPTY, crc32c, decode_index, index_nbytes
 from ucpformat.errors import (
     CheckpointNotFoundError,
+    ChecksumError,
     CorruptDataError,
     FormatError,
     IncompleteCheckpointError,
@@ -40,6 +41,7 @@ from ucpformat.metadata import (
     ArrayMeta,
     GroupMeta,
     check_values,
+    gc_paused,
     loads,
     parse_array,
     parse_group,
@@ -94,6 +96,7 @@ class Checkpoint:
         self._stats_lock = threading.Lock()
         self._workers = workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -199,15 +202,20 @@ class Checkpoint:
             self._count(len(data))
         return data
 
-    def _map(self, fn: Any, items: Sequence[Any]) -> None:
+    def _read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        got = self.store.read_into(key, offset, buffers)
+        if got is not None:
+            self._count(got)
+        return got
+
+    def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
         if len(items) <= 1:
-            for item in items:
-                fn(item)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers)
-        for _ in self._pool.map(fn, items):
-            pass
+            return [fn(item) for item in items]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers)
+            pool = self._pool
+        return list(pool.map(fn, items))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -307,14 +315,16 @@ class Tensor:
         out = np.empty(out_shape, dtype=meta.dtype.numpy)
         if nbytes == 0:
             return out
-        obj = meta.object_shape
+        lo, hi = tuple(starts), tuple(stops)
         ranges = [
-            range(a // e, -(-b // e)) for a, b, e in zip(starts, stops, obj, strict=True)
+            range(a // e, -(-b // e))
+            for a, b, e in zip(starts, stops, meta.object_shape, strict=True)
         ]
-        coords = list(itertools.product(*ranges))
-        self.checkpoint._map(
-            lambda c: self._read_object(c, tuple(starts), tuple(stops), out), coords
-        )
+        objects = list(itertools.product(*ranges))
+        reads: list[_ChunkRead] = []
+        for found in self.checkpoint._map(lambda c: self._plan_object(c, lo, hi, out), objects):
+            reads.extend(found)
+        self.checkpoint._map(lambda r: self._read_chunk(r, lo, hi, out), reads)
         return out
 
     # -- object and chunk reads ---------------------------------------------------------
@@ -330,6 +340,19 @@ class Tensor:
             tensor=self.path,
         )
 
+    def _overlap(
+        self, chunk_lo: Sequence[int], req_lo: Sequence[int], req_hi: Sequence[int]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """(source box in the chunk, destination box in the output), or None if disjoint."""
+        src, dst = [], []
+        for lo, n, a, b in zip(chunk_lo, self.meta.chunk_shape, req_lo, req_hi, strict=True):
+            s, e = max(lo, a), min(lo + n, b)
+            if s >= e:
+                return None
+            src.append((s - lo, e - lo))
+            dst.append((s - a, e - a))
+        return src, dst
+
     def _place(
         self,
         chunk_lo: Sequence[int],
@@ -338,45 +361,30 @@ class Tensor:
         req_hi: Sequence[int],
         out: np.ndarray[Any, Any],
     ) -> None:
-        """Copy the overlap of a chunk (at global ``chunk_lo``) into ``out``."""
-        shape = self.meta.chunk_shape
-        src, dst = [], []
-        for lo, n, a, b in zip(chunk_lo, shape, req_lo, req_hi, strict=True):
-            s, e = max(lo, a), min(lo + n, b)
-            if s >= e:
-                return
-            src.append(slice(s - lo, e - lo))
-            dst.append(slice(s - a, e - a))
+        """Copy the overlap of a chunk (at global ``chunk_lo``) into ``out`` (None: fill)."""
+        ov = self._overlap(chunk_lo, req_lo, req_hi)
+        if ov is None:
+            return
+        src, dst = ov
+        target = tuple(slice(a, b) for a, b in dst)
         if chunk is None:
-            out[tuple(dst)] = self.meta.fill_value
+            out[target] = self.meta.fill_value
         else:
-            out[tuple(dst)] = chunk[tuple(src)]
+            out[target] = chunk[tuple(slice(a, b) for a, b in src)]
 
-    def _read_object(
+    def _plan_object(
         self,
         coords: tuple[int, ...],
         req_lo: tuple[int, ...],
         req_hi: tuple[int, ...],
         out: np.ndarray[Any, Any],
-    ) -> None:
+    ) -> list[_ChunkRead]:
+        """The chunk reads one stored object contributes (reads a shard's index)."""
         meta = self.meta
-        ckpt = self.checkpoint
         key = meta.object_key(coords)
         obj_lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
-        codec = meta.codec
         if meta.shard_shape is None:
-            data = ckpt._get(key)
-            if data is None:
-                if meta.sparse:
-                    self._place(obj_lo, None, req_lo, req_hi, out)
-                    return
-                raise self._missing(f"chunk {self._chunk_label(coords, key)}")
-            chunk = codec.decode(data, meta.chunk_shape, tensor=self.path,
-                                 chunk=self._chunk_label(coords, key))
-            self._place(obj_lo, chunk, req_lo, req_hi, out)
-            return
-
-        # sharded: which inner chunks of this shard overlap the request and the array
+            return [_ChunkRead(key, 0, None, tuple(obj_lo), tuple(coords))]
         cs = meta.chunk_shape
         cps = meta.chunks_per_shard
         local_ranges = []
@@ -385,95 +393,138 @@ class Tensor:
             hi = min(req_hi[d], obj_lo[d] + meta.object_shape[d], meta.shape[d]) - obj_lo[d]
             local_ranges.append(range(lo // cs[d], -(-hi // cs[d])))
         needed = list(itertools.product(*local_ranges))
-        stored_in_shard = math.prod(
-            -(-(min(obj_lo[d] + meta.object_shape[d], meta.shape[d]) - obj_lo[d]) // cs[d])
-            for d in range(len(cs))
-        )
         isize = index_nbytes(cps)
-        whole = ckpt._get(key) if len(needed) == stored_in_shard else None
-        if whole is not None:
-            if len(whole) < isize:
-                raise CorruptDataError(f"shard {key} is truncated ({len(whole)} bytes)",
-                                       rule="UCP-1.0-R041", tensor=self.path)
-            index = decode_index(whole[-isize:], cps, tensor=self.path, shard=key)
-            data_len = len(whole) - isize
-        else:
-            if len(needed) == stored_in_shard and meta.sparse:
-                index = None
-            else:
-                raw_index = ckpt._get_suffix(key, isize)
-                index = None if raw_index is None else decode_index(
-                    raw_index if len(raw_index) == isize else b"", cps, tensor=self.path, shard=key
-                )
-            if index is None:
-                if meta.sparse:
-                    for local in needed:
-                        glo = [o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True)]
-                        self._place(glo, None, req_lo, req_hi, out)
-                    return
-                raise self._missing(f"shard {key}")
-            size = ckpt.store.size(key)
-            data_len = (size or 0) - isize
-
-        # gather byte ranges of the needed chunks
-        assert index is not None
-        wanted: list[tuple[tuple[int, ...], int, int]] = []
+        raw_index = self.checkpoint._get_suffix(key, isize)
+        if raw_index is None:
+            if meta.sparse:
+                for local in needed:
+                    chunk_lo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
+                    self._place(chunk_lo, None, req_lo, req_hi, out)
+                return []
+            raise self._missing(f"shard {key}")
+        if len(raw_index) != isize:
+            raise CorruptDataError(
+                f"shard {key} is truncated ({len(raw_index)} bytes, its index alone is {isize})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+        index = decode_index(raw_index, cps, tensor=self.path, shard=key)
+        reads = []
         for local in needed:
             offset, nbytes = (int(v) for v in index[local])
-            glo = [o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True)]
-            gchunk = [g // c for g, c in zip(glo, cs, strict=True)]
+            glo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
+            gchunk = tuple(g // c for g, c in zip(glo, cs, strict=True))
             if offset == int(EMPTY) and nbytes == int(EMPTY):
                 if meta.sparse:
                     self._place(glo, None, req_lo, req_hi, out)
                     continue
                 raise self._missing(f"inner chunk {self._chunk_label(gchunk, key)}")
-            if offset + nbytes > data_len:
+            if offset >= 2**62 or nbytes >= 2**62:
                 raise CorruptDataError(
-                    f"inner chunk {self._chunk_label(gchunk, key)} points past the end of its "
-                    f"shard (offset {offset} + {nbytes} > {data_len})",
+                    f"inner chunk {self._chunk_label(gchunk, key)} has an impossible index entry "
+                    f"(offset {offset}, {nbytes} bytes)",
                     rule="UCP-1.0-R041",
                     tensor=self.path,
                 )
-            wanted.append((local, offset, nbytes))
+            reads.append(_ChunkRead(key, offset, nbytes, glo, gchunk))
+        return reads
 
-        for local, _offset, _nbytes, raw in self._fetch(key, whole, wanted):
-            glo = [o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True)]
-            gchunk = [g // c for g, c in zip(glo, cs, strict=True)]
-            chunk = codec.decode(raw, cs, tensor=self.path, chunk=self._chunk_label(gchunk, key))
-            self._place(glo, chunk, req_lo, req_hi, out)
-
-    def _fetch(
+    def _read_chunk(
         self,
-        key: str,
-        whole: bytes | None,
-        wanted: list[tuple[tuple[int, ...], int, int]],
-    ) -> Iterator[tuple[tuple[int, ...], int, int, memoryview]]:
-        """Bytes of each wanted chunk: from the whole shard, or coalesced range reads."""
-        if whole is not None:
-            view = memoryview(whole)
-            for local, offset, nbytes in wanted:
-                yield local, offset, nbytes, view[offset : offset + nbytes]
+        read: _ChunkRead,
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+    ) -> None:
+        """Read, verify and place one chunk; uncompressed row blocks go straight into ``out``."""
+        meta = self.meta
+        label = self._chunk_label(read.chunk, read.key)
+        ov = self._overlap(read.lo, req_lo, req_hi)
+        if ov is None:
             return
-        ordered = sorted(wanted, key=lambda w: w[1])
-        i = 0
-        while i < len(ordered):
-            j = i
-            end = ordered[i][1] + ordered[i][2]
-            while j + 1 < len(ordered) and ordered[j + 1][1] == end:
-                j += 1
-                end = ordered[j][1] + ordered[j][2]
-            start = ordered[i][1]
-            data = self.checkpoint._get_range(key, start, end - start)
-            if data is None or len(data) != end - start:
+        src, dst = ov
+        cs = meta.chunk_shape
+        payload = math.prod(cs) * meta.dtype.itemsize
+        if (
+            meta.compression is None
+            and all(src[d] == (0, cs[d]) for d in range(1, len(cs)))
+            and (read.nbytes is None or read.nbytes == payload + CRC_BYTES)
+        ):
+            rows: tuple[Any, ...] = (*(slice(a, b) for a, b in dst), Ellipsis)
+            view = out[rows]
+            if view.flags.c_contiguous:
+                self._read_rows_into(read, src, view, payload, label)
+                return
+        if read.nbytes is None:
+            data = self.checkpoint._get(read.key)
+            if data is None:
+                if meta.sparse:
+                    self._place(read.lo, None, req_lo, req_hi, out)
+                    return
+                raise self._missing(f"chunk {label}")
+        else:
+            data = self.checkpoint._get_range(read.key, read.offset, read.nbytes)
+            if data is None or len(data) != read.nbytes:
                 raise CorruptDataError(
-                    f"object {key} is shorter than its shard index says (truncated?)",
+                    f"chunk {label} is cut short: its shard is smaller than its index says",
                     rule="UCP-1.0-R041",
                     tensor=self.path,
                 )
-            view = memoryview(data)
-            for local, offset, nbytes in ordered[i : j + 1]:
-                yield local, offset, nbytes, view[offset - start : offset - start + nbytes]
-            i = j + 1
+        chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
+        self._place(read.lo, chunk, req_lo, req_hi, out)
+
+    def _read_rows_into(
+        self,
+        read: _ChunkRead,
+        src: Sequence[tuple[int, int]],
+        view: np.ndarray[Any, Any],
+        payload: int,
+        label: str,
+    ) -> None:
+        """Zero-copy path: the chunk's wanted rows land in ``view``; the rest in scratch."""
+        meta = self.meta
+        row = payload // meta.chunk_shape[0] if meta.chunk_shape else payload
+        before = src[0][0] * row if meta.chunk_shape else 0
+        middle = view.reshape(-1).view(np.uint8).data
+        after = payload - before - len(middle)
+        head = bytearray(before)
+        tail = bytearray(after + CRC_BYTES + (1 if read.nbytes is None else 0))
+        got = self.checkpoint._read_into(read.key, read.offset, [head, middle, tail])
+        if got is None:
+            if meta.sparse:
+                view[...] = meta.fill_value
+                return
+            raise self._missing(f"chunk {label}")
+        expected = payload + CRC_BYTES
+        if got != expected:
+            raise CorruptDataError(
+                f"chunk {label} holds {got - CRC_BYTES if got >= CRC_BYTES else got} bytes"
+                f"{' or more' if got > expected else ''}, expected {payload}",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+        crc = crc32c(head)
+        crc = crc32c(middle, crc)
+        crc = crc32c(memoryview(tail)[:after], crc)
+        stored = bytes(tail[after : after + CRC_BYTES])
+        if crc.to_bytes(4, "little") != stored:
+            raise ChecksumError(
+                f"chunk {label} fails its CRC32C check (stored {stored.hex()}, "
+                f"computed {crc.to_bytes(4, 'little').hex()})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+
+
+@dataclass(frozen=True)
+class _ChunkRead:
+    """One chunk to read: object key, byte range (None: the whole object), where it goes."""
+
+    key: str
+    offset: int
+    nbytes: int | None
+    lo: tuple[int, ...]  # global coordinates of the chunk's first element
+    chunk: tuple[int, ...]  # global chunk coordinates (for messages)
 
 
 def _parse_selection(
@@ -638,7 +689,8 @@ def parse_root(
     for member in ("metadata", "values"):
         if member in ucp:
             check_values(ucp[member], what=f"attributes.ucp.{member}", where=where)
-    arrays, groups = parse_consolidated(doc, where=where)
+    with gc_paused():
+        arrays, groups = parse_consolidated(doc, where=where)
     return root, arrays, groups
 
 

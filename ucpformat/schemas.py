@@ -20,7 +20,7 @@ from referencing.jsonschema import DRAFT202012
 SCHEMA_VERSION = "1.0"
 BASE_URI = f"https://ucpformat.org/schemas/{SCHEMA_VERSION}/"
 #: Schema file stem for each kind of metadata object.
-KINDS = ("root", "array", "group", "manifest", "optimizer", "defs")
+KINDS = ("root", "array", "group", "manifest", "optimizer", "layout", "rules", "defs")
 
 
 def schema_dir() -> Path:

@@ -53,6 +53,23 @@ class Store(ABC):
     def get_suffix(self, key: str, length: int) -> bytes | None:
         """The last ``length`` bytes (all of them if shorter), or None if absent."""
 
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        """Fill ``buffers`` in order from ``offset``.
+
+        Returns the bytes read (fewer at the end of the object), or None if it is absent.
+        """
+        total = sum(memoryview(b).nbytes for b in buffers)
+        data = self.get_range(key, offset, total)
+        if data is None:
+            return None
+        pos = 0
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            n = min(len(view), len(data) - pos)
+            view[:n] = data[pos : pos + n]
+            pos += n
+        return len(data)
+
     @abstractmethod
     def size(self, key: str) -> int | None:
         """Size in bytes, or None if absent."""
@@ -146,6 +163,32 @@ class LocalStore(Store):
             size = os.fstat(fd).st_size
             start = max(0, size - length)
             return _pread_all(fd, size - start, start)
+        finally:
+            os.close(fd)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        path = self._path(key, for_read=True)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            views = [memoryview(b).cast("B") for b in buffers]
+            views = [v for v in views if len(v)]
+            total = 0
+            while views:
+                n = os.preadv(fd, views[:1024], offset + total)
+                if n == 0:
+                    break
+                total += n
+                while n and views:
+                    if n >= len(views[0]):
+                        n -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][n:]
+                        n = 0
+            return total
         finally:
             os.close(fd)
 

@@ -21,6 +21,7 @@ from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
+    RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
     ZARR_JSON,
     ArrayMeta,
@@ -36,7 +37,6 @@ from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor
 from ucpformat.storage import Store, open_store
 
 Level = Literal["error", "warning"]
-RESERVED_GROUPS = ("model", "optimizer", "training")
 MAX_SAFE_INTEGER = 2**53 - 1
 #: Deep validation of a checkpoint whose manifest is unreadable reads at most this many
 #: objects per array.
@@ -175,6 +175,7 @@ def _validate(
     _check_node_files(store, doc, report)
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
+    _check_layouts(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
     if deep:
         # Also when shallow checks failed: every file and every array that parsed is still
@@ -215,7 +216,7 @@ def _check_tree(
         children.setdefault(parent, []).append(leaf)
         if parent and parent not in groups:
             report.add("UCP-1.0-R005", path, f"parent group {parent!r} is not in the metadata")
-        if not parent and leaf.endswith(RESERVED_ROOT_SUFFIX):
+        if not parent and leaf.lower().endswith(RESERVED_ROOT_SUFFIX):
             report.add("UCP-1.0-R004", path,
                        f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
     for reserved in RESERVED_GROUPS:
@@ -326,6 +327,58 @@ def _check_optimizer(
         if parts[0] == "optimizer" and len(parts) >= 2 and parts[1] == "state" and len(parts) != 4:
             report.add("UCP-1.0-R081", path,
                        "optimizer state arrays live at optimizer/state/<parameter>/<state>")
+
+
+def _check_layouts(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
+    """Layout semantics against each array's shape; aliases; optimizer states (R100-R109)."""
+    from ucpformat.layout.semantics import TensorLayout
+
+    for path, meta in arrays.items():
+        doc = meta.ucp.get("layout")
+        if doc is None:
+            continue
+        try:
+            TensorLayout.from_json(doc, tensor=path).check(meta.shape, tensor=path)
+        except UCPError as exc:
+            report.add_error(exc, path)
+    for gpath, group in groups.items():
+        aliases = group.ucp.get("aliases")
+        if not isinstance(aliases, Mapping):
+            continue
+        for alias, target in aliases.items():
+            if not isinstance(alias, str) or not isinstance(target, str):
+                continue  # reported by the schema
+            try:
+                alias_path = f"{gpath}/{names.escape(alias)}"
+                target_path = f"{gpath}/{names.escape(target)}"
+            except UCPError as exc:
+                report.add_error(exc, gpath)
+                continue
+            if alias_path in arrays:
+                report.add("UCP-1.0-R108", alias_path,
+                           f"is an alias of {target!r} and must not be stored too")
+            if target in aliases:
+                report.add("UCP-1.0-R108", gpath,
+                           f"alias {alias!r} points to another alias {target!r}")
+            elif target_path not in arrays:
+                report.add("UCP-1.0-R108", gpath,
+                           f"alias {alias!r} points to {target!r}, which is not an array of "
+                           "this group")
+    for path, meta in arrays.items():
+        parts = path.split("/")
+        if len(parts) != 4 or parts[:2] != ["optimizer", "state"] or "layout" in meta.ucp:
+            continue
+        param = arrays.get(f"model/{parts[2]}")
+        if param is not None and meta.shape not in ((), param.shape):
+            report.add(
+                "UCP-1.0-R109", path,
+                f"its shape {list(meta.shape)} differs from its parameter's "
+                f"{list(param.shape)}, so it cannot follow the parameter's layout; it should "
+                "declare its own",
+                "warning",
+            )
 
 
 def expected_objects(meta: ArrayMeta) -> list[str]:

@@ -39,6 +39,7 @@ from ucpformat.metadata import (
     FORMAT_VERSION,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
+    RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
     ZARR_JSON,
     ArrayMeta,
@@ -129,7 +130,7 @@ def write_object(
     coords: Sequence[int],
     data: np.ndarray[Any, Any],
     *,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
 ) -> StoredObject:
     """Encode and write one stored object; the caller owns it alone (one writer per shard)."""
     buffers = encode_object(meta, coords, data)
@@ -218,7 +219,7 @@ def commit(
     objects: Sequence[StoredObject],
     root_ucp: Mapping[str, Any],
     root_attributes: Mapping[str, Any] | None = None,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
 ) -> dict[str, Any]:
     """Write node metadata, the manifest and, last, the root: the checkpoint exists after this.
 
@@ -253,7 +254,8 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    store.put(ZARR_JSON, [dumps(root)], atomic=True)
+    # Compact: the root holds every node's metadata; it is parsed on every open.
+    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
     store.delete(IN_PROGRESS_KEY)
     return root
 
@@ -289,8 +291,28 @@ class Plan:
         return sum(m.nbytes for m, _ in self.arrays)
 
 
+class Group(dict[str, Any]):
+    """A mapping that ``save`` always stores as a group, even when it holds no array.
+
+    A plain mapping becomes a group only if it holds an array somewhere; otherwise it is
+    a JSON value of its parent. Wrap it in ``Group`` where the layout needs a group (for
+    example ``optimizer/state/<parameter>`` whose state has no tensor). The top-level
+    names ``model``, ``optimizer`` and ``training`` are always groups.
+
+    ``ucp`` holds further members of the group's ``attributes.ucp`` (``aliases`` of tied
+    tensors, UCP-1.0-R108); its ``values`` are the mapping's JSON entries.
+    """
+
+    def __init__(self, *args: Any, ucp: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if ucp is not None and "values" in ucp:
+            raise InvalidValueError("a Group's JSON values are its entries, not ucp['values']")
+        self.ucp: dict[str, Any] = dict(ucp or {})
+
+
 def _has_array(value: Any) -> bool:
-    if isinstance(value, np.ndarray | np.generic):
+    """True if ``value`` must be stored as a group (it holds an array or a Group)."""
+    if isinstance(value, np.ndarray | np.generic | Group):
         return True
     if isinstance(value, Mapping):
         return any(_has_array(v) for v in value.values())
@@ -311,8 +333,9 @@ def plan(
     """Turn a nested mapping into the arrays and groups of a checkpoint.
 
     Arrays (numpy arrays and numpy scalars) become zarr arrays; mappings that contain an
-    array somewhere become groups; every other value must be JSON and is stored in its
-    group's ``attributes.ucp.values``.
+    array (or a :class:`Group`) somewhere become groups, as do the reserved top-level
+    mappings ``model``, ``optimizer`` and ``training``; every other value must be JSON and
+    is stored in its group's ``attributes.ucp.values``.
     """
     if not isinstance(state, Mapping):
         raise InvalidValueError(f"the state must be a mapping, got {type(state).__name__}")
@@ -328,17 +351,21 @@ def plan(
                     f"keys must be strings, got {type(key).__name__} {key!r}", path=where,
                     rule="UCP-1.0-R011",
                 )
-            if not prefix and node.endswith(RESERVED_ROOT_SUFFIX):
+            if not prefix and node.lower().endswith(RESERVED_ROOT_SUFFIX):
                 raise InvalidValueError(
                     f"top-level names ending in {RESERVED_ROOT_SUFFIX!r} are reserved",
                     rule="UCP-1.0-R004",
                     path=where,
                 )
+            reserved_group = not prefix and key in RESERVED_GROUPS
+            if reserved_group and not isinstance(value, Mapping):
+                raise InvalidValueError(
+                    f"{key!r} is a reserved group: give it a mapping, not "
+                    f"{type(value).__name__}",
+                    rule="UCP-1.0-R004",
+                    path=where,
+                )
             path = f"{prefix}/{node}" if prefix else node
-            if isinstance(value, np.ndarray | np.generic) or (
-                isinstance(value, Mapping) and _has_array(value)
-            ):
-                names.check_not_reserved(node, where=where)
             if isinstance(value, np.ndarray | np.generic):
                 arr = np.asarray(value)
                 attrs = dict(array_attributes(path, arr) or {}) if array_attributes else {}
@@ -346,10 +373,15 @@ def plan(
                     (_array_meta(path, arr, compression, chunk_bytes, shard_bytes, attrs), arr)
                 )
                 node_names.append(node)
-            elif isinstance(value, Mapping) and _has_array(value):
+            elif isinstance(value, Mapping) and (reserved_group or _has_array(value)):
                 sub_values: dict[str, Any] = {}
                 visit(value, path, sub_values)
-                ucp = {"values": sub_values} if sub_values else {}
+                ucp = (
+                    jsonvalues.encode(value.ucp, where=f"{where}.ucp")
+                    if isinstance(value, Group) else {}
+                )
+                if sub_values:
+                    ucp["values"] = sub_values
                 result.groups.append(GroupMeta(path, {"ucp": ucp} if ucp else {}))
                 node_names.append(node)
             else:
@@ -379,7 +411,14 @@ def _array_meta(
     attributes: Mapping[str, Any],
 ) -> ArrayMeta:
     dt = dtypes.from_numpy(arr.dtype, tensor=path)
-    ch = chunking.choose(arr.shape, dt.itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+    ucp = attributes.get("ucp", {})
+    ch = chunking.choose(
+        arr.shape,
+        dt.itemsize,
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
+    )
     meta = ArrayMeta(
         path=path,
         shape=tuple(int(s) for s in arr.shape),
@@ -422,7 +461,7 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     compression: str | Mapping[str, Any] | None = None,
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = None,
     overwrite: bool = False,
     chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
     shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,

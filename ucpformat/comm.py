@@ -1,0 +1,134 @@
+"""What a distributed save needs from a process group, and an in-process implementation.
+
+The format core speaks to ranks through :class:`Communicator`: gather JSON-able
+descriptions, exchange byte buffers, agree on success. ``ucpformat.torch`` implements it
+over ``torch.distributed`` (gloo or NCCL); :class:`ThreadGroup` runs N ranks as threads
+of one process (tests, simulations, single-host tools).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Communicator(Protocol):
+    """A group of ranks; every call is collective (all ranks call it, in the same order)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able ``obj``, indexed by rank."""
+        ...
+
+    def exchange(self, outgoing: Mapping[int, bytes | memoryview]) -> dict[int, bytes]:
+        """Send ``outgoing[dst]`` to each dst; return what each src sent here."""
+        ...
+
+    def barrier(self) -> None: ...
+
+
+class SingleProcess:
+    """A communicator of one rank."""
+
+    rank = 0
+    world_size = 1
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def exchange(self, outgoing: Mapping[int, bytes | memoryview]) -> dict[int, bytes]:
+        return {0: bytes(outgoing[0])} if 0 in outgoing else {}
+
+    def barrier(self) -> None:
+        return None
+
+
+class _Shared:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.slots: list[Any] = [None] * size
+
+
+class ThreadGroup:
+    """One rank of a group of threads in this process (see :func:`run_threads`)."""
+
+    def __init__(self, shared: _Shared, rank: int) -> None:
+        self._shared = shared
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._shared.size
+
+    def allgather(self, obj: Any) -> list[Any]:
+        sh = self._shared
+        sh.barrier.wait()
+        sh.slots[self._rank] = obj
+        sh.barrier.wait()
+        out = list(sh.slots)
+        sh.barrier.wait()
+        return out
+
+    def exchange(self, outgoing: Mapping[int, bytes | memoryview]) -> dict[int, bytes]:
+        gathered = self.allgather({dst: bytes(buf) for dst, buf in outgoing.items()})
+        return {src: sent[self._rank] for src, sent in enumerate(gathered) if self._rank in sent}
+
+    def barrier(self) -> None:
+        self._shared.barrier.wait()
+
+
+def run_threads(world_size: int, fn: Callable[[ThreadGroup], T]) -> list[T]:
+    """Run ``fn(comm)`` on ``world_size`` threads, one rank each; results by rank.
+
+    If any rank raises, the barrier is broken so no rank hangs, and the first error is
+    re-raised.
+    """
+    shared = _Shared(world_size)
+
+    def run(rank: int) -> T:
+        try:
+            return fn(ThreadGroup(shared, rank))
+        except BaseException:
+            shared.barrier.abort()
+            raise
+
+    with ThreadPoolExecutor(world_size) as pool:
+        futures = [pool.submit(run, r) for r in range(world_size)]
+        errors: list[BaseException] = []
+        results: list[Any] = []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except threading.BrokenBarrierError as exc:
+                errors.append(exc)
+                results.append(None)
+            except BaseException as exc:
+                errors.insert(0, exc)
+                results.append(None)
+        if errors:
+            raise errors[0]
+        return results
+
+
+def all_ok(comm: Communicator, error: BaseException | None) -> list[str]:
+    """Collective: every rank's error message ("" for success)."""
+    return [
+        str(e) for e in comm.allgather("" if error is None else f"{type(error).__name__}: {error}")
+    ]
+
+
+__all__ = ["Communicator", "SingleProcess", "ThreadGroup", "all_ok", "run_threads"]
