@@ -191,12 +191,19 @@ _SHARDING_KEYS: Final = frozenset({"chunk_shape", "codecs", "index_codecs", "ind
 
 def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], what: str, rule: str,
                 where: str) -> None:
+    if obj.keys() <= allowed:
+        return
     extra = sorted(str(k) for k in set(obj) - allowed)
-    if extra:
-        raise _fail(f"{what} has unknown members {extra}", rule, where)
+    raise _fail(f"{what} has unknown members {extra}", rule, where)
+
+
+_BYTES_LITTLE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+_BYTES_NO_ENDIAN: Final = {"name": "bytes"}
 
 
 def _parse_bytes_codec(codec: Any, dt: DataType, where: str) -> None:
+    if codec == (_BYTES_NO_ENDIAN if dt.itemsize == 1 else _BYTES_LITTLE):
+        return  # the canonical spelling, the common case: nothing more to check
     if not _is_map(codec) or codec.get("name") != "bytes":
         raise _fail(
             f"the first codec must be 'bytes', got {codec!r}", "UCP-1.0-R022", where
