@@ -146,7 +146,14 @@ def split_path(path: str, *, where: str | None = None) -> list[str]:
         return []
     if not isinstance(path, str):
         raise UnsafePathError(f"path {path!r} is not a string", rule="UCP-1.0-R010", path=where)
-    return [unescape(part, where=where or path) for part in path.split("/")]
+    try:
+        return [unescape(part, where=where or path) for part in path.split("/")]
+    except UnsafePathError as exc:
+        if where is None:
+            raise
+        # name the whole path, not only the offending component
+        raise UnsafePathError(f"path {path!r}: {exc.message}", rule=exc.rule,
+                              path=where) from None
 
 
 def check_path(path: str, *, where: str | None = None) -> None:
