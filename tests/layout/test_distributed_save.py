@@ -1,4 +1,4 @@
-"""The distributed writer: one writer per shard, replicas once and balanced, all-or-nothing commit."""
+"""The distributed writer: one writer per shard, replicas once, all-or-nothing commit."""
 
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ from ucpformat.storage import LocalStore
 
 def _replicated_state(n: int = 8) -> dict[str, np.ndarray[Any, Any]]:
     rng = np.random.default_rng(3)
-    return {f"model/layers.{i}.w": rng.standard_normal((64, 32)).astype(np.float32) for i in range(n)}
+    return {
+        f"model/layers.{i}.w": rng.standard_normal((64, 32)).astype(np.float32) for i in range(n)
+    }
 
 
-def _full_fragments(state: dict[str, np.ndarray[Any, Any]]) -> tuple[list[TensorSpec], list[Fragment]]:
+def _full_fragments(
+    state: dict[str, np.ndarray[Any, Any]],
+) -> tuple[list[TensorSpec], list[Fragment]]:
     specs = [TensorSpec(p, a.shape, "float32") for p, a in state.items()]
     frags = [Fragment(p, tuple((0, n) for n in a.shape), a) for p, a in state.items()]
     return specs, frags
@@ -33,8 +37,15 @@ def test_replicas_are_written_once_and_balanced(tmp_path: Path) -> None:
     specs, frags = _full_fragments(state)
 
     def rank_main(comm: ThreadGroup) -> Any:
-        return save_distributed(tmp_path / "ckpt", comm, specs=specs, fragments=frags,
-                                chunk_bytes=2048, min_shard_bytes=1024, durable=False)
+        return save_distributed(
+            tmp_path / "ckpt",
+            comm,
+            specs=specs,
+            fragments=frags,
+            chunk_bytes=2048,
+            min_shard_bytes=1024,
+            durable=False,
+        )
 
     results = run_threads(4, rank_main)
     written = [r.bytes_written_here for r in results]
@@ -49,7 +60,9 @@ def test_replicas_are_written_once_and_balanced(tmp_path: Path) -> None:
         assert np.array_equal(ckpt[path].read(), want)
 
 
-def test_a_failing_rank_leaves_no_committed_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_rank_leaves_no_committed_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """UCP-1.0-R132: one rank's write fails -> every rank raises, nothing is committed."""
     state = _replicated_state()
     specs, frags = _full_fragments(state)
@@ -68,8 +81,16 @@ def test_a_failing_rank_leaves_no_committed_checkpoint(tmp_path: Path, monkeypat
 
     def rank_main(comm: ThreadGroup) -> Any:
         try:
-            return save_distributed(tmp_path / "ckpt", comm, specs=specs, fragments=frags,
-                                    chunk_bytes=2048, min_shard_bytes=1024, durable=False, workers=1)
+            return save_distributed(
+                tmp_path / "ckpt",
+                comm,
+                specs=specs,
+                fragments=frags,
+                chunk_bytes=2048,
+                min_shard_bytes=1024,
+                durable=False,
+                workers=1,
+            )
         except WriteError as exc:
             errors.append(exc)
             return None
@@ -82,10 +103,15 @@ def test_a_failing_rank_leaves_no_committed_checkpoint(tmp_path: Path, monkeypat
         ucpformat.open(tmp_path / "ckpt")
     assert info.value.rule == "UCP-1.0-R051"
     monkeypatch.setattr(LocalStore, "put", real_put)
-    run_threads(4, lambda comm: save_distributed(tmp_path / "ckpt", comm, specs=specs,
-                                                 fragments=frags, durable=False))
-    assert np.array_equal(ucpformat.open(tmp_path / "ckpt")["model/layers.0.w"].read(),
-                          state["model/layers.0.w"])
+    run_threads(
+        4,
+        lambda comm: save_distributed(
+            tmp_path / "ckpt", comm, specs=specs, fragments=frags, durable=False
+        ),
+    )
+    assert np.array_equal(
+        ucpformat.open(tmp_path / "ckpt")["model/layers.0.w"].read(), state["model/layers.0.w"]
+    )
 
 
 def test_ranks_that_disagree_on_a_tensor_are_refused(tmp_path: Path) -> None:
@@ -93,8 +119,12 @@ def test_ranks_that_disagree_on_a_tensor_are_refused(tmp_path: Path) -> None:
 
     def rank_main(comm: ThreadGroup) -> Any:
         shape = (4, 4) if comm.rank == 0 else (4, 5)
-        return save_distributed(tmp_path / "ckpt", comm, specs=[TensorSpec("model/w", shape, "float32")],
-                                fragments=[Fragment("model/w", ((0, 4), (0, 4)), a)])
+        return save_distributed(
+            tmp_path / "ckpt",
+            comm,
+            specs=[TensorSpec("model/w", shape, "float32")],
+            fragments=[Fragment("model/w", ((0, 4), (0, 4)), a)],
+        )
 
     with pytest.raises(ucpformat.errors.LayoutError) as info:
         run_threads(2, rank_main)
@@ -102,15 +132,29 @@ def test_ranks_that_disagree_on_a_tensor_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_inspect_and_validate_show_layout_semantics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    layout = {"tp": {"dim": 0}, "parts": [{"name": "q", "size": 8}, {"name": "k", "size": 4}], "groups": 4}
+def test_inspect_and_validate_show_layout_semantics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    layout = {
+        "tp": {"dim": 0},
+        "parts": [{"name": "q", "size": 8}, {"name": "k", "size": 4}],
+        "groups": 4,
+    }
     w = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
 
     def rank_main(comm: ThreadGroup) -> Any:
         rows = slice(comm.rank * 6, comm.rank * 6 + 6)
         return save_distributed(
-            tmp_path / "ckpt", comm,
-            specs=[TensorSpec("model/qkv", (12, 3), "float32", {"ucp": {"role": "parameter", "layout": layout}})],
+            tmp_path / "ckpt",
+            comm,
+            specs=[
+                TensorSpec(
+                    "model/qkv",
+                    (12, 3),
+                    "float32",
+                    {"ucp": {"role": "parameter", "layout": layout}},
+                )
+            ],
             fragments=[Fragment("model/qkv", ((rows.start, rows.stop), (0, 3)), w[rows])],
         )
 
