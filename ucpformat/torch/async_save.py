@@ -80,7 +80,8 @@ class AsyncSaver:
         self._staging = _Staging()
         self._pending: Future[DistributedSaveResult] | None = None
         self._lock = threading.Lock()
-        #: Seconds the last ``save`` call blocked its caller (the snapshot).
+        #: Seconds the last ``save`` call blocked its caller once the previous save was
+        #: done: collecting the state dicts, the snapshot copy, handing over the write.
         self.last_blocked_s: float = 0.0
         #: Seconds the last ``save`` call waited for the save before it.
         self.last_wait_s: float = 0.0
@@ -125,13 +126,13 @@ class AsyncSaver:
             if self._staging.used_device and torch.cuda.is_available():
                 torch.cuda.synchronize()
             state.items = []  # the live tensors are not needed any more
-            self.last_wait_s = t1 - t0
-            self.last_blocked_s = time.perf_counter() - t1
             future = self._pool.submit(
                 write_collected, path, self._comm, state, specs, frags,
                 metadata=metadata, **save_kwargs,
             )
             self._pending = future
+            self.last_wait_s = t1 - t0
+            self.last_blocked_s = time.perf_counter() - t1
             return future
 
     def wait(self) -> DistributedSaveResult | None:

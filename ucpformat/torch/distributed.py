@@ -29,6 +29,7 @@ outcome, before any tensor is modified.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -92,6 +93,12 @@ from ucpformat.torch.state import (
 Snapshot = Callable[[str, torch.Tensor], np.ndarray[Any, Any]]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _path(*logical: str) -> str:
+    """``names.path_of``, cached: the same names come back at every save."""
+    return names.path_of(*logical)
+
+
 # -- DTensor placements --------------------------------------------------------------------
 
 
@@ -128,23 +135,32 @@ def placements_of(dt: DTensor, *, name: str | None = None) -> list[Placement]:
     return out
 
 
+_MapKey = tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...], tuple[int, ...],
+                tuple[int, ...]]
+_LOCAL_MAPS: dict[_MapKey, LocalMap] = {}
+
+
 def local_map_of(dt: DTensor, *, name: str | None = None) -> LocalMap | None:
     """This rank's local tensor of ``dt`` as pieces of the global tensor (None: not in mesh).
 
     The map is checked against the local tensor's shape and, where it is one box, against
     torch's ``compute_local_shape_and_global_offset``: a disagreement is an error, never a
-    silently misplaced shard.
+    silently misplaced shard. Checked maps are cached by global shape, mesh, placements,
+    coordinates and local shape (a save repeats them all).
     """
     mesh = dt.device_mesh
     coords = mesh.get_coordinate()
     if coords is None:
         return None
-    placements = placements_of(dt, name=name)
-    lm = dtensor_local_map(
-        tuple(int(n) for n in dt.shape), tuple(int(n) for n in mesh.shape), placements,
-        [int(c) for c in coords], tensor=name,
-    )
+    placements = tuple(placements_of(dt, name=name))
+    global_shape = tuple(int(n) for n in dt.shape)
     local_shape = tuple(int(n) for n in dt.to_local().shape)
+    key = (global_shape, tuple(int(n) for n in mesh.shape), placements,
+           tuple(int(c) for c in coords), local_shape)
+    cached = _LOCAL_MAPS.get(key)
+    if cached is not None:
+        return cached
+    lm = dtensor_local_map(global_shape, key[1], placements, key[3], tensor=name)
     if local_shape != lm.local_shape:
         raise LayoutError(
             f"the local tensor has shape {list(local_shape)}, but placements "
@@ -154,6 +170,9 @@ def local_map_of(dt: DTensor, *, name: str | None = None) -> LocalMap | None:
             tensor=name,
         )
     _check_against_torch(dt, lm, name)
+    if len(_LOCAL_MAPS) > 1 << 16:
+        _LOCAL_MAPS.clear()
+    _LOCAL_MAPS[key] = lm
     return lm
 
 
@@ -277,7 +296,7 @@ def collect_state(
             if isinstance(value, torch.Tensor):
                 _check_tensor(value, where)
                 role = "parameter" if fqn in params else "buffer"
-                state.items.append(_Item(names.path_of("model", fqn), value, role))
+                state.items.append(_Item(_path("model", fqn), value, role))
             else:
                 state.values("model")[fqn] = to_json(value, where=where)
     if optimizer is not None:
@@ -296,7 +315,7 @@ def collect_state(
             {"type": qualified_name(optimizer), "param_groups": param_groups}
         )
         for fqn, entries in osd.get("state", {}).items():
-            group_path = names.path_of("optimizer", "state", str(fqn))
+            group_path = _path("optimizer", "state", str(fqn))
             state.groups.setdefault(group_path, {})
             for key, value in entries.items():
                 where = f"optimizer/state/{fqn}/{key}"
@@ -305,7 +324,7 @@ def collect_state(
                                             path=f"optimizer/state/{fqn}")
                 if isinstance(value, torch.Tensor):
                     _check_tensor(value, where)
-                    path = names.path_of("optimizer", "state", str(fqn), key)
+                    path = _path("optimizer", "state", str(fqn), key)
                     state.items.append(_Item(path, value, "optimizer_state"))
                 else:
                     state.values(group_path)[key] = to_json(value, where=where)
@@ -328,18 +347,18 @@ def collect_state(
 def _collect_extra(state: _State, where: tuple[str, ...], value: Any) -> None:
     if isinstance(value, torch.Tensor):
         if isinstance(value, DTensor):
-            state.items.append(_Item(names.path_of(*where), value, "training_state"))
+            state.items.append(_Item(_path(*where), value, "training_state"))
         else:
-            state.items.append(_Item(names.path_of(*where), value, "training_state", only_rank=0))
+            state.items.append(_Item(_path(*where), value, "training_state", only_rank=0))
         return
     if isinstance(value, Mapping) and any(
         isinstance(v, torch.Tensor | Mapping) for v in value.values()
     ):
-        state.groups.setdefault(names.path_of(*where), {})
+        state.groups.setdefault(_path(*where), {})
         for k, v in value.items():
             _collect_extra(state, (*where, str(k)), v)
         return
-    parent = names.path_of(*where[:-1])
+    parent = _path(*where[:-1])
     state.values(parent)[where[-1]] = to_json(value, where="/".join(where))
 
 
