@@ -70,7 +70,7 @@ from ucpformat.layout.dtensor import (
 from ucpformat.reader import Checkpoint
 from ucpformat.storage import Store
 from ucpformat.torch.comm import ProcessGroup, communicator
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy
+from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.state import (
     LoadResult,
     PathOrCheckpoint,
@@ -644,8 +644,6 @@ def _new_state_tensor(
 
 
 def data_type_torch(name: str) -> torch.dtype:
-    from ucpformat.torch.convert import torch_dtype
-
     return torch_dtype(name)
 
 
@@ -660,6 +658,18 @@ def _read_into(ckpt: Checkpoint, read: _Read) -> None:
         lm = _whole(tuple(int(n) for n in target.shape))
         local = target
     if local.numel() == 0:
+        return
+    stored = ckpt.arrays[read.path].dtype
+    if (
+        local.device.type == "cpu"
+        and local.is_contiguous()
+        and not local.is_conj()
+        and not local.is_neg()
+        and local.dtype == torch_dtype(stored.name)
+    ):
+        # zero-copy: chunks are decoded (or uncompressed row blocks read) straight into
+        # the local tensor's memory, which to_numpy shares
+        read_local(ckpt, read.path, lm, out=to_numpy(local, name=read.path))
         return
     values = read_local(ckpt, read.path, lm)
     with torch.no_grad():
