@@ -14,7 +14,7 @@ state in one run:
 Blocked times are the slowest rank's (training waits for it at the next collective);
 throughput is the checkpoint's logical size over the total time.
 
-    python benchmarks/bench_async.py [--quick] [--mb 64] [--ranks 2] [--repeats 3] [--json F]
+    python benchmarks/bench_async.py [--quick] [--mb 64] [--ranks 2] [--repeats 5] [--json F]
 """
 
 from __future__ import annotations
@@ -80,19 +80,11 @@ def worker(rank: int, world: int, mb: float, repeats: int, root: str) -> dict[st
         fn()
         return time.perf_counter() - t0
 
-    copies = [timed(lambda: [t.clone() for t in local_tensors()]) for _ in range(repeats)]
-
-    sync = []
-    for i in range(repeats):
-        path = f"{root}/sync-{i}"
-        sync.append(timed(lambda p=path: save_distributed(p, model=model, optimizer=opt)))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(path)
-
+    # interleaved, so that every kind of measurement sees the same conditions
     saver = AsyncSaver()
-    blocked, total = [], []
+    copies, sync, blocked, total = [], [], [], []
     for i in range(repeats):
+        copies.append(timed(lambda: [t.clone() for t in local_tensors()]))
         path = f"{root}/async-{i}"
         dist.barrier()
         t0 = time.perf_counter()
@@ -102,6 +94,11 @@ def worker(rank: int, world: int, mb: float, repeats: int, root: str) -> dict[st
         total.append(time.perf_counter() - t0)
         dist.barrier()
         if rank == 0 and i < repeats - 1:
+            shutil.rmtree(path)
+        path = f"{root}/sync-{i}"
+        sync.append(timed(lambda p=path: save_distributed(p, model=model, optimizer=opt)))
+        dist.barrier()
+        if rank == 0:
             shutil.rmtree(path)
     saver.close()
     ckpt_bytes = 0
@@ -170,7 +167,7 @@ def rows(m: dict[str, Any]) -> list[dict[str, str]]:
 
 def run(quick: bool = False) -> list[dict[str, str]]:
     """The benchmark-runner interface: rows of one table."""
-    return rows(measure(16 if quick else 64, 2, 2 if quick else 3))
+    return rows(measure(16 if quick else 64, 2, 2 if quick else 5))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args(argv)
     mb = args.mb if args.mb is not None else (16 if args.quick else 64)
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     m = measure(mb, args.ranks, max(2, repeats))
     width = max(len(r["measure"]) for r in rows(m))
     print(__doc__.splitlines()[0])
