@@ -291,8 +291,19 @@ class Tensor:
         starts, stops, post = _parse_selection(selection, self.shape, self.path)
         return _apply_post(self.read_region(starts, stops), post)
 
-    def read_region(self, starts: Sequence[int], stops: Sequence[int]) -> np.ndarray[Any, Any]:
-        """The box ``[starts, stops)`` of the tensor, reading only what overlaps it."""
+    def read_region(
+        self,
+        starts: Sequence[int],
+        stops: Sequence[int],
+        *,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """The box ``[starts, stops)`` of the tensor, reading only what overlaps it.
+
+        ``out``: a writeable array of the region's shape and the tensor's data type to
+        read into (and return), e.g. a view of a framework tensor's memory; where it is
+        C-contiguous, uncompressed row blocks go from storage straight into it.
+        """
         meta = self.meta
         if len(starts) != self.ndim or len(stops) != self.ndim:
             raise SelectionError(f"a region of rank {self.ndim} is needed", tensor=self.path)
@@ -304,7 +315,16 @@ class Tensor:
                 )
         out_shape = tuple(b - a for a, b in zip(starts, stops, strict=True))
         nbytes = math.prod(out_shape) * meta.dtype.itemsize
-        if nbytes > self.checkpoint.max_read_bytes:
+        if out is not None:
+            if tuple(out.shape) != out_shape or out.dtype != meta.dtype.numpy:
+                raise SelectionError(
+                    f"out is {out.dtype} of shape {list(out.shape)}; the region needs "
+                    f"{meta.dtype.numpy} of shape {list(out_shape)}",
+                    tensor=self.path,
+                )
+            if not out.flags.writeable:
+                raise SelectionError("out is read-only", tensor=self.path)
+        elif nbytes > self.checkpoint.max_read_bytes:
             raise ResourceLimitError(
                 f"reading region of shape {list(out_shape)} needs {nbytes} bytes, over the "
                 f"limit of {self.checkpoint.max_read_bytes} (read a smaller slice, or raise "
@@ -312,7 +332,8 @@ class Tensor:
                 rule="UCP-1.0-R090",
                 tensor=self.path,
             )
-        out = np.empty(out_shape, dtype=meta.dtype.numpy)
+        if out is None:
+            out = np.empty(out_shape, dtype=meta.dtype.numpy)
         if nbytes == 0:
             return out
         lo, hi = tuple(starts), tuple(stops)
