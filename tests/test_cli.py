@@ -55,7 +55,7 @@ def test_help_runs_as_a_module() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr
-    for command in ("inspect", "validate", "diff", "demo"):
+    for command in ("inspect", "validate", "diff", "tour", "demo"):
         assert command in proc.stdout
 
 
@@ -456,23 +456,23 @@ def test_diff_complex_and_bool(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 # -- demo ------------------------------------------------------------------------------------
 
 
-def test_demo_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, err = ucp(capsys, "demo", "--dir", str(tmp_path))
+def test_tour_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = ucp(capsys, "tour", "--dir", str(tmp_path))
     assert code == 0, out + err
     assert "Traceback" not in out + err
     for needle in ("UCP-1.0-R041", "UCP-1.0-R031", "bit-identical", "refused:", "valid:"):
         assert needle in out
     assert ucpformat.validate(tmp_path / "demo-checkpoint", deep=True).valid
     # a second run in the same directory replaces its own checkpoints
-    assert ucp(capsys, "demo", "--dir", str(tmp_path))[0] == 0
+    assert ucp(capsys, "tour", "--dir", str(tmp_path))[0] == 0
 
 
-def test_demo_does_not_clobber_foreign_files(
+def test_tour_does_not_clobber_foreign_files(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     (tmp_path / "demo-checkpoint").mkdir()
     (tmp_path / "demo-checkpoint" / "precious.txt").write_text("keep me")
-    code, _, err = ucp(capsys, "demo", "--dir", str(tmp_path))
+    code, _, err = ucp(capsys, "tour", "--dir", str(tmp_path))
     assert code == 2
     assert "not a checkpoint" in one_error_line(err)
     assert (tmp_path / "demo-checkpoint" / "precious.txt").read_text() == "keep me"

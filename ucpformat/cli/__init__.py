@@ -7,7 +7,8 @@ stderr and an exit status (0 ok, 1 invalid or different, 2 could not run)::
     ucp inspect CKPT [--json] [--all]
     ucp validate CKPT [--json] [--deep] [--quiet]
     ucp diff A B [--json] [--atol X] [--rtol X] [--all]
-    ucp demo [--dir DIR]
+    ucp tour [--dir DIR]
+    ucp demo [--out DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from ucpformat._version import __version__
-from ucpformat.cli import demo, diff, inspect, validate
+from ucpformat.cli import demo, diff, inspect, tour, validate
 from ucpformat.cli.common import ERROR, FOUND, CommandError
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -30,7 +31,7 @@ from ucpformat.errors import (
 
 #: The subcommands, in the order ``ucp --help`` lists them. The demo is one module, so
 #: that a fuller demo can replace it without touching anything else.
-COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, demo)
+COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, tour, demo)
 
 
 class _Parser(argparse.ArgumentParser):
