@@ -23,12 +23,12 @@ demo: $(STAMP)
 	$(BIN)/python -m ucpformat.cli demo
 
 test: $(STAMP)
-	$(BIN)/python -m ruff check ucpformat tests conformance benchmarks examples
+	$(BIN)/python -m ruff check
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q
 
 lint: $(STAMP)
-	$(BIN)/python -m ruff check ucpformat tests conformance benchmarks examples
+	$(BIN)/python -m ruff check
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy

@@ -10,6 +10,7 @@ and the chunk it concerns.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,8 +48,10 @@ class Compression:
     configuration: Mapping[str, Any] = field(default_factory=dict)
 
     @staticmethod
-    def parse(spec: str | Mapping[str, Any] | Compression | None, dtype: DataType) -> Compression | None:
-        """Accept ``None``, ``"zstd"``, ``"zstd:5"``, ``"gzip"``, ``"blosc"`` or a zarr codec dict."""
+    def parse(
+        spec: str | Mapping[str, Any] | Compression | None, dtype: DataType
+    ) -> Compression | None:
+        """Accept ``None``, ``"zstd"``, ``"zstd:5"``, ``"gzip"``, ``"blosc"`` or a codec dict."""
         if spec is None or isinstance(spec, Compression):
             return spec
         if isinstance(spec, str):
@@ -92,15 +95,21 @@ class Compression:
     def numcodec(self) -> Any:
         cfg = self.configuration
         if self.name == "zstd":
-            return numcodecs.Zstd(level=int(cfg.get("level", 0)), checksum=bool(cfg.get("checksum", False)))
+            return numcodecs.Zstd(
+                level=int(cfg.get("level", 0)), checksum=bool(cfg.get("checksum", False))
+            )
         if self.name == "gzip":
             return numcodecs.GZip(level=int(cfg.get("level", 5)))
-        shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(cfg.get("shuffle", "noshuffle"))]
+        shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+        shuffle = shuffles[str(cfg.get("shuffle", "noshuffle"))]
+        # Chunks are handed over as bytes: without the typesize, blosc would shuffle
+        # single bytes (a no-op) whatever the configuration says.
         return numcodecs.Blosc(
             cname=str(cfg.get("cname", "zstd")),
             clevel=int(cfg.get("clevel", 5)),
             shuffle=shuffle,
             blocksize=int(cfg.get("blocksize", 0)),
+            typesize=int(cfg["typesize"]) if "typesize" in cfg else None,
         )
 
 
@@ -126,7 +135,7 @@ class ChunkCodec:
 
     def encode(self, chunk: np.ndarray[Any, Any]) -> list[Any]:
         """Encode a C-contiguous little-endian chunk; returns buffers to write in order."""
-        raw = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data
         payload: Any = raw if self._numcodec is None else self._numcodec.encode(raw)
         return [payload, crc_bytes(payload)]
 
@@ -137,7 +146,8 @@ class ChunkCodec:
         view = memoryview(data).cast("B")
         if len(view) < CRC_BYTES:
             raise CorruptDataError(
-                f"chunk {chunk} is truncated ({len(view)} bytes)", rule="UCP-1.0-R041", tensor=tensor
+                f"chunk {chunk} is truncated ({len(view)} bytes)", rule="UCP-1.0-R041",
+                tensor=tensor,
             )
         payload, stored = view[:-CRC_BYTES], bytes(view[-CRC_BYTES:])
         if crc_bytes(payload) != stored:
@@ -148,12 +158,12 @@ class ChunkCodec:
                 tensor=tensor,
             )
         nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
-        if self._numcodec is not None:
+        if self._numcodec is not None and self.compression is not None:
             try:
-                payload = memoryview(self._numcodec.decode(payload)).cast("B")
+                payload = self._decompress(payload, nbytes)
             except Exception as exc:
                 raise CorruptDataError(
-                    f"chunk {chunk} cannot be decompressed ({self.compression.name if self.compression else ''}): {exc}",
+                    f"chunk {chunk} cannot be decompressed ({self.compression.name}): {exc}",
                     rule="UCP-1.0-R041",
                     tensor=tensor,
                 ) from exc
@@ -164,6 +174,92 @@ class ChunkCodec:
                 tensor=tensor,
             )
         return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))
+
+    def _decompress(self, payload: memoryview, nbytes: int) -> memoryview:
+        """Decompress into at most ``nbytes`` (plus one, to tell "too long"): a hostile chunk
+        of a few KB that expands to gigabytes (a decompression bomb) is refused before it
+        is expanded (spec UCP-1.0-R090)."""
+        assert self.compression is not None and self._numcodec is not None
+        name = self.compression.name
+        if name == "gzip":
+            return memoryview(_gunzip(payload, nbytes))
+        declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
+        if declared is not None and declared != nbytes:
+            raise ValueError(f"it declares {declared} decompressed bytes, expected {nbytes}")
+        out = np.empty(nbytes, dtype=np.uint8)
+        # numcodecs refuses output that does not fit ``out``; a zstd frame of unknown size
+        # must fill it exactly.
+        self._numcodec.decode(payload, out=out)
+        return out.data
+
+
+def _gunzip(data: Any, limit: int) -> bytes:
+    """Decompress (possibly concatenated) gzip members, refusing more than ``limit`` bytes."""
+    out = bytearray()
+    rest = bytes(data)
+    while True:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out += d.decompress(rest, limit + 1 - len(out))
+        if len(out) > limit:
+            raise ValueError(f"it decompresses to more than the {limit} bytes expected")
+        if not d.eof:
+            raise ValueError("the gzip stream is truncated")
+        rest = d.unused_data
+        if not rest:
+            return bytes(out)
+
+
+def _blosc_nbytes(data: Any) -> int:
+    """The uncompressed size a blosc (1.x) buffer declares in its 16-byte header."""
+    view = memoryview(data).cast("B")
+    if len(view) < 16:
+        raise ValueError("the blosc header is truncated")
+    return int.from_bytes(view[4:8], "little")
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def _zstd_content_size(data: Any) -> int | None:
+    """Total decompressed size the zstd frames declare (RFC 8878), None if a frame omits it.
+
+    Walks frame and block headers only; decompresses nothing.
+    """
+    view = memoryview(data).cast("B")
+    total = 0
+    pos = 0
+    while pos < len(view):
+        if len(view) - pos < 8:
+            raise ValueError("a zstd frame header is truncated")
+        magic = int.from_bytes(view[pos : pos + 4], "little")
+        if magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
+            pos += 8 + int.from_bytes(view[pos + 4 : pos + 8], "little")
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise ValueError("not a zstd frame")
+        fhd = view[pos + 4]
+        fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
+        pos += 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+        fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if pos + fcs_len > len(view):
+            raise ValueError("a zstd frame header is truncated")
+        if fcs_len == 0:
+            return None
+        size = int.from_bytes(view[pos : pos + fcs_len], "little")
+        total += size + (256 if fcs_len == 2 else 0)
+        pos += fcs_len
+        while True:  # blocks
+            if pos + 3 > len(view):
+                raise ValueError("a zstd block header is truncated")
+            header = int.from_bytes(view[pos : pos + 3], "little")
+            block_type, block_size = (header >> 1) & 3, header >> 3
+            pos += 3 + (1 if block_type == 1 else block_size)
+            if header & 1:
+                break
+        pos += 4 if fhd & 4 else 0
+    if pos != len(view):
+        raise ValueError("the zstd data is truncated")
+    return total
 
 
 # -- shard index ------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def registry() -> Registry[Any]:
     resources = []
     for path in sorted(schema_dir().glob("*.schema.json")):
         contents = json.loads(path.read_text(encoding="utf-8"))
-        resources.append((contents["$id"], Resource.from_contents(contents, default_specification=DRAFT202012)))
+        resource = Resource.from_contents(contents, default_specification=DRAFT202012)
+        resources.append((contents["$id"], resource))
     return Registry().with_resources(resources)
 
 
