@@ -6,11 +6,6 @@ Single process::
     ucpt.save("ckpt", model=model, optimizer=opt, scheduler=sched, step=step)
     result = ucpt.load("ckpt", model=model, optimizer=opt, scheduler=sched)
 
-With ``torch.distributed.checkpoint``, ``ucpformat.torch.dcp`` is a storage plugin::
-
-    dcp.save(state_dict, storage_writer=ucpformat.torch.dcp.UCPWriter("ckpt"))
-    dcp.load(state_dict, storage_reader=ucpformat.torch.dcp.UCPReader("ckpt"))
-
 ``convert`` maps tensors to numpy arrays and back bit for bit; ``state`` defines the
 checkpoint layout of a training state.
 
@@ -23,6 +18,11 @@ checkpoint layout, so any saved layout loads into any other or into one process)
 
 Those names are imported on first use (``torch.distributed`` modules take a while to
 import); see :mod:`ucpformat.torch.distributed` and :mod:`ucpformat.torch.async_save`.
+
+With ``torch.distributed.checkpoint``, ``ucpformat.torch.dcp`` is a storage plugin::
+
+    dcp.save(state_dict, storage_writer=ucpformat.torch.dcp.UCPWriter("ckpt"))
+    dcp.load(state_dict, storage_reader=ucpformat.torch.dcp.UCPReader("ckpt"))
 """
 
 from typing import TYPE_CHECKING, Any
@@ -51,12 +51,18 @@ _LAZY = {
 }
 
 
+#: Submodules reachable as attributes (``ucpformat.torch.dcp.UCPWriter``), imported on use.
+_LAZY_SUBMODULES = ("dcp", "dcp_keys")
+
+
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ucpformat.torch' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)
 
 
@@ -79,13 +85,3 @@ __all__ = [
     "wait_async",
 ]
 
-_LAZY_SUBMODULES = ("dcp", "dcp_keys")
-
-
-def __getattr__(name: str) -> object:
-    # ``ucpformat.torch.dcp`` without importing torch.distributed.checkpoint up front
-    if name in _LAZY_SUBMODULES:
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
