@@ -183,9 +183,7 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
     store.put(IN_PROGRESS_KEY, [marker], atomic=True)
     if committed:
         store.delete(ZARR_JSON)
-    for key in list(store.list()):
-        if key != IN_PROGRESS_KEY:
-            store.delete(key)
+    store.delete_keys([key for key in store.list() if key != IN_PROGRESS_KEY])
     store.flush()
 
 
