@@ -48,7 +48,7 @@ from ucpformat.layout.boxes import (
 )
 from ucpformat.metadata import ArrayMeta, GroupMeta
 from ucpformat.progress import byte_progress
-from ucpformat.reader import Checkpoint
+from ucpformat.reader import Checkpoint, Region
 from ucpformat.storage import Store, open_store
 from ucpformat.writer import (
     StoredObject,
@@ -644,30 +644,51 @@ def read_local(
     ``out`` (the local shape, the tensor's data type, writeable): read into it, e.g. the
     memory of a framework's local tensor, with no intermediate copy of box pieces.
     """
-    tensor = ckpt[path]
-    if out is None:
-        out = np.full(local.local_shape, fill, dtype=tensor.dtype)
-    else:
-        if tuple(out.shape) != tuple(local.local_shape) or out.dtype != tensor.dtype:
-            raise LayoutError(
-                f"out is {out.dtype} of shape {list(out.shape)}; the local tensor is "
-                f"{tensor.dtype} of shape {list(local.local_shape)}",
-                tensor=path,
-            )
-        if local.has_padding:
-            out[...] = fill
-    for piece in local.pieces:
-        lo = [a for a, _ in piece.glob]
-        hi = [b for _, b in piece.glob]
-        if box_shape(piece.local) == box_shape(piece.glob):
-            view = out[as_slices(piece.local)] if out.ndim else out
-            tensor.read_region(lo, hi, out=view)
-            continue
-        if not out.flags.c_contiguous:
-            raise LayoutError("a flat piece needs a C-contiguous out array", tensor=path)
-        ((a, b),) = piece.local
-        out.reshape(-1)[a:b] = tensor.read_region(lo, hi).reshape(-1)
-    return out
+    return read_locals(ckpt, [(path, local, out)], fill=fill)[0]
+
+
+def read_locals(
+    ckpt: Checkpoint,
+    items: Sequence[tuple[str, LocalMap, np.ndarray[Any, Any] | None]],
+    *,
+    fill: Any = 0,
+) -> list[np.ndarray[Any, Any]]:
+    """:func:`read_local` of many (tensor path, local map, ``out``) at once: every box
+    of every tensor is read in one batch (:meth:`Checkpoint.read_regions`), so the
+    checkpoint's threads read the chunks of small and large tensors together."""
+    outs: list[np.ndarray[Any, Any]] = []
+    regions: list[Region] = []
+    flat: list[tuple[np.ndarray[Any, Any], int, int, int]] = []  # (out, a, b, region index)
+    for path, local, out in items:
+        tensor = ckpt[path]
+        if out is None:
+            out = np.full(local.local_shape, fill, dtype=tensor.dtype)
+        else:
+            if tuple(out.shape) != tuple(local.local_shape) or out.dtype != tensor.dtype:
+                raise LayoutError(
+                    f"out is {out.dtype} of shape {list(out.shape)}; the local tensor is "
+                    f"{tensor.dtype} of shape {list(local.local_shape)}",
+                    tensor=path,
+                )
+            if local.has_padding:
+                out[...] = fill
+        outs.append(out)
+        for piece in local.pieces:
+            lo = [a for a, _ in piece.glob]
+            hi = [b for _, b in piece.glob]
+            if box_shape(piece.local) == box_shape(piece.glob):
+                view = out[as_slices(piece.local)] if out.ndim else out
+                regions.append(Region(path, lo, hi, view))
+                continue
+            if not out.flags.c_contiguous:
+                raise LayoutError("a flat piece needs a C-contiguous out array", tensor=path)
+            ((a, b),) = piece.local
+            flat.append((out, a, b, len(regions)))
+            regions.append(Region(path, lo, hi))
+    values = ckpt.read_regions(regions)
+    for out, a, b, index in flat:
+        out.reshape(-1)[a:b] = values[index].reshape(-1)
+    return outs
 
 
 def read_flat(

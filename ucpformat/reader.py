@@ -77,6 +77,10 @@ class ReadStats:
 class Checkpoint:
     """An open checkpoint: metadata in memory, tensors read lazily."""
 
+    #: Inner chunks that lie back to back in a shard are read with one request of up to
+    #: this many bytes (then checked one by one); runs are read in parallel.
+    RUN_BYTES = 8 << 20
+
     def __init__(
         self,
         store: Store,
@@ -208,6 +212,36 @@ class Checkpoint:
             self._count(got)
         return got
 
+    def read_regions(self, regions: Sequence[Region]) -> list[np.ndarray[Any, Any]]:
+        """Read many boxes, of one tensor or many, as one batch; the arrays, in order.
+
+        Each box is read as :meth:`Tensor.read_region` reads it (``out`` included), but
+        the shard indexes of every box and then every inner chunk are read by the
+        checkpoint's pool of threads together, so that small tensors do not each wait
+        for their own round trip. Inner chunks that lie back to back in a shard are read
+        with one request (up to :attr:`RUN_BYTES`) and checked one by one.
+        """
+        outs: list[np.ndarray[Any, Any]] = []
+        jobs: list[tuple[Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                         np.ndarray[Any, Any]]] = []
+        for region in regions:
+            tensor = self[region.path]
+            out = tensor._prepare(region.starts, region.stops, region.out)
+            outs.append(out)
+            if out.size == 0:
+                continue
+            lo = tuple(int(a) for a in region.starts)
+            hi = tuple(int(b) for b in region.stops)
+            jobs.extend((tensor, coords, lo, hi, out) for coords in tensor._objects(lo, hi))
+        planned = self._map(lambda j: j[0]._plan_object(j[1], j[2], j[3], j[4]), jobs)
+        runs = [
+            (job[0], run, job[2], job[3], job[4])
+            for job, reads in zip(jobs, planned, strict=True)
+            for run in _runs(reads, self.RUN_BYTES)
+        ]
+        self._map(lambda r: r[0]._read_run(r[1], r[2], r[3], r[4]), runs)
+        return outs
+
     def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
         if len(items) <= 1:
             return [fn(item) for item in items]
@@ -304,6 +338,12 @@ class Tensor:
         read into (and return), e.g. a view of a framework tensor's memory; where it is
         C-contiguous, uncompressed row blocks go from storage straight into it.
         """
+        return self.checkpoint.read_regions([Region(self.path, starts, stops, out)])[0]
+
+    def _prepare(
+        self, starts: Sequence[int], stops: Sequence[int], out: np.ndarray[Any, Any] | None
+    ) -> np.ndarray[Any, Any]:
+        """Check a region request; the array it is read into (``out`` or a new one)."""
         meta = self.meta
         if len(starts) != self.ndim or len(stops) != self.ndim:
             raise SelectionError(f"a region of rank {self.ndim} is needed", tensor=self.path)
@@ -324,7 +364,8 @@ class Tensor:
                 )
             if not out.flags.writeable:
                 raise SelectionError("out is read-only", tensor=self.path)
-        elif nbytes > self.checkpoint.max_read_bytes:
+            return out
+        if nbytes > self.checkpoint.max_read_bytes:
             raise ResourceLimitError(
                 f"reading region of shape {list(out_shape)} needs {nbytes} bytes, over the "
                 f"limit of {self.checkpoint.max_read_bytes} (read a smaller slice, or raise "
@@ -332,21 +373,15 @@ class Tensor:
                 rule="UCP-1.0-R090",
                 tensor=self.path,
             )
-        if out is None:
-            out = np.empty(out_shape, dtype=meta.dtype.numpy)
-        if nbytes == 0:
-            return out
-        lo, hi = tuple(starts), tuple(stops)
+        return np.empty(out_shape, dtype=meta.dtype.numpy)
+
+    def _objects(self, starts: Sequence[int], stops: Sequence[int]) -> list[tuple[int, ...]]:
+        """Grid coordinates of the stored objects overlapping a (non-empty) region."""
         ranges = [
             range(a // e, -(-b // e))
-            for a, b, e in zip(starts, stops, meta.object_shape, strict=True)
+            for a, b, e in zip(starts, stops, self.meta.object_shape, strict=True)
         ]
-        objects = list(itertools.product(*ranges))
-        reads: list[_ChunkRead] = []
-        for found in self.checkpoint._map(lambda c: self._plan_object(c, lo, hi, out), objects):
-            reads.extend(found)
-        self.checkpoint._map(lambda r: self._read_chunk(r, lo, hi, out), reads)
-        return out
+        return list(itertools.product(*ranges))
 
     # -- object and chunk reads ---------------------------------------------------------
 
@@ -524,6 +559,86 @@ class Tensor:
                 rule="UCP-1.0-R041",
                 tensor=self.path,
             )
+        self._verify(label, head, middle, tail, after)
+
+    def _direct(self, read: _ChunkRead, src: Sequence[tuple[int, int]],
+                dst: Sequence[tuple[int, int]], out: np.ndarray[Any, Any]) -> Any:
+        """The rows of ``out`` a chunk can be read into without a copy, or None.
+
+        Uncompressed chunks that span every dimension but the first (row blocks) and whose
+        wanted rows are contiguous in ``out`` qualify.
+        """
+        meta = self.meta
+        cs = meta.chunk_shape
+        if meta.compression is not None or not cs:
+            return None
+        if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
+            return None
+        payload = math.prod(cs) * meta.dtype.itemsize
+        if read.nbytes is not None and read.nbytes != payload + CRC_BYTES:
+            return None
+        rows: tuple[Any, ...] = (*(slice(a, b) for a, b in dst), Ellipsis)
+        view = out[rows]
+        return view if view.flags.c_contiguous else None
+
+    def _read_run(
+        self,
+        run: Sequence[_ChunkRead],
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+    ) -> None:
+        """Read chunks that lie back to back in one shard with one request, then verify
+        and place each: row blocks land in ``out`` directly, others are decoded."""
+        if len(run) == 1:
+            self._read_chunk(run[0], req_lo, req_hi, out)
+            return
+        meta = self.meta
+        cs = meta.chunk_shape
+        payload = math.prod(cs) * meta.dtype.itemsize
+        row = payload // cs[0] if cs else payload
+        buffers: list[Any] = []
+        parts: list[tuple[_ChunkRead, Any, Any]] = []
+        for read in run:
+            assert read.nbytes is not None
+            ov = self._overlap(read.lo, req_lo, req_hi)
+            view = None if ov is None else self._direct(read, ov[0], ov[1], out)
+            if view is not None and ov is not None:
+                before = ov[0][0][0] * row
+                middle = view.reshape(-1).view(np.uint8).data
+                head = bytearray(before)
+                tail = bytearray(payload - before - len(middle) + CRC_BYTES)
+                buffers += [head, middle, tail]
+                parts.append((read, (head, middle, tail), view))
+            else:
+                scratch = bytearray(read.nbytes)
+                buffers.append(scratch)
+                parts.append((read, scratch, None))
+        total = sum(r.nbytes or 0 for r in run)
+        got = self.checkpoint._read_into(run[0].key, run[0].offset, buffers)
+        if got is None:
+            raise self._missing(f"shard {run[0].key}")
+        pos = 0
+        for read, data, view in parts:
+            assert read.nbytes is not None
+            label = self._chunk_label(read.chunk, read.key)
+            if got < pos + read.nbytes:
+                raise CorruptDataError(
+                    f"chunk {label} is cut short: its shard is smaller than its index says",
+                    rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
+            pos += read.nbytes
+            if view is None:
+                chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
+                self._place(read.lo, chunk, req_lo, req_hi, out)
+            else:
+                head, middle, tail = data
+                self._verify(label, head, middle, tail, len(tail) - CRC_BYTES)
+        assert pos == total
+
+    def _verify(self, label: str, head: Any, middle: Any, tail: Any, after: int) -> None:
+        """Check the CRC32C of a chunk read in three parts (the last ends with the CRC)."""
         crc = crc32c(head)
         crc = crc32c(middle, crc)
         crc = crc32c(memoryview(tail)[:after], crc)
@@ -538,6 +653,17 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class Region:
+    """A box of a tensor to read: ``[starts, stops)`` of the tensor at node ``path``;
+    ``out`` as for :meth:`Tensor.read_region` (None: a new array)."""
+
+    path: str
+    starts: Sequence[int]
+    stops: Sequence[int]
+    out: np.ndarray[Any, Any] | None = None
+
+
+@dataclass(frozen=True)
 class _ChunkRead:
     """One chunk to read: object key, byte range (None: the whole object), where it goes."""
 
@@ -546,6 +672,28 @@ class _ChunkRead:
     nbytes: int | None
     lo: tuple[int, ...]  # global coordinates of the chunk's first element
     chunk: tuple[int, ...]  # global chunk coordinates (for messages)
+
+
+def _runs(reads: Sequence[_ChunkRead], limit: int) -> list[list[_ChunkRead]]:
+    """Chunk reads grouped into runs that lie back to back in one stored object."""
+    runs: list[list[_ChunkRead]] = []
+    ordered = sorted(reads, key=lambda r: (r.key, r.offset))
+    size = 0
+    for read in ordered:
+        if (
+            runs
+            and read.nbytes is not None
+            and size + read.nbytes <= limit
+            and (last := runs[-1][-1]).key == read.key
+            and last.nbytes is not None
+            and last.offset + last.nbytes == read.offset
+        ):
+            runs[-1].append(read)
+            size += read.nbytes
+        else:
+            runs.append([read])
+            size = read.nbytes or 0
+    return runs
 
 
 def _parse_selection(
