@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ucpformat import names
 from ucpformat.comm import Communicator
-from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec, read_local
+from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
 from ucpformat.distributed import save_distributed as _core_save_distributed
 from ucpformat.errors import (
     InvalidValueError,
@@ -70,7 +70,8 @@ from ucpformat.layout.dtensor import (
 from ucpformat.reader import Checkpoint
 from ucpformat.storage import Store
 from ucpformat.torch.comm import ProcessGroup, communicator
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
+from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
+from ucpformat.torch.reads import TensorRead, read_tensors
 from ucpformat.torch.state import (
     LoadResult,
     PathOrCheckpoint,
@@ -647,33 +648,24 @@ def data_type_torch(name: str) -> torch.dtype:
     return torch_dtype(name)
 
 
-def _read_into(ckpt: Checkpoint, read: _Read) -> None:
-    target = read.target
-    if isinstance(target, DTensor):
-        lm = local_map_of(target, name=read.path)
-        if lm is None:
-            return
-        local = target.to_local()
-    else:
-        lm = _whole(tuple(int(n) for n in target.shape))
-        local = target
-    if local.numel() == 0:
-        return
-    stored = ckpt.arrays[read.path].dtype
-    if (
-        local.device.type == "cpu"
-        and local.is_contiguous()
-        and not local.is_conj()
-        and not local.is_neg()
-        and local.dtype == torch_dtype(stored.name)
-    ):
-        # zero-copy: chunks are decoded (or uncompressed row blocks read) straight into
-        # the local tensor's memory, which to_numpy shares
-        read_local(ckpt, read.path, lm, out=to_numpy(local, name=read.path))
-        return
-    values = read_local(ckpt, read.path, lm)
-    with torch.no_grad():
-        local.copy_(from_numpy(values, name=read.path))
+def _read_all(ckpt: Checkpoint, reads: Sequence[_Read]) -> None:
+    """Read every target's local part, as one batch; contiguous CPU local tensors of the
+    stored type are the read buffers themselves (zero-copy)."""
+    requests: list[TensorRead] = []
+    for read in reads:
+        target = read.target
+        if isinstance(target, DTensor):
+            lm = local_map_of(target, name=read.path)
+            if lm is None:
+                continue
+            local = target.to_local()
+        else:
+            lm = _whole(tuple(int(n) for n in target.shape))
+            local = target
+        if local.numel() == 0:
+            continue
+        requests.append(TensorRead(read.path, local, lm))
+    read_tensors(ckpt, requests)
 
 
 def _agree(comm: Communicator, error: BaseException | None, stage: str) -> None:
@@ -734,8 +726,7 @@ def load_distributed(
             error = exc
         _agree(comm, error, "checking the checkpoint")
         try:
-            for read in plan.reads:
-                _read_into(ckpt, read)
+            _read_all(ckpt, plan.reads)
             training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
         except BaseException as exc:
             error = exc

@@ -46,6 +46,7 @@ from ucpformat.errors import (
 from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.storage import Store
 from ucpformat.torch.convert import from_numpy, to_numpy
+from ucpformat.torch.reads import TensorRead, read_tensors
 from ucpformat.writer import Group, SaveResult
 from ucpformat.writer import save as _save
 
@@ -454,8 +455,11 @@ def _children(ckpt: Checkpoint, group: str) -> dict[str, str]:
     return out
 
 
-def _read(ckpt: Checkpoint, path: str, device: Device | None = None) -> torch.Tensor:
-    return from_numpy(ckpt[path].read(), name=path, device=device)
+def _read_new(
+    ckpt: Checkpoint, paths: Sequence[str], device: Device | None = None
+) -> list[torch.Tensor]:
+    """New tensors of the stored tensors at ``paths``, read as one batch."""
+    return read_tensors(ckpt, [TensorRead(p, device=device) for p in paths])
 
 
 def _values(ckpt: Checkpoint, group: str) -> dict[str, Any]:
@@ -531,11 +535,13 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
 
 
 def _apply_model(ckpt: Checkpoint, model: torch.nn.Module, plan: _ModelPlan) -> None:
-    with torch.no_grad():
-        for _fqn, path, target in plan.copies:
-            target.copy_(_read(ckpt, path))
+    # Straight into the live tensors' memory where it can be (CPU, contiguous, the stored
+    # type), else read and copy_: one batch either way.
+    read_tensors(ckpt, [TensorRead(path, target) for _fqn, path, target in plan.copies])
     if plan.fallback_arrays or plan.fallback_values:
-        rest: dict[str, Any] = {k: _read(ckpt, p) for k, p in plan.fallback_arrays.items()}
+        keys = list(plan.fallback_arrays)
+        values = _read_new(ckpt, [plan.fallback_arrays[k] for k in keys])
+        rest: dict[str, Any] = dict(zip(keys, values, strict=True))
         rest.update(plan.fallback_values)
         model.load_state_dict(rest, strict=False)
 
@@ -674,10 +680,16 @@ def _check_state_shapes(
 def _read_optimizer_arrays(ckpt: Checkpoint, plan: _OptimizerPlan) -> None:
     if plan.state_dict is None:
         return
-    for entry in plan.state_dict["state"].values():
-        for key, value in entry.items():
-            if isinstance(value, _ArrayRef):
-                entry[key] = _read(ckpt, value.path)
+    refs = [
+        (entry, key, value.path)
+        for entry in plan.state_dict["state"].values()
+        for key, value in entry.items()
+        if isinstance(value, _ArrayRef)
+    ]
+    for (entry, key, _), tensor in zip(
+        refs, _read_new(ckpt, [path for _, _, path in refs]), strict=True
+    ):
+        entry[key] = tensor
 
 
 def _to_torch(value: Any, device: Device | None, where: str) -> Any:
@@ -757,11 +769,10 @@ def load_state_dict(
         if group and group not in ckpt.groups:
             raise TensorNotFoundError(f"no group {group!r}", path=ckpt.location)
         start = group + "/" if group else ""
+        nodes = [node for node in ckpt if node.startswith(start)]
         out: dict[str, torch.Tensor] = {}
-        for node in ckpt:
-            if node.startswith(start):
-                key = "/".join(names.split_path(node[len(start):]))
-                out[key] = _read(ckpt, node, map_location)
+        for node, tensor in zip(nodes, _read_new(ckpt, nodes, map_location), strict=True):
+            out["/".join(names.split_path(node[len(start):]))] = tensor
         meta = ckpt.groups.get(group)
         aliases = meta.ucp.get("aliases", {}) if meta is not None else {}
         for alias, target in aliases.items():  # tied: one tensor under both names
