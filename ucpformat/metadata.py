@@ -540,7 +540,11 @@ def parse_version(value: Any, *, where: str) -> tuple[int, int]:
 
 
 def dumps(doc: Any, *, compact: bool = False) -> bytes:
-    """JSON encoding of metadata documents: indented, or compact for the large root."""
+    """JSON encoding of metadata documents: indented, or compact.
+
+    Writers use compact: json's C encoder only runs without indentation (about 40 times
+    faster: 7 µs against 270 µs for an array's zarr.json, which is 0.3 s of a save of
+    1,000 tensors). Indented is for documents shown to people."""
     if compact:
         text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     else:

@@ -226,17 +226,22 @@ def commit(
     files: dict[str, dict[str, Any]] = {o.key: o.to_json() for o in objects}
     consolidated: dict[str, Any] = {}
     nodes: list[ArrayMeta | GroupMeta] = [*groups, *arrays]
+    bodies: list[tuple[str, bytes]] = []
     for node in sorted(nodes, key=lambda n: n.path):
         doc = node.to_zarr_json()
-        body = dumps(doc)
-        store.put(f"{node.path}/{ZARR_JSON}", [body])
+        body = dumps(doc, compact=True)
+        bodies.append((f"{node.path}/{ZARR_JSON}", body))
         files[f"{node.path}/{ZARR_JSON}"] = _describe(body, hash_algorithm)
         consolidated[node.path] = doc
+    # Creating files is system calls (the GIL is released): a few threads overlap them.
+    with ThreadPoolExecutor(min(8, max(1, len(bodies)))) as pool:
+        for _ in pool.map(lambda kb: store.put(kb[0], [kb[1]]), bodies):
+            pass
     manifest = {
         "hash_algorithm": hash_algorithm,
         "files": dict(sorted(files.items())),
     }
-    manifest_body = dumps(manifest)
+    manifest_body = dumps(manifest, compact=True)
     store.put(MANIFEST_KEY, [manifest_body])
     store.flush()  # every byte before the commit is durable before the commit is written
     ucp = dict(root_ucp)
@@ -428,7 +433,7 @@ def _array_meta(
         attributes=attributes,
     )
     # Write nothing a reader would refuse (a bad attribute, a chunking bug): check first.
-    parse_array(path, json.loads(dumps(meta.to_zarr_json())))
+    parse_array(path, json.loads(dumps(meta.to_zarr_json(), compact=True)))
     return meta
 
 
