@@ -51,31 +51,53 @@ class Compression:
     def parse(
         spec: str | Mapping[str, Any] | Compression | None, dtype: DataType
     ) -> Compression | None:
-        """Accept ``None``, ``"zstd"``, ``"zstd:5"``, ``"gzip"``, ``"blosc"`` or a codec dict."""
+        """Accept ``None``, ``"zstd"``, ``"zstd:5"``, ``"gzip"``, ``"blosc"``, a codec dict.
+
+        ``"blosc"`` takes optional ``:``-separated parts in any order: a compressor
+        (``lz4``, ``zstd``, ...), a level, a shuffle (``shuffle``, ``bitshuffle``,
+        ``noshuffle``): ``"blosc:lz4:5"``. Blosc defaults to zstd level 3 with byte-shuffle
+        (bit-shuffle for 1-byte types); its ``typesize`` is the data type's item size, also
+        where a codec dict leaves it out (as zarr-python fills it in), so that shuffling
+        moves whole elements' bytes.
+        """
         if spec is None or isinstance(spec, Compression):
             return spec
         if isinstance(spec, str):
-            name, _, level = spec.partition(":")
+            name, _, rest = spec.partition(":")
             if name == "zstd":
-                return Compression("zstd", {"level": int(level or 3), "checksum": False})
+                return Compression("zstd", {"level": int(rest or 3), "checksum": False})
             if name == "gzip":
-                return Compression("gzip", {"level": int(level or 5)})
+                return Compression("gzip", {"level": int(rest or 5)})
             if name == "blosc":
-                return Compression(
-                    "blosc",
-                    {
-                        "cname": "zstd",
-                        "clevel": int(level or 3),
-                        "shuffle": "shuffle" if dtype.itemsize > 1 else "bitshuffle",
-                        "typesize": dtype.itemsize,
-                        "blocksize": 0,
-                    },
-                )
+                cfg: dict[str, Any] = {
+                    "cname": "zstd",
+                    "clevel": 3,
+                    "shuffle": "shuffle" if dtype.itemsize > 1 else "bitshuffle",
+                    "typesize": dtype.itemsize,
+                    "blocksize": 0,
+                }
+                for part in filter(None, rest.split(":")):
+                    if part.isdigit():
+                        cfg["clevel"] = int(part)
+                    elif part in BLOSC_CNAMES:
+                        cfg["cname"] = part
+                    elif part in BLOSC_SHUFFLES:
+                        cfg["shuffle"] = part
+                    else:
+                        raise UnsupportedFeatureError(
+                            f"blosc option {part!r} is none of the compressors "
+                            f"{BLOSC_CNAMES}, shuffles {BLOSC_SHUFFLES} or a level",
+                            rule="UCP-1.0-R024",
+                        )
+                return Compression("blosc", cfg)
             raise UnsupportedFeatureError(
                 f"compressor {spec!r} is not in the closed list {COMPRESSORS}",
                 rule="UCP-1.0-R024",
             )
-        return Compression.from_json(spec)
+        parsed = Compression.from_json(spec)
+        if parsed.name == "blosc" and "typesize" not in parsed.configuration:
+            parsed = Compression("blosc", {**parsed.configuration, "typesize": dtype.itemsize})
+        return parsed
 
     @staticmethod
     def from_json(data: Mapping[str, Any], *, tensor: str | None = None) -> Compression:

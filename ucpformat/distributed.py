@@ -662,7 +662,9 @@ def read_locals(
     for path, local, out in items:
         tensor = ckpt[path]
         if out is None:
-            out = np.full(local.local_shape, fill, dtype=tensor.dtype)
+            # every element is read unless the map has padding: no need to fill first
+            out = (np.full(local.local_shape, fill, dtype=tensor.dtype) if local.has_padding
+                   else np.empty(local.local_shape, dtype=tensor.dtype))
         else:
             if tuple(out.shape) != tuple(local.local_shape) or out.dtype != tensor.dtype:
                 raise LayoutError(

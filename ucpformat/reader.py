@@ -79,7 +79,7 @@ class Checkpoint:
 
     #: Inner chunks that lie back to back in a shard are read with one request of up to
     #: this many bytes (then checked one by one); runs are read in parallel.
-    RUN_BYTES = 8 << 20
+    RUN_BYTES = 16 << 20
 
     def __init__(
         self,
@@ -559,7 +559,7 @@ class Tensor:
                 rule="UCP-1.0-R041",
                 tensor=self.path,
             )
-        self._verify(label, head, middle, tail, after)
+        self._verify(read, head, middle, tail, after)
 
     def _direct(self, read: _ChunkRead, src: Sequence[tuple[int, int]],
                 dst: Sequence[tuple[int, int]], out: np.ndarray[Any, Any]) -> Any:
@@ -621,23 +621,24 @@ class Tensor:
         pos = 0
         for read, data, view in parts:
             assert read.nbytes is not None
-            label = self._chunk_label(read.chunk, read.key)
             if got < pos + read.nbytes:
                 raise CorruptDataError(
-                    f"chunk {label} is cut short: its shard is smaller than its index says",
+                    f"chunk {self._chunk_label(read.chunk, read.key)} is cut short: its "
+                    "shard is smaller than its index says",
                     rule="UCP-1.0-R041",
                     tensor=self.path,
                 )
             pos += read.nbytes
             if view is None:
+                label = self._chunk_label(read.chunk, read.key)
                 chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
                 self._place(read.lo, chunk, req_lo, req_hi, out)
             else:
                 head, middle, tail = data
-                self._verify(label, head, middle, tail, len(tail) - CRC_BYTES)
+                self._verify(read, head, middle, tail, len(tail) - CRC_BYTES)
         assert pos == total
 
-    def _verify(self, label: str, head: Any, middle: Any, tail: Any, after: int) -> None:
+    def _verify(self, read: _ChunkRead, head: Any, middle: Any, tail: Any, after: int) -> None:
         """Check the CRC32C of a chunk read in three parts (the last ends with the CRC)."""
         crc = crc32c(head)
         crc = crc32c(middle, crc)
@@ -645,8 +646,8 @@ class Tensor:
         stored = bytes(tail[after : after + CRC_BYTES])
         if crc.to_bytes(4, "little") != stored:
             raise ChecksumError(
-                f"chunk {label} fails its CRC32C check (stored {stored.hex()}, "
-                f"computed {crc.to_bytes(4, 'little').hex()})",
+                f"chunk {self._chunk_label(read.chunk, read.key)} fails its CRC32C check "
+                f"(stored {stored.hex()}, computed {crc.to_bytes(4, 'little').hex()})",
                 rule="UCP-1.0-R041",
                 tensor=self.path,
             )
