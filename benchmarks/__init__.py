@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -21,6 +22,8 @@ class Table:
     columns: Sequence[str]
     rows: list[Sequence[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Machine-readable figures (for the chart and the JSON report); not printed.
+    data: dict[str, Any] = field(default_factory=dict)
 
     def to_markdown(self) -> str:
         lines = [f"### {self.title}", ""]

@@ -52,3 +52,74 @@ def test_runner_writes_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert "Open a checkpoint of 20 tensors" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         run.main(["--only", "nonexistent"])
+
+
+# -- the throughput benchmarks, on tiny states ---------------------------------------------
+
+
+def test_synthetic_state_is_transformer_like() -> None:
+    from benchmarks import state
+
+    defs = list(state.tensors(2048))
+    total = sum(d.nbytes for d in defs)
+    assert 1.9 * 2**30 < total < 2.2 * 2**30
+    assert {d.dtype for d in defs} == {"bfloat16", "float32"}
+    assert {d.tp_dim for d in defs} == {0, 1, None}
+    assert len(list(state.tensors(4))) < len(defs)
+
+
+@pytest.mark.torch
+def test_throughput_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    from benchmarks import bench_throughput
+
+    tables = bench_throughput.run(size_mib=1, repeats=1, directory=tmp_path)
+    main, blocked = tables
+    assert main.rows[0][0].startswith("**limit**")
+    assert any("DCP" in row[0] for row in main.rows)
+    assert set(main.data["rows"]) >= {"raw", "dcp", "ucpformat", "ucpformat in place"}
+    assert "blocked" in blocked.title.lower()
+    assert run.chart([main], tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+@pytest.mark.torch
+def test_tuning_and_compression_benchmarks_run(tmp_path: Path) -> None:
+    from benchmarks import bench_compression, bench_tuning
+
+    chunks, shards = bench_tuning.run(size_mib=1, directory=tmp_path, quick=True)
+    assert len(chunks.rows) == len(bench_tuning.CHUNK_SIZES)
+    assert len(shards.rows) == len(bench_tuning.SHARD_SIZES)
+    (comp,) = bench_compression.run(size_mib=1, directory=tmp_path, quick=True)
+    assert [r[0] for r in comp.rows] == [label for label, _ in bench_compression.CODECS]
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_memory_benchmark_runs_in_fresh_processes(tmp_path: Path) -> None:
+    from benchmarks import bench_memory
+
+    (table,) = bench_memory.run(quick=True, size_mib=1, directory=tmp_path)
+    assert len(table.rows) == 3  # raw, ucpformat save/load, ucpformat in place
+    assert table.data["save"]["ucpformat"] > 0
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_distributed_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import bench_distributed
+
+    main, reshard = bench_distributed.run(size_mib=1, repeats=1, directory=tmp_path)
+    assert [r[0] for r in main.rows] == ["save (4 ranks)", "load (4 ranks), cold"]
+    assert len(reshard.rows) == 2
+    assert set(main.data["dist"]) >= {"save, 4 ranks", "load, 4 ranks"}
+
+
+def test_update_doc_replaces_only_the_generated_part(tmp_path: Path) -> None:
+    doc = tmp_path / "B.md"
+    doc.write_text(f"# Title\n\nintro\n\n{run.BEGIN}\nold\n{run.END}\n\n## Notes\nmine\n")
+    run.update_doc(doc, "new table")
+    text = doc.read_text()
+    assert "old" not in text and "new table" in text
+    assert text.startswith("# Title\n\nintro") and text.endswith("## Notes\nmine\n")

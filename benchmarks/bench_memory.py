@@ -1,0 +1,186 @@
+"""Peak memory of save and load, each measured in a fresh process.
+
+For every method and operation a new Python process imports what it needs, notes its
+resident set (the baseline), then:
+
+* **save**: makes the synthetic state (filled in place: the process then holds exactly
+  the state) and saves it; the peak is the most memory the process ever held
+  (``ru_maxrss``) less the baseline, and what the save added is that less the state;
+* **load**: loads a checkpoint the method saved before (in another process) and keeps
+  the result; the peak less the baseline includes the loaded state.
+
+The target: a save or a load never holds more than the state plus its largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks import Table, common
+from benchmarks import state as synthetic
+
+DEFAULT_SIZE_MIB = 2048
+QUICK_SIZE_MIB = 16
+METHODS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat async")
+LOAD_METHODS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat in place")
+LABELS = {
+    "raw": "raw write / read into new arrays",
+    "torch": "torch.save / torch.load",
+    "safetensors": "safetensors",
+    "dcp": "DCP FileSystemWriter / Reader",
+    "ucpformat": "ucpformat.torch.save / load_state_dict",
+    "ucpformat async": "ucpformat AsyncSaver (staging = a full snapshot)",
+    "ucpformat in place": "ucpformat.torch.load(model=) into new tensors",
+}
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
+    """Run in a fresh process: one save or load; memory figures in bytes."""
+    warnings.filterwarnings("ignore")
+    import safetensors.torch
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ucpformat.torch as ucpt
+    from ucpformat.torch.async_save import AsyncSaver
+
+    saver = AsyncSaver() if method == "ucpformat async" else None
+    base = common.rss_bytes()
+    base_peak = _maxrss()
+    defs = list(synthetic.tensors(size_mib))
+    nbytes = sum(d.nbytes for d in defs)
+    largest = max(d.nbytes for d in defs)
+    if op == "save":
+        state: Any = synthetic.make(size_mib)
+        held = common.rss_bytes() - base
+        if method == "raw":
+            common.raw_write(path, state)
+        elif method == "torch":
+            torch.save(state, path)
+        elif method == "safetensors":
+            safetensors.torch.save_file(state, path)
+        elif method == "dcp":
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+        elif method == "ucpformat":
+            ucpt.save(path, model=common.buffer_module(state))
+        elif method == "ucpformat async":
+            assert saver is not None
+            saver.save(path, model=common.buffer_module(state)).result()
+            saver.close()
+    else:
+        held = 0
+        if method == "raw":
+            layout = [(d.shape, _np_dtype(d.dtype)) for d in defs]
+            result: Any = common.raw_read(path, layout)
+        elif method == "torch":
+            result = torch.load(path, weights_only=True)
+        elif method == "safetensors":
+            result = safetensors.torch.load_file(path)
+        elif method == "dcp":
+            result = {d.name: torch.empty(d.shape, dtype=_torch_dtype(d.dtype)) for d in defs}
+            dcp.load(result, storage_reader=dcp.FileSystemReader(path))
+        elif method == "ucpformat":
+            result = ucpt.load_state_dict(path)
+        elif method == "ucpformat in place":
+            empty = {d.name: torch.empty(d.shape, dtype=_torch_dtype(d.dtype)) for d in defs}
+            result = common.buffer_module(empty)
+            ucpt.load(path, model=result)
+        del result
+    peak = max(_maxrss(), base_peak) - base
+    return {"peak": peak, "nbytes": nbytes, "largest": largest, "held": held}
+
+
+def _np_dtype(name: str) -> Any:
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float32)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
+def _spawn(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
+    code = (
+        "import json, sys; from benchmarks.bench_memory import child; "
+        "print('RESULT ' + json.dumps(child(*sys.argv[1:3], float(sys.argv[3]), sys.argv[4])))"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code, method, op, str(size_mib), path],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[len("RESULT "):])
+            return result
+    raise RuntimeError(f"{method} {op} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def measure(size_mib: float, root: Path, methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
+    out: dict[str, Any] = {"save": {}, "load": {}}
+    for method in methods:
+        path = str(root / method.replace(" ", "-"))
+        out["save"][method] = _spawn(method, "save", size_mib, path)
+        for load in [m for m in LOAD_METHODS if m == method or
+                     (method == "ucpformat" and m == "ucpformat in place")]:
+            out["load"][load] = _spawn(load, "load", size_mib, path)
+        common.remove(path)
+    return out
+
+
+def tables(m: dict[str, Any], size_mib: float) -> list[Table]:
+    mib = 2**20
+    any_result = next(iter(m["save"].values()))
+    nbytes, largest = any_result["nbytes"], any_result["largest"]
+    limit = nbytes + largest
+    t = Table(
+        title="Peak memory of save and load (fresh process each)",
+        columns=["method", "save: peak MiB", "save: added to the state MiB", "save ≤ target",
+                 "load: peak MiB", "load ≤ target"],
+    )
+    rows = [*m["save"], *[k for k in m["load"] if k not in m["save"]]]
+    for method in rows:
+        s = m["save"].get(method)
+        ld = m["load"].get(method)
+        t.rows.append([
+            LABELS[method],
+            "" if s is None else f"{s['peak'] / mib:,.0f}",
+            "" if s is None else f"{(s['peak'] - nbytes) / mib:,.0f}",
+            "" if s is None else ("yes" if s["peak"] <= limit else "**no**"),
+            "" if ld is None else f"{ld['peak'] / mib:,.0f}",
+            "" if ld is None else ("yes" if ld["peak"] <= limit else "**no**"),
+        ])
+    t.notes += [
+        f"state {nbytes / mib:,.0f} MiB, largest tensor {largest / mib:,.0f} MiB: target "
+        f"peak ≤ {limit / mib:,.0f} MiB (the state + its largest tensor)",
+        "peak: ru_maxrss less the resident set after imports; a save's peak includes the "
+        "state it saves, a load's the state it loads",
+        synthetic.describe(size_mib),
+    ]
+    t.data = {"nbytes": nbytes, "largest": largest,
+              "save": {k: v["peak"] for k, v in m["save"].items()},
+              "load": {k: v["peak"] for k, v in m["load"].items()}}
+    return [t]
+
+
+def run(quick: bool = False, *, size_mib: float | None = None,
+        directory: Path | None = None) -> list[Table]:
+    size = size_mib if size_mib is not None else (QUICK_SIZE_MIB if quick else DEFAULT_SIZE_MIB)
+    methods = ("raw", "ucpformat") if quick else METHODS
+    with tempfile.TemporaryDirectory(prefix="ucp-bench-mem-", dir=directory) as tmp:
+        return tables(measure(size, Path(tmp), methods), size)
