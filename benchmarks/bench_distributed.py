@@ -94,7 +94,8 @@ def _local_bytes(model: Any) -> int:
 
 
 def worker(rank: int, world: int, phase: str, size_mib: float, repeats: int, root: str,
-           paths: dict[str, str] | None = None) -> dict[str, Any]:
+           paths: dict[str, str] | None = None,
+           save_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -128,7 +129,8 @@ def worker(rank: int, world: int, phase: str, size_mib: float, repeats: int, roo
                     s = timed(lambda p=path: dcp.save(
                         model.state_dict(), storage_writer=dcp.FileSystemWriter(p)))
                 else:
-                    s = timed(lambda p=path: ucpt.save_distributed(p, model=model))
+                    s = timed(lambda p=path: ucpt.save_distributed(
+                        p, model=model, **(save_kwargs or {})))
                 into = build(size_mib, "tp", empty=True)
                 evict(path)
                 if method == "dcp":
@@ -198,10 +200,11 @@ def _prod(values: Any) -> int:
     return n
 
 
-def measure(size_mib: float, repeats: int, root: Path) -> dict[str, Any]:
+def measure(size_mib: float, repeats: int, root: Path,
+            save_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     from ucpformat.torch.launch import spawn
 
-    saved = spawn(worker, SAVE_RANKS, "save", size_mib, repeats, str(root), None,
+    saved = spawn(worker, SAVE_RANKS, "save", size_mib, repeats, str(root), None, save_kwargs,
                   timeout=3000, threads=1)
     resharded = spawn(worker, LOAD_RANKS, "reshard", size_mib, repeats, str(root),
                       saved[0]["paths"], timeout=3000, threads=1)

@@ -87,7 +87,7 @@ def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
         elif method == "torch":
             result = torch.load(path, weights_only=True)
         elif method == "safetensors":
-            result = safetensors.torch.load_file(path)
+            result = safetensors.torch.load_file(path, backend="pread")
         elif method == "dcp":
             result = {d.name: torch.empty(d.shape, dtype=_torch_dtype(d.dtype)) for d in defs}
             dcp.load(result, storage_reader=dcp.FileSystemReader(path))

@@ -8,7 +8,7 @@ rotating order, so that drift hits all alike), and the medians are compared:
   and one ``fsync``; read back with ``preadv`` into newly allocated arrays that are kept
   (as a loader keeps them: their pages are faulted in exactly as a loader's are);
 * ``torch.save`` (+ ``fsync``) / ``torch.load``; safetensors ``save_file`` (+ ``fsync``) /
-  ``load_file``; PyTorch DCP ``FileSystemWriter`` / ``FileSystemReader`` (defaults; its
+  ``load_file(backend="pread")`` (its default maps the file and reads nothing yet); PyTorch DCP ``FileSystemWriter`` / ``FileSystemReader`` (defaults; its
   load fills a state dict of new, untouched tensors, as it needs one);
 * ucpformat: ``ucpformat.torch.save(model=...)`` (durable) and
   ``ucpformat.torch.load_state_dict`` (new tensors), ``ucpformat.torch.load(model=...)``
@@ -117,7 +117,9 @@ def measure(size_mib: float, repeats: int, root: Path) -> dict[str, Any]:
         if method == "torch":
             return lambda: torch.load(path, weights_only=True)
         if method == "safetensors":
-            return lambda: safetensors.torch.load_file(path)
+            # the default backend maps the file (lazy: nothing is read until touched);
+            # "pread" reads the tensors into memory, as every other loader here does
+            return lambda: safetensors.torch.load_file(path, backend="pread")
         if method == "dcp":
             fresh = common.empty_like_state(state)
             return lambda: dcp.load(fresh, storage_reader=dcp.FileSystemReader(path)) or fresh

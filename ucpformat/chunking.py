@@ -35,7 +35,7 @@ def tile_shape(
     itemsize: int,
     target_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
-    align: Sequence[int] | None = None,
+    align: Sequence[int | None] | None = None,
     full_shape: Sequence[int] | None = None,
     split_dims: Iterable[int] = (0,),
     splits: int = DEFAULT_SPLITS,
@@ -51,12 +51,12 @@ def tile_shape(
     of the tensor's dimension (``full_shape``, default ``shape``) are halved while chunks
     stay at least ``min_bytes``: splitting a dimension up to ``splits`` ways then falls
     on chunk boundaries. ``align`` holds per-dimension sizes each edge must divide (a
-    shard edge); halving then picks divisors of it.
+    shard edge, or the fragments' grid; None: free) and halving then picks divisors of it.
     """
     ndim = len(shape)
     chunk = [max(1, s) for s in shape]
     if align is not None:
-        chunk = [min(c, a) for c, a in zip(chunk, align, strict=True)]
+        chunk = [c if a is None else min(c, a) for c, a in zip(chunk, align, strict=True)]
     preferred = sorted({d for d in split_dims if 0 <= d < ndim})
 
     def halve(d: int) -> bool:
@@ -110,14 +110,22 @@ def choose(
     if all(g <= 1 for g in grid):
         # Fits in one chunk: store it unsharded, exactly the tensor's shape (at least 1).
         return Chunking(tuple(max(1, s) for s in shape), None)
+    return Chunking(chunk, shard_shape_for(shape, chunk, itemsize, shard_bytes=shard_bytes))
+
+
+def shard_shape_for(
+    shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, shard_bytes: int
+) -> tuple[int, ...]:
+    """The whole tensor in one shard of ``chunk``-sized inner chunks, split along the
+    outermost dimensions (in whole chunks) where that is over ``shard_bytes``."""
+    grid = [max(1, -(-s // c)) for s, c in zip(shape, chunk, strict=True)]
     shard = [c * g for c, g in zip(chunk, grid, strict=True)]
-    # Split oversized shards along the outermost dimensions, in whole chunks.
     for d in range(len(shard)):
         if math.prod(shard) * itemsize <= shard_bytes:
             break
         slab = math.prod(shard[:d]) * chunk[d] * math.prod(shard[d + 1 :]) * itemsize
         shard[d] = chunk[d] * min(max(1, shard_bytes // slab), grid[d])
-    return Chunking(chunk, tuple(shard))
+    return tuple(shard)
 
 
 def split_dims_of(attributes: Mapping[str, Any]) -> tuple[int, ...]:
