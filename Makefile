@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[dev,torch]"
+	$(BIN)/python -m pip install -q -e ".[dev,torch,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,8 +33,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy
 
+# The full run (several minutes; writes out/benchmarks.{md,json,png}). To refresh the
+# committed BENCHMARKS.md on a quiet machine:
+#   make bench BENCH_ARGS="--wait-load 1.5 --doc BENCHMARKS.md --chart benchmarks/benchmarks.png"
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick

@@ -28,6 +28,7 @@ from benchmarks import Table, median, ms, side_by_side
 from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 
 N_TENSORS = 10_000
+QUICK_TENSORS = 1_000
 PER_LAYER = 10
 
 
@@ -60,6 +61,24 @@ def inspect_json(path: Path) -> int:
     return len(buffer.getvalue())
 
 
+def inspect_process(path: Path) -> int:
+    """``ucp inspect --json`` as a user runs it: a new Python process (imports included)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ucpformat.cli", "inspect", "--json",
+                           str(path)], capture_output=True, check=True)
+    return len(proc.stdout)
+
+
+def open_cold(path: Path) -> int:
+    """``ucpformat.open`` after the root zarr.json was dropped from the page cache."""
+    from benchmarks.common import evict
+
+    evict(path / ZARR_JSON)
+    return open_ucpformat(path)
+
+
 def open_zarr(path: Path, *, consolidated: bool) -> int:
     import zarr
 
@@ -83,7 +102,7 @@ def naive(path: Path) -> int:
 
 def run(quick: bool, *, n_tensors: int | None = None, repeats: int | None = None,
         directory: Path | None = None) -> list[Table]:
-    n_tensors = n_tensors if n_tensors is not None else N_TENSORS
+    n_tensors = n_tensors if n_tensors is not None else (QUICK_TENSORS if quick else N_TENSORS)
     repeats = repeats if repeats is not None else (3 if quick else 9)
     with contextlib.ExitStack() as stack:
         if directory is None:
@@ -92,7 +111,10 @@ def run(quick: bool, *, n_tensors: int | None = None, repeats: int | None = None
         save_s = make_checkpoint(path, n_tensors)
         cases: dict[str, Any] = {
             "`ucpformat.open` + every shape": lambda: open_ucpformat(path),
+            "`ucpformat.open` + every shape, root zarr.json not cached": lambda: open_cold(path),
             "`ucp inspect --json` (in-process)": lambda: inspect_json(path),
+            "`ucp inspect --json` (a new process: Python start and imports included)":
+                lambda: inspect_process(path),
             "zarr `open_group(use_consolidated=True)` + every shape":
                 lambda: open_zarr(path, consolidated=True),
             "naive: list + parse every array's zarr.json": lambda: naive(path),
@@ -103,7 +125,7 @@ def run(quick: bool, *, n_tensors: int | None = None, repeats: int | None = None
             )
         counts = {name: fn() for name, fn in cases.items()}
         for name, count in counts.items():
-            if name != "`ucp inspect --json` (in-process)":
+            if "inspect" not in name:
                 assert count == n_tensors, (name, count)
         times = side_by_side(cases, repeats)
         root_bytes = (path / ZARR_JSON).stat().st_size

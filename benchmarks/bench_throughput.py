@@ -8,8 +8,9 @@ rotating order, so that drift hits all alike), and the medians are compared:
   and one ``fsync``; read back with ``preadv`` into newly allocated arrays that are kept
   (as a loader keeps them: their pages are faulted in exactly as a loader's are);
 * ``torch.save`` (+ ``fsync``) / ``torch.load``; safetensors ``save_file`` (+ ``fsync``) /
-  ``load_file(backend="pread")`` (its default maps the file and reads nothing yet); PyTorch DCP ``FileSystemWriter`` / ``FileSystemReader`` (defaults; its
-  load fills a state dict of new, untouched tensors, as it needs one);
+  ``load_file(backend="pread")`` (its default maps the file and reads nothing yet);
+  PyTorch DCP ``FileSystemWriter`` / ``FileSystemReader`` (defaults; its load fills a
+  state dict of new, untouched tensors, as it needs one);
 * ucpformat: ``ucpformat.torch.save(model=...)`` (durable) and
   ``ucpformat.torch.load_state_dict`` (new tensors), ``ucpformat.torch.load(model=...)``
   (into a model's new, untouched tensors), and ``AsyncSaver.save``.
@@ -37,7 +38,7 @@ from benchmarks import Table, common
 from benchmarks import state as synthetic
 
 DEFAULT_SIZE_MIB = 2048
-QUICK_SIZE_MIB = 64
+QUICK_SIZE_MIB = 16
 
 SAVERS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat async")
 LOADERS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat in place")

@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks import Table, common
 from benchmarks import state as synthetic
 
-DEFAULT_SIZE_MIB = 512
+DEFAULT_SIZE_MIB = 2048
 QUICK_SIZE_MIB = 8
 CHUNK_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 SHARD_SIZES = (16 << 20, 64 << 20, 1 << 30)
@@ -183,7 +183,7 @@ def run(quick: bool = False, *, size_mib: float | None = None,
         directory: Path | None = None) -> list[Table]:
     size = size_mib if size_mib is not None else (QUICK_SIZE_MIB if quick else DEFAULT_SIZE_MIB)
     with tempfile.TemporaryDirectory(prefix="ucp-bench-tune-", dir=directory) as tmp:
-        return tables(measure(size, 1 if quick else 3, Path(tmp)))
+        return tables(measure(size, 1 if quick else 2, Path(tmp)))
 
 
 

@@ -15,7 +15,7 @@ weights (embedding, Q/K/V, gate/up, LM head) split dimension 0, row-parallel wei
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 #: Bytes per parameter: bf16 weight + fp32 master + fp32 exp_avg + fp32 exp_avg_sq.
@@ -99,7 +99,12 @@ def tensors(size_mib: float) -> Iterator[TensorDef]:
             yield TensorDef(f"optim.{name}.{kind}", shape, "float32", tp)
 
 
-def describe(size_mib: float) -> str:
+def describe(size_mib: float, select: Callable[[TensorDef], bool] | None = None) -> str:
+    if select is not None:
+        defs = [d for d in tensors(size_mib) if select(d)]
+        total = sum(d.nbytes for d in defs)
+        return (f"{total / 2**20:,.0f} MiB in {len(defs)} tensors of the "
+                f"{size_mib:.0f} MiB state ({describe(size_mib).split(': ', 1)[1]})")
     defs = list(tensors(size_mib))
     params = parameters(size_mib)
     layers = sum(1 for n, _, _ in params if n.endswith("input_layernorm.weight"))
@@ -114,7 +119,9 @@ def describe(size_mib: float) -> str:
     )
 
 
-def make(size_mib: float, seed: int = 0) -> dict[str, object]:
+def make(
+    size_mib: float, seed: int = 0, select: Callable[[TensorDef], bool] | None = None
+) -> dict[str, object]:
     """The state as a flat dict of CPU torch tensors (``torch`` is imported here).
 
     Each tensor is filled in place (no temporary copies), so that a process holding the
@@ -125,6 +132,8 @@ def make(size_mib: float, seed: int = 0) -> dict[str, object]:
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, object] = {}
     for d in tensors(size_mib):
+        if select is not None and not select(d):
+            continue
         dtype = torch.bfloat16 if d.dtype == "bfloat16" else torch.float32
         out[d.name] = torch.empty(d.shape, dtype=dtype).normal_(generator=gen)
     return out

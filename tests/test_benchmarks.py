@@ -34,7 +34,7 @@ def test_open_benchmark_runs(tmp_path: Path) -> None:
 
     (table,) = bench_open.run(quick=True, n_tensors=25, repeats=1, directory=tmp_path)
     methods = [row[0] for row in table.rows]
-    assert len(methods) == 4
+    assert len(methods) == 6
     assert any("ucpformat.open" in m for m in methods)
     assert any("inspect" in m for m in methods)
 
@@ -43,7 +43,7 @@ def test_runner_writes_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_open
 
-    monkeypatch.setattr(bench_open, "N_TENSORS", 20)
+    monkeypatch.setattr(bench_open, "QUICK_TENSORS", 20)
     out = tmp_path / "report.md"
     assert run.main(["--quick", "--only", "open", "--output", str(out)]) == 0
     text = out.read_text()
