@@ -115,12 +115,23 @@ def worker(rank: int, world: int, phase: str, size_mib: float, repeats: int, roo
             common.evict(path)
         dist.barrier()
 
+    def load(method: str, path: str, layout: str) -> tuple[float, Any]:
+        """Seconds to load into new untouched local tensors; ucpformat's LoadResult."""
+        into = build(size_mib, layout, empty=True)
+        results: list[Any] = []
+        if method == "dcp":
+            seconds = timed(lambda: dcp.load(into.state_dict(),
+                                             storage_reader=dcp.FileSystemReader(path)))
+        else:
+            seconds = timed(lambda: results.append(ucpt.load_distributed(path, model=into)))
+        return seconds, results[0] if results else None  # the loaded tensors go here
+
     out: dict[str, Any] = {"rank": rank}
     if phase == "save":
         model = build(size_mib, "tp", empty=False)
         out["local_bytes"] = _local_bytes(model)
-        times: dict[str, list[float]] = {k: [] for k in
-                                         ("dcp save", "ucp save", "dcp load", "ucp load")}
+        times: dict[str, list[float]] = {
+            f"{m} {op}": [] for m in ("dcp", "ucp") for op in ("save", "load", "load warm")}
         last: dict[str, str] = {}
         for r in range(repeats + 1):
             for method in (("dcp", "ucp") if r % 2 == 0 else ("ucp", "dcp")):
@@ -131,17 +142,13 @@ def worker(rank: int, world: int, phase: str, size_mib: float, repeats: int, roo
                 else:
                     s = timed(lambda p=path: ucpt.save_distributed(
                         p, model=model, **(save_kwargs or {})))
-                into = build(size_mib, "tp", empty=True)
                 evict(path)
-                if method == "dcp":
-                    lt = timed(lambda p=path, m=into: dcp.load(
-                        m.state_dict(), storage_reader=dcp.FileSystemReader(p)))
-                else:
-                    lt = timed(lambda p=path, m=into: ucpt.load_distributed(p, model=m))
-                del into
+                cold, _ = load(method, path, "tp")
+                warm, _ = load(method, path, "tp")
                 if r:
                     times[f"{method} save"].append(s)
-                    times[f"{method} load"].append(lt)
+                    times[f"{method} load"].append(cold)
+                    times[f"{method} load warm"].append(warm)
                 dist.barrier()
                 if rank == 0 and method in last:
                     shutil.rmtree(last[method], ignore_errors=True)
@@ -163,29 +170,25 @@ def worker(rank: int, world: int, phase: str, size_mib: float, repeats: int, roo
 
     # phase "reshard": load the 4-rank checkpoints into other layouts, on fewer ranks
     assert paths is not None
-    times = {f"{m} {t}": [] for t in TARGETS for m in ("dcp", "ucp")}
+    times = {f"{m} {t}{w}": [] for t in TARGETS for m in ("dcp", "ucp")
+             for w in ("", " warm")}
     rchar: dict[str, int] = {}
     own: dict[str, int] = {}
     needed: dict[str, int] = {}
     for r in range(repeats + 1):
         for target in TARGETS:
+            needed[target] = _local_bytes(build(size_mib, target, empty=True))
             for method in (("dcp", "ucp") if r % 2 == 0 else ("ucp", "dcp")):
-                into = build(size_mib, target, empty=True)
-                needed[target] = _local_bytes(into)
                 evict(paths[method])
                 before = common.io_read_chars()
-                if method == "dcp":
-                    lt = timed(lambda m=into: dcp.load(
-                        m.state_dict(), storage_reader=dcp.FileSystemReader(paths["dcp"])))
-                else:
-                    results: list[Any] = []
-                    lt = timed(lambda m=into, out=results: out.append(
-                        ucpt.load_distributed(paths["ucp"], model=m)))
-                    own[target] = results[0].bytes_read
+                cold, result = load(method, paths[method], target)
                 rchar[f"{method} {target}"] = common.io_read_chars() - before
+                if result is not None:
+                    own[target] = result.bytes_read
+                warm, _ = load(method, paths[method], target)
                 if r:
-                    times[f"{method} {target}"].append(lt)
-                del into
+                    times[f"{method} {target}"].append(cold)
+                    times[f"{method} {target} warm"].append(warm)
     out["times"] = times
     out["rchar"] = rchar
     out["own"] = own
@@ -245,24 +248,27 @@ def tables(m: dict[str, Any]) -> list[Table]:
               f"{nbytes / 2**30:.2f} GiB of DTensors",
         columns=["operation", "DCP s", "ucpformat s", "ucpformat GiB/s", "DCP / ucpformat"],
     )
-    for op in ("save", "load"):
+    for op, label in (("save", "save"), ("load", "load, cold"), ("load warm", "load, warm")):
         d, u = med(s[f"dcp {op}"]), med(s[f"ucp {op}"])
-        t.rows.append([f"{op} ({SAVE_RANKS} ranks)" + (", cold" if op == "load" else ""),
-                       f"{d:.2f}", f"{u:.2f}", gib_s(u), f"{d / u:.2f}"])
+        t.rows.append([f"{label} ({SAVE_RANKS} ranks)", f"{d:.2f}", f"{u:.2f}", gib_s(u),
+                       f"{d / u:.2f}"])
     rs = m["reshard"]
     amp = Table(
         title=f"Resharded load: the {SAVE_RANKS}-rank TP{SAVE_RANKS} checkpoint into "
               f"{LOAD_RANKS} ranks",
-        columns=["target layout", "DCP s", "ucpformat s", "DCP / ucpformat",
+        columns=["target layout", "DCP s cold", "ucpformat s cold", "DCP / ucpformat cold",
+                 "DCP s warm", "ucpformat s warm", "DCP / ucpformat warm",
                  "DCP read amplification", "ucpformat read amplification",
                  "ucpformat (own count)"],
     )
     for target in TARGETS:
         d, u = med(rs[f"dcp {target}"]), med(rs[f"ucp {target}"])
+        dw, uw = med(rs[f"dcp {target} warm"]), med(rs[f"ucp {target} warm"])
         need = m["needed"][target]
         amp.rows.append([
             f"{TARGET_LABELS[target]} on {LOAD_RANKS} ranks", f"{d:.2f}", f"{u:.2f}",
-            f"{d / u:.2f}", f"{m['rchar'][f'dcp {target}'] / need:.3f}",
+            f"{d / u:.2f}", f"{dw:.2f}", f"{uw:.2f}", f"{dw / uw:.2f}",
+            f"{m['rchar'][f'dcp {target}'] / need:.3f}",
             f"{m['rchar'][f'ucp {target}'] / need:.3f}", f"{m['own'][target] / need:.3f}",
         ])
     files = m["files"]
@@ -286,9 +292,9 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "across the saved cut",
     ]
     chart = {f"save, {SAVE_RANKS} ranks": (med(s["dcp save"]), med(s["ucp save"])),
-             f"load, {SAVE_RANKS} ranks": (med(s["dcp load"]), med(s["ucp load"]))}
+             f"load cold, {SAVE_RANKS} ranks": (med(s["dcp load"]), med(s["ucp load"]))}
     for target in TARGETS:
-        chart[f"{TARGET_LABELS[target]}, {LOAD_RANKS} ranks"] = (
+        chart[f"{TARGET_LABELS[target]} cold, {LOAD_RANKS} ranks"] = (
             med(rs[f"dcp {target}"]), med(rs[f"ucp {target}"]))
     t.data = {"dist": chart}
     return [t, amp]

@@ -111,9 +111,10 @@ def test_distributed_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import bench_distributed
 
     main, reshard = bench_distributed.run(size_mib=1, repeats=1, directory=tmp_path)
-    assert [r[0] for r in main.rows] == ["save (4 ranks)", "load (4 ranks), cold"]
+    assert [r[0] for r in main.rows] == [
+        "save (4 ranks)", "load, cold (4 ranks)", "load, warm (4 ranks)"]
     assert len(reshard.rows) == 2
-    assert set(main.data["dist"]) >= {"save, 4 ranks", "load, 4 ranks"}
+    assert set(main.data["dist"]) >= {"save, 4 ranks", "load cold, 4 ranks"}
 
 
 def test_update_doc_replaces_only_the_generated_part(tmp_path: Path) -> None:
