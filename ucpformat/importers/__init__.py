@@ -32,6 +32,7 @@ from ucpformat.importers._engine import ImportResult, Scan, TensorSource, write_
 #: Format name -> module, in the order detection tries them.
 FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.importers.safetensors",
+    "torch": "ucpformat.importers.torch_save",
 }
 
 
