@@ -39,3 +39,38 @@ def minilm_dir() -> Path:
     path = Path(pkg.__file__).parent / "model"
     assert (path / "model.safetensors").is_file()
     return path
+
+
+def _run_framework(kind: str, out: Path, *extra: str, timeout: int = 600) -> None:
+    """``python -m tests.importers.frameworks KIND OUT`` in a fresh process (gloo ranks)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.importers.frameworks", kind, str(out), *extra],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def cached_framework_run(
+    factory: pytest.TempPathFactory, kind: str, *extra: str
+) -> Path:
+    """Checkpoints a framework wrote, once per test session (shared by xdist workers)."""
+    filelock = pytest.importorskip("filelock")
+    base = factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / f"framework-{kind}"
+    with filelock.FileLock(str(out) + ".lock"):
+        done = out / "DONE"
+        if not done.exists():
+            if out.exists():
+                import shutil
+
+                shutil.rmtree(out)
+            _run_framework(kind, out, *extra)
+            done.write_text("ok")
+    return out

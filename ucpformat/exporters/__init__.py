@@ -26,6 +26,7 @@ from ucpformat.reader import Checkpoint, open_checkpoint
 FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.exporters.safetensors",
     "torch": "ucpformat.exporters.torch_save",
+    "deepspeed-universal": "ucpformat.exporters.deepspeed_universal",
 }
 
 

@@ -116,6 +116,54 @@ class _Archive:
         self.zf.close()
 
 
+class TorchFile:
+    """A ``torch.save`` file whose structure refers to checkpoint tensors, written streaming.
+
+    Build the structure with :meth:`ref` placeholders (one storage per stored tensor,
+    shared by every reference to it), then :meth:`write` pickles the structure and
+    writes each storage as it is read from the checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[str, _Storage] = {}
+
+    def ref(self, tensor: Tensor) -> _Ref:
+        storage = self.storages.get(tensor.path)
+        if storage is None:
+            storage = self.storages[tensor.path] = _Storage(str(len(self.storages)), tensor)
+        return _Ref(storage)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensor.nbytes for s in self.storages.values())
+
+    def write(
+        self,
+        path: Path,
+        structure: Any,
+        *,
+        workers: int | None = None,
+        memory_limit: int | None = None,
+        progress: bool | Callable[[int], None] = False,
+    ) -> None:
+        buf = io.BytesIO()
+        _Pickler(buf, torch_module()).dump(structure)
+        archive = _Archive(path)
+        try:
+            pkl = buf.getvalue()
+            archive.write("data.pkl", pkl, len(pkl))
+            archive.write(".format_version", b"1", 1)
+            archive.write(".storage_alignment", str(ALIGNMENT).encode(), len(str(ALIGNMENT)))
+            archive.write("byteorder", sys.byteorder.encode(), len(sys.byteorder))
+            items = [(s.key, s.tensor) for s in self.storages.values()]
+            for key, data in read_stream(items, workers=workers, memory_limit=memory_limit,
+                                         progress=progress, description=f"writing {path.name}"):
+                archive.write(f"data/{key}", data.reshape(-1).view("u1").data, data.nbytes)
+            archive.write("version", b"3\n", 2)
+        finally:
+            archive.close()
+
+
 def _training_structure(ckpt: Checkpoint, refs: Mapping[str, _Ref]) -> dict[str, Any]:
     """``{"model", "optimizer", ...}`` with ``_Ref`` placeholders for tensors."""
     model = model_tensors(ckpt, include_aliases=True)
@@ -177,43 +225,27 @@ def export(
     layout: str = "state_dict",
 ) -> ExportResult:
     """Write ``ckpt`` as one ``torch.save`` file (see the module's layouts)."""
-    torch = torch_module()
     dest = Path(destination)
     if layout not in ("state_dict", "training"):
         raise InvalidValueError(f"layout must be 'state_dict' or 'training', got {layout!r}")
-    # every stored tensor that the structure needs, one storage each
+    tf = TorchFile()
+    refs: dict[str, _Ref] = {}
     wanted: list[Tensor] = [t for _, t in model_tensors(ckpt)]
     if layout == "training":
         wanted += [t for per in optimizer_states(ckpt).values() for t in per.values()]
         wanted += [ckpt[p] for p in ckpt if p.startswith("training/")]
-    storages = {t.path: _Storage(str(i), t) for i, t in enumerate(wanted)}
-    refs = {p: _Ref(s) for p, s in storages.items()}
+    for t in wanted:
+        refs[t.path] = tf.ref(t)
     if layout == "state_dict":
         structure: Any = OrderedDict(
             (n, refs[t.path]) for n, t in model_tensors(ckpt, include_aliases=True)
         )
     else:
         structure = _training_structure(ckpt, refs)
-    buf = io.BytesIO()
-    _Pickler(buf, torch).dump(structure)
-    total = sum(t.nbytes for t in wanted)
     with atomic_file(dest, overwrite=overwrite) as tmp:
-        archive = _Archive(tmp)
-        try:
-            pkl = buf.getvalue()
-            archive.write("data.pkl", pkl, len(pkl))
-            archive.write(".format_version", b"1", 1)
-            archive.write(".storage_alignment", str(ALIGNMENT).encode(), len(str(ALIGNMENT)))
-            archive.write("byteorder", sys.byteorder.encode(), len(sys.byteorder))
-            items = [(s.key, s.tensor) for s in storages.values()]
-            for key, data in read_stream(items, workers=workers, memory_limit=memory_limit,
-                                         progress=progress, description=f"writing {dest.name}"):
-                raw = data.reshape(-1).view("u1").data
-                archive.write(f"data/{key}", raw, data.nbytes)
-            archive.write("version", b"3\n", 2)
-        finally:
-            archive.close()
+        tf.write(tmp, structure, workers=workers, memory_limit=memory_limit, progress=progress)
+    total = tf.nbytes
     return ExportResult(ckpt.location, str(dest), FORMAT, len(wanted), total, (dest.name,))
 
 
-__all__ = ["FORMAT", "export"]
+__all__ = ["FORMAT", "TorchFile", "export"]

@@ -32,6 +32,8 @@ from ucpformat.importers._engine import ImportResult, Scan, TensorSource, write_
 #: Format name -> module, in the order detection tries them.
 FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.importers.safetensors",
+    "dcp": "ucpformat.importers.dcp",
+    "deepspeed": "ucpformat.importers.deepspeed",
     "torch": "ucpformat.importers.torch_save",
 }
 

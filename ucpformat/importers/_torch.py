@@ -16,9 +16,9 @@ import enum
 import os
 import sys
 import threading
-from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -101,8 +101,12 @@ def from_numpy(a: np.ndarray[Any, Any], *, name: str | None = None) -> torch.Ten
 
 # -- stand-ins for framework classes ----------------------------------------------------
 
-#: DeepSpeed's ``deepspeed.utils.tensor_fragment.fragment_address`` (a namedtuple).
-FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
+@dataclass
+class FragmentAddress:
+    """DeepSpeed's ``deepspeed.utils.tensor_fragment.fragment_address`` (a dataclass)."""
+
+    numel: int = 0
+    start: int = 0
 
 
 class LossScalerStandIn:

@@ -1,0 +1,255 @@
+"""Real frameworks writing real checkpoints, for the importer tests and the benchmark.
+
+Run as ``python -m tests.importers.frameworks KIND OUT [options]``: it spawns the ranks
+(gloo on CPU, file rendezvous so that parallel runs never fight over a port), trains
+a little and saves. Every worker ends with a barrier, ``destroy_process_group()``,
+flushed output and ``os._exit(0)``: torch 2.13 + gloo sometimes aborts at interpreter
+shutdown otherwise.
+
+Kinds:
+
+* ``dcp``: FSDP2 (4 ranks), tensor parallel (4 ranks), FSDP2 x TP on a 2x2 mesh, and a
+  bare FSDP2 model state dict, each saved with ``torch.distributed.checkpoint``;
+* ``deepspeed``: DeepSpeed ZeRO stage 1, 2 and 3, fp32 and bf16, on 2 ranks;
+* ``ds-universal-load``: DeepSpeed loads universal checkpoints (``load_universal``) on
+  another number of ranks and writes what it loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def _finish() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _spawn(fn: Any, world: int, *args: Any) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        mp.spawn(fn, args=(world, init, *args), nprocs=world, join=True)
+
+
+# -- PyTorch DCP ------------------------------------------------------------------------
+
+
+class DcpNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.fc1 = nn.Linear(8, 12)
+        self.fc2 = nn.Linear(12, 8)
+        self.register_buffer("scale", torch.tensor([2.0, 3.0], dtype=torch.bfloat16))
+
+    def forward(self, x: Any) -> Any:
+        return self.fc2(torch.relu(self.fc1(self.emb(x)))) * self.scale.float().sum()
+
+
+def _dcp_worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    for mode in ("fsdp2", "tp", "2d", "fsdp2-model"):
+        torch.manual_seed(0)
+        model = DcpNet()
+        if mode in ("fsdp2", "fsdp2-model"):
+            mesh = init_device_mesh("cpu", (world,))
+            fully_shard(model.fc1, mesh=mesh)
+            fully_shard(model.fc2, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        elif mode == "tp":
+            mesh = init_device_mesh("cpu", (world,))
+            parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        else:
+            mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh2["tp"],
+                               {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            fully_shard(model, mesh=mesh2["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            torch.manual_seed(100 * step + rank)
+            x = torch.randint(0, 11, (4, 3))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        msd, osd = get_state_dict(model, opt)
+        path = os.path.join(out, mode)
+        if mode == "fsdp2-model":
+            dcp.save(msd, checkpoint_id=path)
+        else:
+            dcp.save({"model": msd, "optim": osd, "step": 2, "extra": {"note": mode}},
+                     checkpoint_id=path)
+        dist.barrier()
+    _finish()
+
+
+# -- DeepSpeed ----------------------------------------------------------------------------
+
+DS_CONFIGS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+class DsNet(nn.Module):
+    """Parameters of awkward sizes, so flat partitions cut through them; a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 12)
+        self.fc1 = nn.Linear(12, 29)
+        self.fc2 = nn.Linear(29, 7)
+        self.register_buffer("running", torch.linspace(0, 1, 5))
+
+    def forward(self, x: Any) -> Any:
+        return self.fc2(torch.relu(self.fc1(self.emb(x))))
+
+
+def ds_config(stage: int, dtype: str) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True,
+                                                "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "steps_per_print": 1000,
+    }
+
+
+def _no_shm_build() -> None:
+    """DeepSpeed compiles a shared-memory op for CPU collectives; gloo needs none."""
+    import importlib
+
+    # sys.modules' entry: the package attribute ``deepspeed.comm.torch`` is torch itself
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch.build_shm_op = lambda: None
+
+
+def _ds_worker(rank: int, world: int, init: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    _no_shm_build()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", init_method=init, rank=rank,
+                               world_size=world, auto_mpi_discovery=False)
+    for stage, dtype in DS_CONFIGS:
+        torch.manual_seed(0)
+        model = DsNet()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config(stage, dtype))
+        for step in range(3):
+            torch.manual_seed(10 * step + rank)
+            x = torch.randint(0, 37, (2, 5))
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        engine.save_checkpoint(os.path.join(out, f"zero{stage}-{dtype}"), tag="global_step3")
+        engine.destroy()
+    torch.distributed.barrier()
+    if rank == 0:  # DeepSpeed is imported here already: its own tools, once per run
+        ds_references(Path(out))
+    _finish()
+
+
+def _ds_load_worker(rank: int, world: int, init: str, jobs_file: str) -> None:
+    """Each job: load a universal checkpoint, write the loaded state for comparison."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    _no_shm_build()
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.init_distributed(dist_backend="gloo", init_method=init, rank=rank,
+                               world_size=world, auto_mpi_discovery=False)
+    for job in json.loads(Path(jobs_file).read_text()):
+        torch.manual_seed(1234)  # different weights than the saved ones
+        model = DsNet()
+        cfg = ds_config(job.get("load_stage", job["stage"]), job["dtype"])
+        cfg["checkpoint"] = {"load_universal": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=cfg)
+        engine.load_checkpoint(job["dir"], tag=job["tag"], load_optimizer_states=True,
+                               load_lr_scheduler_states=False)
+        loaded: dict[str, Any] = {}
+        for name, p in engine.module.named_parameters():
+            loaded[f"fp32/{name}"] = safe_get_full_fp32_param(p).clone()
+            for s in ("exp_avg", "exp_avg_sq"):
+                loaded[f"{s}/{name}"] = safe_get_full_optimizer_state(p, s).clone()
+        # the module's own (low precision) weights
+        if job.get("load_stage", job["stage"]) == 3:
+            from deepspeed import zero
+
+            params = list(engine.module.parameters())
+            with zero.GatheredParameters(params):
+                for name, p in engine.module.named_parameters():
+                    loaded[f"module/{name}"] = p.detach().clone()
+        else:
+            for name, p in engine.module.named_parameters():
+                loaded[f"module/{name}"] = p.detach().clone()
+        loaded["global_steps"] = torch.tensor(engine.global_steps)
+        adam = [st["step"] for st in engine.optimizer.optimizer.state.values() if "step" in st]
+        loaded["adam_step"] = torch.stack([torch.as_tensor(a, dtype=torch.float32) for a in adam])
+        if rank == 0:
+            torch.save(loaded, job["result"])
+        engine.destroy()
+    _finish()
+
+
+def ds_references(out: Path) -> None:
+    """DeepSpeed's own consolidation of every run: zero_to_fp32 and ds_to_universal."""
+    _no_shm_build()
+    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for stage, dtype in DS_CONFIGS:
+        run = out / f"zero{stage}-{dtype}"
+        torch.save(get_fp32_state_dict_from_zero_checkpoint(str(run)), run / "zero_to_fp32.pt")
+        uargs = argparse.Namespace(
+            input_folder=str(run / "global_step3"), output_folder=str(run / "universal"),
+            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+            inject_missing_state=True, no_strict=False,
+        )
+        ds_to_universal.main(uargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind", choices=["dcp", "deepspeed", "ds-universal-load"])
+    parser.add_argument("out")
+    parser.add_argument("--world", type=int, default=None)
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.kind == "dcp":
+        _spawn(_dcp_worker, args.world or 4, args.out)
+    elif args.kind == "deepspeed":
+        _spawn(_ds_worker, args.world or 2, args.out)
+    else:
+        _spawn(_ds_load_worker, args.world or 3, os.path.join(args.out, "jobs.json"))
+
+
+if __name__ == "__main__":
+    main()
