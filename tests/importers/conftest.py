@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,14 @@ def _run_framework(kind: str, out: Path, *extra: str, timeout: int = 600) -> Non
         raise RuntimeError(f"{kind} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-def cached_framework_run(
-    factory: pytest.TempPathFactory, kind: str, *extra: str
+def shared_cache(
+    factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]
 ) -> Path:
-    """Checkpoints a framework wrote, once per test session (shared by xdist workers)."""
+    """A directory built once per test session, shared by xdist workers (file lock)."""
     filelock = pytest.importorskip("filelock")
     base = factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    out = shared / f"framework-{kind}"
+    out = shared / f"cache-{name}"
     with filelock.FileLock(str(out) + ".lock"):
         done = out / "DONE"
         if not done.exists():
@@ -71,6 +72,12 @@ def cached_framework_run(
                 import shutil
 
                 shutil.rmtree(out)
-            _run_framework(kind, out, *extra)
+            out.mkdir(parents=True)
+            build(out)
             done.write_text("ok")
     return out
+
+
+def cached_framework_run(factory: pytest.TempPathFactory, kind: str, *extra: str) -> Path:
+    """Checkpoints a framework wrote, once per test session."""
+    return shared_cache(factory, f"framework-{kind}", lambda out: _run_framework(kind, out, *extra))

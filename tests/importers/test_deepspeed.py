@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 import ucpformat
-from tests.importers.conftest import _run_framework, assert_same, cached_framework_run
+from tests.importers.conftest import (
+    _run_framework,
+    assert_same,
+    cached_framework_run,
+    shared_cache,
+)
 from ucpformat import exporters, importers
 
 torch = pytest.importorskip("torch")
@@ -41,12 +46,12 @@ def _fp32_path(ckpt: ucpformat.Checkpoint, name: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def imported(ds_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("ds-ucp")
-    out = {}
-    for cfg in CONFIGS:
-        importers.convert(ds_runs / cfg, base / cfg, durable=False)
-        out[cfg] = base / cfg
-    return out
+    def build(base: Path) -> None:
+        for cfg in CONFIGS:
+            importers.convert(ds_runs / cfg, base / cfg, durable=False)
+
+    base = shared_cache(tmp_path_factory, "ds-imported", build)
+    return {cfg: base / cfg for cfg in CONFIGS}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -103,17 +108,22 @@ def test_bf16_weights_are_the_rounded_master(imported: dict[str, Path], cfg: str
 @pytest.fixture(scope="session")
 def loaded_by_deepspeed(imported: dict[str, Path],
                         tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Any]:
-    base = tmp_path_factory.mktemp("ds-load")
-    jobs = []
-    for cfg, stage in LOADS:
-        dest = base / f"{cfg}-as-zero{stage}"
-        exporters.export(imported[cfg], dest, to="deepspeed-universal")
-        jobs.append({"stage": int(cfg[4]), "load_stage": stage, "dtype": cfg.split("-")[1],
-                     "dir": str(dest), "tag": None, "result": str(dest) + ".loaded.pt"})
-    (base / "jobs.json").write_text(json.dumps(jobs))
-    _run_framework("ds-universal-load", base, "--world", "3")
-    return {(cfg, stage): torch.load(job["result"], weights_only=True)
-            for (cfg, stage), job in zip(LOADS, jobs, strict=True)}
+    def result(base: Path, cfg: str, stage: int) -> Path:
+        return base / f"{cfg}-as-zero{stage}.loaded.pt"
+
+    def build(base: Path) -> None:
+        jobs = []
+        for cfg, stage in LOADS:
+            dest = base / f"{cfg}-as-zero{stage}"
+            exporters.export(imported[cfg], dest, to="deepspeed-universal")
+            jobs.append({"stage": int(cfg[4]), "load_stage": stage, "dtype": cfg.split("-")[1],
+                         "dir": str(dest), "tag": None, "result": str(result(base, cfg, stage))})
+        (base / "jobs.json").write_text(json.dumps(jobs))
+        _run_framework("ds-universal-load", base, "--world", "3")
+
+    base = shared_cache(tmp_path_factory, "ds-universal-load", build)
+    return {(cfg, stage): torch.load(result(base, cfg, stage), weights_only=True)
+            for cfg, stage in LOADS}
 
 
 @pytest.mark.parametrize(("cfg", "stage"), LOADS)
