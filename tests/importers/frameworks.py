@@ -219,6 +219,139 @@ def _ds_load_worker(rank: int, world: int, init: str, jobs_file: str) -> None:
     _finish()
 
 
+# -- Megatron (megatron-core models, Megatron-LM's legacy per-rank files) ------------------
+
+MEG = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 2,
+       "ffn_hidden_size": 96, "vocab_size": 100, "make_vocab_size_divisible_by": 16,
+       "max_position_embeddings": 32}
+
+
+def _meg_model(tp: int, pp: int, seed: int) -> Any:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=MEG["num_layers"], hidden_size=MEG["hidden_size"],
+        num_attention_heads=MEG["num_attention_heads"],
+        num_query_groups=MEG["num_query_groups"], ffn_hidden_size=MEG["ffn_hidden_size"],
+        gated_linear_unit=True, add_bias_linear=False, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    multiple = MEG["make_vocab_size_divisible_by"] * tp
+    padded = -(-MEG["vocab_size"] // multiple) * multiple
+    return GPTModel(
+        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
+        max_sequence_length=MEG["max_position_embeddings"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+    ), padded
+
+
+def _meg_save(model: Any, out: str, tp: int, pp: int, padded: int) -> None:
+    """What Megatron-LM's legacy save_checkpoint writes (``--ckpt-format torch``)."""
+    import random
+
+    import numpy
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = argparse.Namespace(
+        **MEG, group_query_attention=True, kv_channels=MEG["hidden_size"] //
+        MEG["num_attention_heads"], swiglu=True, untie_embeddings_and_output_weights=True,
+        padded_vocab_size=padded, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, params_dtype=torch.float32,
+        attention_backend=AttnBackend.auto, ckpt_format="torch",
+    )
+    t = parallel_state.get_tensor_model_parallel_rank()
+    p = parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+    path = Path(out) / "iter_0000010" / name / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({
+        "args": args, "checkpoint_version": 3.0, "iteration": 10,
+        "model": model.state_dict_for_save_checkpoint(),
+        "rng_state": [{"random_rng_state": random.getstate(),
+                       "np_rng_state": numpy.random.get_state(),
+                       "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
+    }, path)
+    (Path(out) / "latest_checkpointed_iteration.txt").write_text("10")
+
+
+def _meg_logits(model: Any, vocab: int) -> Any:
+    from megatron.core import tensor_parallel
+
+    tokens = torch.tensor([[3, 14, 15, 92, 65, 35, 8, 97]])
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    mask = torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool), diagonal=1)
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens, positions, mask)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :vocab].clone()
+
+
+def _meg_worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    # megatron-core asks CUDA for its buffers' device even on CPU (see DESIGN.md)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    import contextlib
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as meg_random
+
+    # dropout RNG states live on CUDA; there is no dropout here (rates are 0)
+    meg_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # 1. TP=2 x PP=2: a legacy per-rank checkpoint
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=2)
+    model, padded = _meg_model(2, 2, seed=1)
+    _meg_save(model, os.path.join(out, "tp2-pp2"), 2, 2, padded)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    # 2. TP=2 (data parallel 2): save, and the logits of a forward pass
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model, padded = _meg_model(2, 1, seed=2)
+    if parallel_state.get_data_parallel_rank() == 0:
+        _meg_save(model, os.path.join(out, "tp2"), 2, 1, padded)
+    logits = _meg_logits(model, MEG["vocab_size"])
+    if rank == 0:
+        torch.save(logits, os.path.join(out, "tp2-logits.pt"))
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    # 3. one rank: the consolidated UCP checkpoint of run 2, loaded into a TP=1 model
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    if rank == 0:
+        import ucpformat
+        from ucpformat import importers
+        from ucpformat.layout.framework import ModelLayout
+        from ucpformat.layout.rules import RuleSet
+        from ucpformat.layout.sharding import ParallelConfig
+
+        ucp = os.path.join(out, "tp2.ucp")
+        importers.convert(os.path.join(out, "tp2"), ucp, durable=False)
+        ckpt = ucpformat.open(ucp)
+        params = ckpt.metadata["source"]["rule_params"]
+        layout = ModelLayout(RuleSet.load("megatron-gpt"), params,
+                             ParallelConfig(num_layers=MEG["num_layers"]))
+        local = layout.local_state(ckpt, 0)
+        single, _ = _meg_model(1, 1, seed=3)
+        missing, unexpected = single.load_state_dict(
+            {k: torch.from_numpy(v) for k, v in local.items()}, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+        torch.save(_meg_logits(single, MEG["vocab_size"]), os.path.join(out, "tp1-logits.pt"))
+    _finish()
+
+
 def ds_references(out: Path) -> None:
     """DeepSpeed's own consolidation of every run: zero_to_fp32 and ds_to_universal."""
     _no_shm_build()
@@ -238,13 +371,15 @@ def ds_references(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["dcp", "deepspeed", "ds-universal-load"])
+    parser.add_argument("kind", choices=["dcp", "deepspeed", "ds-universal-load", "megatron"])
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=None)
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.kind == "dcp":
         _spawn(_dcp_worker, args.world or 4, args.out)
+    elif args.kind == "megatron":
+        _spawn(_meg_worker, 4, args.out)
     elif args.kind == "deepspeed":
         _spawn(_ds_worker, args.world or 2, args.out)
     else:

@@ -34,6 +34,7 @@ FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.importers.safetensors",
     "dcp": "ucpformat.importers.dcp",
     "deepspeed": "ucpformat.importers.deepspeed",
+    "megatron": "ucpformat.importers.megatron",
     "torch": "ucpformat.importers.torch_save",
 }
 

@@ -233,12 +233,12 @@ _MADV_DONTNEED = 4
 
 def _libc() -> Any:
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    lib = ctypes.CDLL(name, use_errno=True) if name else None
-    if lib is not None:
+    try:  # the process's own symbols: libc is linked in (no subprocess, unlike find_library)
+        lib = ctypes.CDLL(None, use_errno=True)
         lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
     return lib
 
 
