@@ -28,10 +28,11 @@ from ucpformat.errors import (
     ResourceLimitError,
     UCPError,
 )
+from ucpformat.importers import cli as convert_export
 
 #: The subcommands, in the order ``ucp --help`` lists them. The demo is one module, so
 #: that a fuller demo can replace it without touching anything else.
-COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, tour, demo)
+COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, convert_export, tour, demo)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,7 +1,6 @@
 """torch helpers of the importers and exporters (torch is imported lazily, by callers).
 
-* tensor <-> numpy, bit for bit, for bfloat16 and float8 too (a minimal private copy
-  of what ``ucpformat.torch.convert`` does; importers must not depend on it yet);
+* tensor <-> numpy, bit for bit, for bfloat16 and float8 too (``ucpformat.torch.convert``);
 * :func:`load_restricted`: ``torch.load(weights_only=True)`` with an allowlist of
   stand-in classes for the few framework classes a checkpoint names (DeepSpeed's
   ``fragment_address``, ``LossScaler``, ``ZeroStageEnum``; Megatron's
@@ -23,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucpformat import dtypes
 from ucpformat.dtypes import DataType
-from ucpformat.errors import FormatError, UnsupportedDtypeError
+from ucpformat.errors import FormatError
 
 if TYPE_CHECKING:
     import torch
@@ -44,59 +42,30 @@ def torch_module() -> Any:
 
 
 def data_type_of(dtype: torch.dtype, *, tensor: str | None = None) -> DataType:
-    """The closed-list entry of a torch dtype."""
-    name = str(dtype).removeprefix("torch.")
-    for dt in dtypes.DATA_TYPES:
-        if dt.torch_name == name:
-            return dt
-    raise UnsupportedDtypeError(
-        f"torch data type {dtype} has no entry in the closed list of format 1.0",
-        rule="UCP-1.0-R020",
-        tensor=tensor,
-    )
+    """The closed-list entry of a torch dtype (``ucpformat.torch.convert``)."""
+    from ucpformat.torch.convert import data_type
+
+    return data_type(dtype, tensor=tensor)
 
 
 def torch_dtype_of(dt: DataType, *, tensor: str | None = None) -> torch.dtype:
-    import torch
-    found = getattr(torch, dt.torch_name, None) if dt.torch_name else None
-    if not isinstance(found, torch.dtype):
-        raise UnsupportedDtypeError(f"data type {dt.name} has no torch equivalent",
-                                    rule="UCP-1.0-R020", tensor=tensor)
-    return found
+    from ucpformat.torch.convert import torch_dtype
 
-
-_CARRIER = {1: "uint8", 2: "int16"}
+    return torch_dtype(dt, tensor=tensor)
 
 
 def to_numpy(t: torch.Tensor, *, name: str | None = None) -> np.ndarray[Any, Any]:
-    """A numpy array with the exact bits of ``t`` (a copy only if ``t`` is not contiguous)."""
-    torch = torch_module()
-    dt = data_type_of(t.dtype, tensor=name)
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    if dt.is_extension:
-        return np.asarray(t.view(getattr(torch, _CARRIER[dt.itemsize])).numpy()).view(dt.numpy)
-    return np.asarray(t.numpy())
+    """A numpy array with the exact bits of ``t`` (shares memory when it can)."""
+    from ucpformat.torch.convert import to_numpy as convert
+
+    return convert(t, name=name)
 
 
 def from_numpy(a: np.ndarray[Any, Any], *, name: str | None = None) -> torch.Tensor:
     """A torch tensor with the exact bits of ``a`` (shares memory when it can)."""
-    import torch
-    arr = np.asarray(a)
-    dt = dtypes.from_numpy(arr.dtype, tensor=name)
-    tdt = torch_dtype_of(dt, tensor=name)
-    if not arr.dtype.isnative:
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    if not arr.flags.c_contiguous or not arr.flags.writeable:
-        arr = np.array(arr, order="C", copy=True)
-    out: torch.Tensor
-    if dt.is_extension:
-        out = torch.from_numpy(arr.view(_CARRIER[dt.itemsize])).view(tdt)
-    else:
-        out = torch.from_numpy(arr)
-    return out
+    from ucpformat.torch.convert import from_numpy as convert
+
+    return convert(a, name=name)
 
 
 # -- stand-ins for framework classes ----------------------------------------------------

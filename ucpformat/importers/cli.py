@@ -5,8 +5,10 @@
     ucp convert SRC DST [--from FORMAT] [--allow-pickle] [--rules FILE] [--rule-param K=V]
     ucp export --to FORMAT SRC DST [--max-shard-size 5GB] [--layout training]
 
-:func:`add_subparsers` adds both commands to an ``argparse`` sub-parser collection (the
-``ucp`` CLI calls it); ``python -m ucpformat.importers`` runs them on their own. Each
+:func:`add_subparsers` adds both commands to an ``argparse`` sub-parser collection;
+:func:`register` is the same under the name the ``ucp`` CLI (``ucpformat.cli``) calls
+for each of its command modules; ``python -m ucpformat.importers`` runs them on their
+own. Each
 command's parser sets ``run`` (``args.run(args)`` returns the exit status: 0 done,
 2 could not run). Progress bars go to stderr; ``--json`` prints the result on stdout.
 """
@@ -76,7 +78,7 @@ def add_subparsers(
                       "(default: the latest)")
     conv.add_argument("--compression", default=None, help="zstd, gzip, blosc or none")
     _common(conv)
-    conv.set_defaults(run=run_convert)
+    conv.set_defaults(run=run_convert, invalid_status=ERROR)
 
     exp = subparsers.add_parser(
         "export", parents=parents,
@@ -95,7 +97,7 @@ def add_subparsers(
                      "{model, optimizer, ...} with a torch.optim-style optimizer state")
     exp.add_argument("--tag", default=None, help="deepspeed-universal: tag directory name")
     _common(exp)
-    exp.set_defaults(run=run_export)
+    exp.set_defaults(run=run_export, invalid_status=ERROR)
     return conv, exp
 
 
