@@ -10,7 +10,9 @@ Kinds:
 
 * ``dcp``: FSDP2 (4 ranks), tensor parallel (4 ranks), FSDP2 x TP on a 2x2 mesh, and a
   bare FSDP2 model state dict, each saved with ``torch.distributed.checkpoint``;
-* ``deepspeed``: DeepSpeed ZeRO stage 1, 2 and 3, fp32 and bf16, on 2 ranks;
+* ``deepspeed``: DeepSpeed ZeRO stage 1, 2 and 3, fp32 and bf16, on 2 ranks; AutoTP
+  (tensor parallel 2) of a small Llama with ZeRO-1 fp32 and ZeRO-2 bf16; then
+  DeepSpeed's own ``zero_to_fp32`` and ``ds_to_universal`` of each;
 * ``ds-universal-load``: DeepSpeed loads universal checkpoints (``load_universal``) on
   another number of ranks and writes what it loaded.
 """
@@ -111,6 +113,17 @@ def _dcp_worker(rank: int, world: int, init: str, out: str) -> None:
 # -- DeepSpeed ----------------------------------------------------------------------------
 
 DS_CONFIGS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+#: DeepSpeed AutoTP (tensor parallel 2, on the 2 ranks) of a small Llama
+DS_AUTOTP = [(1, "fp32"), (2, "bf16")]
+
+
+def tiny_llama() -> Any:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
 
 
 class DsNet(nn.Module):
@@ -169,6 +182,21 @@ def _ds_worker(rank: int, world: int, init: str, out: str) -> None:
             engine.step()
         engine.save_checkpoint(os.path.join(out, f"zero{stage}-{dtype}"), tag="global_step3")
         engine.destroy()
+    for stage, dtype in DS_AUTOTP:
+        torch.manual_seed(0)
+        model = tiny_llama()
+        cfg = ds_config(stage, dtype)
+        cfg["tensor_parallel"] = {"autotp_size": world}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=cfg)
+        for step in range(3):
+            torch.manual_seed(10 * step)  # the same batch on both tensor-parallel ranks
+            x = torch.randint(0, 96, (2, 8))
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        engine.save_checkpoint(os.path.join(out, f"autotp2-zero{stage}-{dtype}"),
+                               tag="global_step3")
+        engine.destroy()
     torch.distributed.barrier()
     if rank == 0:  # DeepSpeed is imported here already: its own tools, once per run
         ds_references(Path(out))
@@ -187,7 +215,7 @@ def _ds_load_worker(rank: int, world: int, init: str, jobs_file: str) -> None:
                                world_size=world, auto_mpi_discovery=False)
     for job in json.loads(Path(jobs_file).read_text()):
         torch.manual_seed(1234)  # different weights than the saved ones
-        model = DsNet()
+        model = tiny_llama() if job.get("model") == "llama" else DsNet()
         cfg = ds_config(job.get("load_stage", job["stage"]), job["dtype"])
         cfg["checkpoint"] = {"load_universal": True}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -358,9 +386,13 @@ def ds_references(out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    for stage, dtype in DS_CONFIGS:
-        run = out / f"zero{stage}-{dtype}"
-        torch.save(get_fp32_state_dict_from_zero_checkpoint(str(run)), run / "zero_to_fp32.pt")
+    runs = [(f"zero{stage}-{dtype}", True) for stage, dtype in DS_CONFIGS]
+    runs += [(f"autotp2-zero{stage}-{dtype}", False) for stage, dtype in DS_AUTOTP]
+    for name, fp32 in runs:
+        run = out / name
+        if fp32:  # zero_to_fp32 reads data parallelism only
+            torch.save(get_fp32_state_dict_from_zero_checkpoint(str(run)),
+                       run / "zero_to_fp32.pt")
         uargs = argparse.Namespace(
             input_folder=str(run / "global_step3"), output_folder=str(run / "universal"),
             num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,

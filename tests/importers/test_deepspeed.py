@@ -29,8 +29,16 @@ pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CONFIGS = [f"zero{stage}-{dtype}" for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
-#: (source run, ZeRO stage of the loading engine): same stage, and across stages
-LOADS = [(c, int(c[4])) for c in CONFIGS] + [("zero3-bf16", 1), ("zero1-fp32", 3)]
+#: DeepSpeed AutoTP runs: a small Llama, tensor parallel over the 2 ranks
+AUTOTP = ["autotp2-zero1-fp32", "autotp2-zero2-bf16"]
+#: (source run, ZeRO stage of the loading engine): same stage, and across stages; the
+#: tensor-parallel runs resume without tensor parallelism, data parallel over 3 ranks
+LOADS = [(c, int(c[4])) for c in CONFIGS] + [("zero3-bf16", 1), ("zero1-fp32", 3)] + [
+    (c, int(c[len("autotp2-zero")])) for c in AUTOTP]
+
+
+def _stage_of(cfg: str) -> int:
+    return int(cfg.split("zero")[1][0])
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +55,11 @@ def _fp32_path(ckpt: ucpformat.Checkpoint, name: str) -> tuple[str, ...]:
 @pytest.fixture(scope="session")
 def imported(ds_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     def build(base: Path) -> None:
-        for cfg in CONFIGS:
+        for cfg in CONFIGS + AUTOTP:
             importers.convert(ds_runs / cfg, base / cfg, durable=False)
 
     base = shared_cache(tmp_path_factory, "ds-imported", build)
-    return {cfg: base / cfg for cfg in CONFIGS}
+    return {cfg: base / cfg for cfg in CONFIGS + AUTOTP}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -73,7 +81,7 @@ def test_import_equals_zero_to_fp32(ds_runs: Path, imported: dict[str, Path], cf
     assert groups[0]["lr"] == 1e-2
 
 
-@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("cfg", CONFIGS + AUTOTP)
 def test_import_equals_ds_to_universal(ds_runs: Path, imported: dict[str, Path], cfg: str) -> None:
     ckpt = ucpformat.open(imported[cfg])
     universal = ds_runs / cfg / "universal" / "zero"
@@ -116,14 +124,29 @@ def loaded_by_deepspeed(imported: dict[str, Path],
         for cfg, stage in LOADS:
             dest = base / f"{cfg}-as-zero{stage}"
             exporters.export(imported[cfg], dest, to="deepspeed-universal")
-            jobs.append({"stage": int(cfg[4]), "load_stage": stage, "dtype": cfg.split("-")[1],
-                         "dir": str(dest), "tag": None, "result": str(result(base, cfg, stage))})
+            jobs.append({"stage": _stage_of(cfg), "load_stage": stage,
+                         "dtype": cfg.split("-")[-1], "dir": str(dest), "tag": None,
+                         "model": "llama" if cfg in AUTOTP else "dsnet",
+                         "result": str(result(base, cfg, stage))})
         (base / "jobs.json").write_text(json.dumps(jobs))
         _run_framework("ds-universal-load", base, "--world", "3")
 
     base = shared_cache(tmp_path_factory, "ds-universal-load", build)
     return {(cfg, stage): torch.load(result(base, cfg, stage), weights_only=True)
             for cfg, stage in LOADS}
+
+
+def test_tensor_parallel_semantics_from_universal_checkpoint_info(
+    imported: dict[str, Path]
+) -> None:
+    ckpt = ucpformat.open(imported["autotp2-zero1-fp32"])
+    layout = {t.name: dict(t.attributes).get("layout") for t in ckpt.tensors("model")}
+    assert layout["model.layers.0.self_attn.o_proj.weight"] == {"tp": {"dim": 1}}
+    assert layout["model.layers.1.mlp.up_proj.weight"] == {"tp": {"dim": 0}}
+    assert layout["lm_head.weight"] == {"tp": {"dim": 0}, "vocab": {"dim": 0}}
+    assert layout["model.norm.weight"] is None
+    assert ckpt.tensor("model", "model.layers.0.mlp.down_proj.weight").shape == (32, 64)
+    assert ckpt.metadata["source"]["tp_world_size"] == 2
 
 
 @pytest.mark.parametrize(("cfg", "stage"), LOADS)

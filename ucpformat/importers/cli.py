@@ -5,10 +5,9 @@
     ucp convert SRC DST [--from FORMAT] [--allow-pickle] [--rules FILE] [--rule-param K=V]
     ucp export --to FORMAT SRC DST [--max-shard-size 5GB] [--layout training]
 
-:func:`add_subparsers` adds both commands to an ``argparse`` sub-parser collection;
-:func:`register` is the same under the name the ``ucp`` CLI (``ucpformat.cli``) calls
-for each of its command modules; ``python -m ucpformat.importers`` runs them on their
-own. Each
+:func:`add_subparsers` adds both commands to an ``argparse`` sub-parser collection
+(``ucpformat.cli.convert`` and ``ucpformat.cli.export`` register them in ``ucp``);
+``python -m ucpformat.importers`` runs them on their own. Each
 command's parser sets ``run`` (``args.run(args)`` returns the exit status: 0 done,
 2 could not run). Progress bars go to stderr; ``--json`` prints the result on stdout.
 """
@@ -52,11 +51,17 @@ def add_subparsers(
     subparsers: Any, parent: argparse.ArgumentParser | None = None
 ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """Add ``convert`` and ``export`` to ``subparsers`` (from ``add_subparsers()``)."""
-    from ucpformat.exporters import FORMATS as EXPORTS
+    return add_convert(subparsers, parent), add_export(subparsers, parent)
+
+
+def add_convert(
+    subparsers: Any, parent: argparse.ArgumentParser | None = None
+) -> argparse.ArgumentParser:
+    """Add ``convert`` to ``subparsers``."""
     from ucpformat.importers import FORMATS as IMPORTS
 
     parents = [parent] if parent is not None else []
-    conv = subparsers.add_parser(
+    conv: argparse.ArgumentParser = subparsers.add_parser(
         "convert", parents=parents,
         help="convert another framework's checkpoint into a UCP checkpoint",
         description="Convert a checkpoint (safetensors, torch.save, PyTorch DCP, DeepSpeed, "
@@ -79,8 +84,17 @@ def add_subparsers(
     conv.add_argument("--compression", default=None, help="zstd, gzip, blosc or none")
     _common(conv)
     conv.set_defaults(run=run_convert, invalid_status=ERROR)
+    return conv
 
-    exp = subparsers.add_parser(
+
+def add_export(
+    subparsers: Any, parent: argparse.ArgumentParser | None = None
+) -> argparse.ArgumentParser:
+    """Add ``export`` to ``subparsers``."""
+    from ucpformat.exporters import FORMATS as EXPORTS
+
+    parents = [parent] if parent is not None else []
+    exp: argparse.ArgumentParser = subparsers.add_parser(
         "export", parents=parents,
         help="export a UCP checkpoint to another framework's format",
         description="Export a UCP checkpoint to safetensors, torch.save or DeepSpeed's "
@@ -98,12 +112,7 @@ def add_subparsers(
     exp.add_argument("--tag", default=None, help="deepspeed-universal: tag directory name")
     _common(exp)
     exp.set_defaults(run=run_export, invalid_status=ERROR)
-    return conv, exp
-
-
-#: The ``ucp`` CLI of the ``cli`` branch registers command modules this way.
-def register(subparsers: Any, parent: argparse.ArgumentParser | None = None) -> None:
-    add_subparsers(subparsers, parent)
+    return exp
 
 
 def _size(value: str | None) -> int | None:

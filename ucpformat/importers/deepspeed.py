@@ -23,11 +23,18 @@ puts each parameter back together, tensor by tensor, from memory-mapped files:
 * ``training``: ``step`` (``global_steps``), ``global_samples``, ``skipped_steps``,
   the learning-rate scheduler's state and other client state when it is JSON.
 
+Tensor parallelism (``mp_rank_01``...: DeepSpeed AutoTP, Megatron-DeepSpeed): each
+parameter is first rebuilt on each model-parallel rank as above, then the ranks' shards
+are joined as ``universal_checkpoint_info`` says (replicated; split along dimension 0,
+or 1 for row-parallel weights; vocabulary rows beyond ``original_vocab_size`` dropped),
+and that is what the layout semantics record (``tp``, ``vocab``) unless a rule file is
+given.
+
 DeepSpeed files are pickles that name a few DeepSpeed classes. They are loaded with
 ``torch.load(weights_only=True)`` and stand-ins for exactly those classes (see
 ``ucpformat.importers._torch``): DeepSpeed need not be installed, and nothing else a
-file names is ever constructed. Tensor- and pipeline-parallel checkpoints
-(``mp_rank_01``, ``layer_*``) are not supported yet.
+file names is ever constructed. Pipeline-parallel checkpoints (``layer_*`` files) and
+fused sub-parameters are not supported yet.
 """
 
 from __future__ import annotations
@@ -155,6 +162,126 @@ def _stage(osd: Mapping[str, Any]) -> int:
         raise FormatError(f"unknown zero_stage {stage!r}") from None
 
 
+def _flat_params(
+    stage: int,
+    optims: Mapping[int, Mapping[str, Any]],
+    param_shapes: list[Mapping[str, Any]],
+    where: Path,
+) -> tuple[dict[str, _Param], dict[str, Any], list[dict[str, Any]]]:
+    """The parameters of one model-parallel rank, from its data-parallel ranks' partitions.
+
+    Returns (name -> parameter, name -> step, param groups).
+    """
+    world = len(optims)
+    params: dict[str, _Param] = {}
+    steps: dict[str, Any] = {}
+    param_groups: list[dict[str, Any]] = []
+    for g, shapes in enumerate(param_shapes):
+        names = [str(n) for n in shapes]
+        per_rank = []
+        for r in range(world):
+            osd = optims[r]
+            base = osd["base_optimizer_state"] if stage < 3 else osd["optimizer_state_dict"]
+            flat_key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+            pg = base["param_groups"][g]
+            key = pg["params"][0]
+            st = dict(base["state"].get(key, {}))
+            tensors = {k: v for k, v in st.items() if k != "step" and hasattr(v, "narrow")}
+            tensors["master"] = osd[flat_key][g]
+            per_rank.append((tensors, st.get("step"), pg))
+        hyper = {k: plain(v) for k, v in per_rank[0][2].items() if k != "params"}
+        hyper["params"] = names
+        param_groups.append(hyper)
+        if stage < 3:
+            for name in names:
+                pieces = []
+                for r in range(world):
+                    addr = optims[r]["param_slice_mappings"][g].get(name)
+                    if addr is not None:
+                        pieces.append(_Piece(per_rank[r][0], int(addr.start), int(addr.numel)))
+                params[name] = _Param(name, tuple(int(s) for s in shapes[name]), pieces)
+        else:
+            offset = 0
+            for name in names:
+                shape = tuple(int(s) for s in shapes[name])
+                numel = math.prod(shape)
+                part = -(-numel // world) if numel else 0
+                pieces = []
+                for r in range(world):
+                    take = max(0, min(part, numel - r * part))
+                    if take:
+                        pieces.append(_Piece(per_rank[r][0], offset, take))
+                params[name] = _Param(name, shape, pieces)
+                offset += part
+            for r in range(world):
+                size = per_rank[r][0]["master"].numel()
+                if size < offset:
+                    raise FormatError(f"rank {r}: the flat fp32 group {g} has {size} elements, "
+                                      f"its parameters need {offset}", path=str(where))
+        for name in names:
+            steps[name] = per_rank[0][1]
+    return params, steps, param_groups
+
+
+class _Joined:
+    """A tensor-parallel parameter: its shards on the model-parallel ranks, concatenated."""
+
+    def __init__(self, name: str, shards: list[Any], cat_dim: int | None,
+                 trim: int | None = None) -> None:
+        self.name = name
+        self.shards = shards
+        self.cat_dim = cat_dim
+        self.trim = trim
+        first = shards[0].shape
+        if cat_dim is None:
+            shape = tuple(first)
+        else:
+            if any(len(s.shape) != len(first) or any(
+                a != b for d, (a, b) in enumerate(zip(s.shape, first, strict=True)) if d != cat_dim
+            ) for s in shards):
+                raise FormatError("tensor-parallel shards of different shapes", tensor=name)
+            total = sum(s.shape[cat_dim] for s in shards)
+            if trim is not None:
+                total = min(total, trim)
+            shape = tuple(total if d == cat_dim else n for d, n in enumerate(first))
+        self.shape = shape
+        self.pieces = shards[0].pieces
+
+    def reader(self, state: str, out_dtype: Any = None) -> Callable[[], np.ndarray[Any, Any]]:
+        readers = [s.reader(state, out_dtype) for s in self.shards]
+        if self.cat_dim is None:
+            first: Callable[[], np.ndarray[Any, Any]] = readers[0]
+            return first
+        dim = self.cat_dim
+
+        def read() -> np.ndarray[Any, Any]:
+            data = np.concatenate([r() for r in readers], axis=dim)
+            if data.shape[dim] != self.shape[dim]:
+                keep = (slice(None),) * dim + (slice(0, self.shape[dim]),)
+                data = np.ascontiguousarray(data[keep])
+            return data
+
+        return read
+
+
+def _tp_semantics(name: str, uci: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """(concatenation dim or None for replicated, vocabulary?) from universal_checkpoint_info."""
+
+    def hit(key: str) -> bool:
+        return any(re.match(p, name) for p in uci.get(key, []) or [])
+
+    if uci.get("parameter_with_sub_params") and hit("parameter_with_sub_params"):
+        raise UnsupportedFeatureError("fused sub-parameters of DeepSpeed tensor parallelism are "
+                                      "not supported yet", tensor=name)
+    if hit("tp_replicated_parameter_patterns"):
+        return None, False
+    if hit("vocabulary_parameter_patterns"):
+        return 0, True
+    if hit("parameter_with_row_parallelism_patterns"):
+        return 1, False
+    return 0, False
+
+
 def scan(
     path: Path,
     *,
@@ -166,101 +293,94 @@ def scan(
     ckpt = tag_dir(path, tag)
     out = Scan(FORMAT, str(path))
     annotator = Annotator.make(rules, rule_params)
-    model_files: dict[int, Path] = {}
-    mp_ranks: set[int] = set()
+    model_files: dict[tuple[int, int], Path] = {}  # (dp, mp) -> file
     for f in ckpt.glob("*_model_states.pt"):
         m = _MODEL_RE.match(f.name)
         if m:
-            mp_ranks.add(int(m.group(2)))
-            model_files[int(m.group(1) or 0)] = f
-    if any(ckpt.glob("layer_*")) or mp_ranks - {0}:
+            model_files[(int(m.group(1) or 0), int(m.group(2)))] = f
+    if any(ckpt.glob("layer_*")):
         raise UnsupportedFeatureError(
-            "tensor- or pipeline-parallel DeepSpeed checkpoints (mp_rank_01, layer_*) are not "
-            "supported yet; only data parallelism (ZeRO stage 0-3)", path=str(ckpt),
+            "pipeline-parallel DeepSpeed checkpoints (layer_* files) are not supported yet",
+            path=str(ckpt),
         )
-    optim_files: dict[int, Path] = {}
+    optim_files: dict[tuple[int, int], Path] = {}
     for f in ckpt.glob("*_optim_states.pt"):
         m = _OPTIM_RE.match(f.name)
         if m:
-            optim_files[int(m.group(2))] = f
+            optim_files[(int(m.group(2)), int(m.group(3)))] = f
     if not model_files:
         raise FormatError("no model states file", path=str(ckpt))
-    world = len(optim_files)
-    if optim_files and sorted(optim_files) != list(range(world)):
+    mp_ranks = sorted({mp for _, mp in model_files})
+    tp = len(mp_ranks)
+    if mp_ranks != list(range(tp)):
+        raise FormatError(f"model states of model-parallel ranks {mp_ranks}: some are missing",
+                          path=str(ckpt))
+    world = len(optim_files) // tp if optim_files else 0
+    if optim_files and sorted(optim_files) != [(d, m) for d in range(world) for m in range(tp)]:
         raise FormatError(f"optimizer files of ranks {sorted(optim_files)}: some are missing",
                           path=str(ckpt))
 
-    states = {r: load_restricted(f) for r, f in sorted(model_files.items())}
+    states = {k: load_restricted(f) for k, f in sorted(model_files.items())}
     ms = states[min(states)]
     if not isinstance(ms, Mapping) or "module" not in ms:
-        raise FormatError("the model states file holds no 'module'", path=str(model_files[0]))
-    module: Mapping[str, Any] = ms["module"] or {}
-    optims = {r: load_restricted(f)["optimizer_state_dict"] for r, f in sorted(optim_files.items())}
-    stage = _stage(optims[0]) if optims else 0
-    if stage == 3 and len(model_files) != world:
+        raise FormatError("the model states file holds no 'module'", path=str(ckpt))
+    optims = {k: load_restricted(f)["optimizer_state_dict"] for k, f in sorted(optim_files.items())}
+    stage = _stage(optims[(0, 0)]) if optims else 0
+    if stage == 3 and len(model_files) != len(optim_files):
         raise FormatError(f"ZeRO-3 needs one model states file per rank: {len(model_files)} "
-                          f"files, {world} optimizer files", path=str(ckpt))
+                          f"files, {len(optim_files)} optimizer files", path=str(ckpt))
+    uci = ms.get("universal_checkpoint_info") or {}
+    if tp > 1 and not uci:
+        raise UnsupportedFeatureError(
+            "tensor-parallel DeepSpeed checkpoints need universal_checkpoint_info (written by "
+            "AutoTP or Megatron-DeepSpeed) to tell how each parameter is split",
+            path=str(ckpt),
+        )
+    module_of = [dict(states[min(k for k in states if k[1] == m)]["module"] or {})
+                 for m in range(tp)]
+    module: Mapping[str, Any] = module_of[0]
 
-    param_shapes: list[Mapping[str, Any]] = list(ms.get("param_shapes") or [])
     buffer_names = [str(b) for b in ms.get("buffer_names") or []]
     shared = {str(k): str(v) for k, v in dict(ms.get("shared_params") or {}).items()}
     frozen_shapes = {str(k): tuple(int(s) for s in v)
                      for k, v in dict(ms.get("frozen_param_shapes") or {}).items()}
 
-    params: dict[str, _Param] = {}
+    params: dict[str, Any] = {}
     group_state: dict[str, dict[str, Any]] = {}  # param -> {"step": ...}
     param_groups: list[dict[str, Any]] = []
+    tp_layout: dict[str, dict[str, Any]] = {}
     if optims:
-        for g, shapes in enumerate(param_shapes):
-            names = [str(n) for n in shapes]
-            per_rank = []
-            for r in range(world):
-                osd = optims[r]
-                base = osd["base_optimizer_state"] if stage < 3 else osd["optimizer_state_dict"]
-                flat_key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
-                pg = base["param_groups"][g]
-                key = pg["params"][0]
-                st = dict(base["state"].get(key, {}))
-                tensors = {k: v for k, v in st.items() if k != "step" and hasattr(v, "narrow")}
-                tensors["master"] = osd[flat_key][g]
-                per_rank.append((tensors, st.get("step"), pg))
-            step = per_rank[0][1]
-            hyper = {k: plain(v) for k, v in per_rank[0][2].items() if k != "params"}
-            hyper["params"] = names
-            param_groups.append(hyper)
-            if stage < 3:
-                for name in names:
-                    pieces = []
-                    for r in range(world):
-                        addr = optims[r]["param_slice_mappings"][g].get(name)
-                        if addr is not None:
-                            pieces.append(_Piece(per_rank[r][0], int(addr.start), int(addr.numel)))
-                    params[name] = _Param(name, tuple(int(s) for s in shapes[name]), pieces)
+        per_mp = []
+        for mp in range(tp):
+            shapes_m = list(states[min(k for k in states if k[1] == mp)].get("param_shapes")
+                            or [])
+            per_mp.append(_flat_params(stage, {d: optims[(d, mp)] for d in range(world)},
+                                       shapes_m, ckpt))
+        param_groups = per_mp[0][2]
+        for name, first in per_mp[0][0].items():
+            if tp == 1:
+                params[name] = first
             else:
-                offset = 0
-                for name in names:
-                    shape = tuple(int(s) for s in shapes[name])
-                    numel = math.prod(shape)
-                    part = -(-numel // world) if numel else 0
-                    pieces = []
-                    for r in range(world):
-                        take = max(0, min(part, numel - r * part))
-                        if take:
-                            pieces.append(_Piece(per_rank[r][0], offset, take))
-                    params[name] = _Param(name, shape, pieces)
-                    offset += part
-                for r in range(world):
-                    size = per_rank[r][0]["master"].numel()
-                    if size < offset:
-                        raise FormatError(f"rank {r}: the flat fp32 group {g} has {size} elements, "
-                                          f"its parameters need {offset}", path=str(ckpt))
-            for name in names:
-                group_state[name] = {"step": step}
+                dim, vocab = _tp_semantics(name, uci)
+                trim = uci.get("original_vocab_size") if vocab else None
+                params[name] = _Joined(name, [pm[0][name] for pm in per_mp], dim,
+                                       trim if isinstance(trim, int) else None)
+                doc: dict[str, Any] = {}
+                if dim is not None:
+                    doc["tp"] = {"dim": dim}
+                if vocab:
+                    doc["vocab"] = {"dim": 0}
+                tp_layout[name] = doc
+            group_state[name] = {"step": per_mp[0][1][name]}
+        if tp > 1:
+            module = {n: t for n, t in module.items() if n not in params}
 
     aliases: dict[str, str] = {}
 
     def keep(name: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
         """Layout semantics of a model tensor, or None when it is not stored."""
+        if annotator.rules is None and name in tp_layout:
+            return tp_layout[name]  # what universal_checkpoint_info says
         action, layout, target = annotator.resolve(name, shape)
         if action == "ignore":
             out.notes.append(f"{name}: ignored (rule file)")
@@ -275,7 +395,7 @@ def scan(
         layout = keep(name, p.shape)
         if layout is None:
             continue
-        lp = module.get(name)
+        lp = module_of[0].get(name)
         lp_dtype = lp.dtype if lp is not None else None
         lp_dt = data_type_of(lp_dtype, tensor=name) if lp_dtype is not None else dtypes.BY_NAME[
             "float32"]
@@ -284,7 +404,7 @@ def scan(
             out.tensors.append(TensorSource(node("model", name), p.shape, lp_dt,
                                             p.reader("master"), attrs))
         else:
-            if stage < 3 and lp is not None and tuple(lp.shape) == p.shape:
+            if stage < 3 and tp == 1 and lp is not None and tuple(lp.shape) == p.shape:
                 read = tensor_reader(lp, name, mapped=True)
             else:
                 read = p.reader("master", out_dtype=lp_dtype)
@@ -311,7 +431,11 @@ def scan(
             out.group_values(node("optimizer", "state", name))["step"] = plain(step)
 
     # frozen parameters, buffers, and parameters of stage 0 (no optimizer partitions)
-    fragments = [dict(states[r].get("frozen_param_fragments") or {}) for r in sorted(states)]
+    fragments = [dict(states[k].get("frozen_param_fragments") or {}) for k in sorted(states)
+                 if k[1] == 0]
+    if frozen_shapes and tp > 1:
+        raise UnsupportedFeatureError("frozen parameters under DeepSpeed tensor parallelism are "
+                                      "not supported yet", path=str(ckpt))
     for name, shape in frozen_shapes.items():
         layout = keep(name, shape)
         if layout is None:
@@ -382,6 +506,7 @@ def scan(
         "ds_version": str(ms.get("ds_version", "")),
         "zero_stage": stage,
         "dp_world_size": world or int(ms.get("dp_world_size") or 1),
+        "tp_world_size": tp,
         "ds_config": _json(ms.get("ds_config") or {}, out, "ds_config"),
     }
     return out
