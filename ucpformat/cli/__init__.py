@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from ucpformat._version import __version__
-from ucpformat.cli import demo, diff, inspect, tour, validate
+from ucpformat.cli import convert, demo, diff, export, inspect, tour, validate
 from ucpformat.cli.common import ERROR, FOUND, CommandError
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -31,7 +31,7 @@ from ucpformat.errors import (
 
 #: The subcommands, in the order ``ucp --help`` lists them. The demo is one module, so
 #: that a fuller demo can replace it without touching anything else.
-COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, tour, demo)
+COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, convert, export, tour, demo)
 
 
 class _Parser(argparse.ArgumentParser):
