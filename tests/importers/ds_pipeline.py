@@ -1,18 +1,19 @@
 """DeepSpeed pipeline-parallel runs (``PipelineModule``) for the importer tests, on gloo.
 
 Run by ``python -m tests.importers.frameworks deepspeed-pp OUT`` (4 ranks). Every run
-trains two steps with ZeRO-1 (``torch_adam``) and saves with ``save_checkpoint``, which
+trains two steps (``torch_adam``) and saves with ``save_checkpoint``, which
 writes ``layer_XX[-model_YY]-model_states.pt`` per pipeline layer, one
 ``mp_rank_XX_model_states.pt`` per (stage, tensor-parallel rank) and one ZeRO optimizer
 file per data-parallel rank of each:
 
-* ``pp2-dp2-zero1-fp32``, ``pp2-dp2-zero1-bf16``: :class:`PipeNet`-style layers of
+* ``pp2-dp2-zero1-fp32``, ``pp2-dp2-zero1-bf16``, ``pp2-dp2-zero0-bf16`` (DeepSpeed's bf16
+  optimizer, the default of bf16 pipelines, whose files lack ZeRO's metadata): layers of
   awkward sizes (flat partitions cut through parameters; padding), a buffer per block, an
   embedding tied to the output head (``TiedLayerSpec``) on 2 stages x 2 data-parallel ranks;
-* ``gpt-pp2-tp2-zero1-fp32``: a Megatron-DeepSpeed-style GPT (``GPTModelPipe`` names;
-  grouped-query fused QKV interleaved per query group, fused SwiGLU ``[gate_r; up_r]`` per
-  rank, a vocabulary-parallel padded embedding tied to the head) on 2 stages x 2
-  tensor-parallel ranks (``PipeModelDataParallelTopology``), with the
+* ``gpt-pp2-tp2-zero1-fp32``, ``gpt-pp2-tp2-zero1-bf16``: a Megatron-DeepSpeed-style GPT
+  (``GPTModelPipe`` names; grouped-query fused QKV interleaved per query group, fused
+  SwiGLU ``[gate_r; up_r]`` per rank, a vocabulary-parallel padded embedding tied to the
+  head) on 2 stages x 2 tensor-parallel ranks (``PipeModelDataParallelTopology``), with the
   ``universal_checkpoint_info`` Megatron-DeepSpeed gives ``ds_to_universal``.
 
 Each rank also writes what its engine holds after training (``engine/rank<r>.pt``: its
@@ -40,8 +41,9 @@ import torch.nn.functional as F
 GPT = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 8, "num_query_groups": 4,
        "kv_channels": 4, "ffn_hidden_size": 24, "vocab_size": 50, "vocab_multiple": 8,
        "max_position_embeddings": 16}
-PIPE_RUNS = ["pp2-dp2-zero1-fp32", "pp2-dp2-zero1-bf16"]
-GPT_RUNS = ["gpt-pp2-tp2-zero1-fp32"]
+#: ZeRO-0 with bf16 is DeepSpeed's bf16 optimizer (flat partitions without ZeRO's metadata)
+PIPE_RUNS = ["pp2-dp2-zero1-fp32", "pp2-dp2-zero1-bf16", "pp2-dp2-zero0-bf16"]
+GPT_RUNS = ["gpt-pp2-tp2-zero1-fp32", "gpt-pp2-tp2-zero1-bf16"]
 STEPS = 2
 
 
@@ -304,13 +306,14 @@ def gpt_pipe(topology: Any) -> Any:
 # -- the runs ----------------------------------------------------------------------------------
 
 
-def _config(dtype: str) -> dict[str, Any]:
+def _config(run: str) -> dict[str, Any]:
+    dtype = run.rsplit("-", 1)[1]
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True,
                                                 "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": int(run.split("zero")[1][0])},
         "bf16": {"enabled": dtype == "bf16"},
         "steps_per_print": 1000,
     }
@@ -358,7 +361,6 @@ def pipe_worker(rank: int, world: int, init: str, out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo", init_method=init, rank=rank,
                                world_size=world, auto_mpi_discovery=False)
     for run in PIPE_RUNS + GPT_RUNS:
-        dtype = run.rsplit("-", 1)[1]
         torch.manual_seed(0)
         if run.startswith("gpt"):
             topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
@@ -374,7 +376,7 @@ def pipe_worker(rank: int, world: int, init: str, out: str) -> None:
             vocab = 37
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=_config(dtype))
+            config=_config(run))
         _train(engine, vocab, seed=5 + engine.grid.data_parallel_id)
         engine.save_checkpoint(os.path.join(out, run), tag=f"global_step{STEPS}")
         state = _engine_state(engine)

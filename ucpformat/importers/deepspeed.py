@@ -434,6 +434,7 @@ def _degrees(ms: Mapping[str, Any], n_mp: int, layer_files: Mapping[tuple[int, i
 def _layer_tensors(
     layer_files: Mapping[tuple[int, int], Path],
     known: Mapping[str, int],
+    named: bool,
     out: Scan,
 ) -> dict[str, dict[tuple[int, int], Any]]:
     """The module tensors of a pipeline checkpoint: global name -> {(stage, tp): tensor}.
@@ -441,7 +442,8 @@ def _layer_tensors(
     A layer file holds ``layer.state_dict()`` of the PipelineModule's layer ``<idx>``,
     whose global names are ``<idx>.<name>``, or, for a ``TiedLayerSpec``, those of
     ``tied_modules.<key>.<name>``. ``known`` (global name -> first stage holding it) comes
-    from the model states files.
+    from the model states files; ``named``: they list the parameters (``param_shapes``,
+    written with a ZeRO optimizer), which tells tied modules apart.
     """
     tied: dict[str, set[str]] = {}
     for name in known:
@@ -467,7 +469,7 @@ def _layer_tensors(
         if not local:
             continue
         names = {k: f"{idx}.{k}" for k in local}
-        if known and not all(g in known for g in names.values()):
+        if named and not all(g in known for g in names.values()):
             keys = [k for k, members in tied.items() if set(local) <= members]
             if len(keys) != 1:
                 raise FormatError(
@@ -478,9 +480,9 @@ def _layer_tensors(
         for k, g in names.items():
             stage = known.get(g, stage_of(idx))
             found.setdefault(g, {}).setdefault((stage, t), local[k])
-    if not known:
-        out.notes.append("the model states files name no parameters (ZeRO stage 0): layer "
-                         "files are named by their layer index, tied modules included")
+    if not named:
+        out.notes.append("the model states files name no parameters (no ZeRO optimizer): "
+                         "layer files are named by their layer index, tied modules included")
     return found
 
 
@@ -528,7 +530,11 @@ def scan(
         raise FormatError(f"layer files of tensor-parallel ranks "
                           f"{sorted({t for _, t in layer_files})} for tp={tp}", path=str(ckpt))
     optims = {k: load_restricted(f)["optimizer_state_dict"] for k, f in sorted(optim_files.items())}
-    stage = _stage(optims[(0, 0)]) if optims else 0
+    # DeepSpeed's bf16 optimizer without ZeRO (BF16_Optimizer: the default of bf16 pipeline
+    # runs) writes flat partitions like ZeRO-1's, with no zero_stage and no param_shapes
+    bf16_optimizer = bool(optims) and all("zero_stage" not in o and "param_slice_mappings" in o
+                                          for o in optims.values())
+    stage = 1 if bf16_optimizer else _stage(optims[(0, 0)]) if optims else 0
     if stage == 3 and len(model_files) != len(optim_files):
         raise FormatError(f"ZeRO-3 needs one model states file per rank: {len(model_files)} "
                           f"files, {len(optim_files)} optimizer files", path=str(ckpt))
@@ -551,6 +557,13 @@ def scan(
         return mp // tp, mp % tp
 
     first_state = {mp: states[min(k for k in states if k[1] == mp)] for mp in range(n_mp)}
+    # the names of each flat group, where the model states do not list them (param_shapes)
+    slice_names: dict[int, list[list[str]]] = {}
+    for mp in range(n_mp):
+        if optims and stage < 3 and not first_state[mp].get("param_shapes"):
+            mappings = [optims[(d, mp)]["param_slice_mappings"] for d in range(world)]
+            slice_names[mp] = [list(dict.fromkeys(str(n) for m in mappings for n in m[g]))
+                               for g in range(len(mappings[0]))]
     buffer_names: set[str] = set()
     shared: dict[str, str] = {}
     frozen_shapes: dict[str, tuple[int, ...]] = {}
@@ -565,7 +578,7 @@ def scan(
         if mp == 0:
             frozen_shapes = frozen
         names += list(frozen)
-        for group in st.get("param_shapes") or []:
+        for group in list(st.get("param_shapes") or []) + slice_names.get(mp, []):
             names += [str(n) for n in group]
         for n in names:
             known.setdefault(n, coords(mp)[0])
@@ -573,7 +586,9 @@ def scan(
     # module tensors: name -> {(stage, tp rank): tensor}
     module: dict[str, dict[tuple[int, int], Any]] = {}
     if layer_files:
-        module = _layer_tensors(layer_files, known, out)
+        named = bool(slice_names) or any(first_state[mp].get("param_shapes")
+                                         for mp in range(n_mp))
+        module = _layer_tensors(layer_files, known, named, out)
     else:
         for mp in range(n_mp):
             for n, t in dict(first_state[mp]["module"] or {}).items():
@@ -587,6 +602,9 @@ def scan(
         if not optims:
             break
         shapes_m = list(first_state[mp].get("param_shapes") or [])
+        if mp in slice_names:  # the shapes of the module's (local) tensors
+            shapes_m = [{n: _module_shape(module, n, coords(mp), ckpt) for n in group}
+                        for group in slice_names[mp]]
         local, steps_m, groups_m = _flat_params(
             stage, {d: optims[(d, mp)] for d in range(world)}, shapes_m, ckpt)
         for n, p in local.items():
@@ -747,11 +765,13 @@ def scan(
         "format": FORMAT,
         "tag": ckpt.name,
         "ds_version": str(ms.get("ds_version", "")),
-        "zero_stage": stage,
+        "zero_stage": 0 if bf16_optimizer else stage,
         "dp_world_size": world or int(ms.get("dp_world_size") or 1),
         "tp_world_size": tp,
         "pp_world_size": pp,
     }
+    if bf16_optimizer:
+        source["optimizer"] = "bf16 (flat partitions without ZeRO)"
     if layer_files:
         source["pp_stage_layers"] = _stage_layers(known, module, pp)
     if rule_set is not None:
@@ -760,6 +780,19 @@ def scan(
     source["ds_config"] = _json(ms.get("ds_config") or {}, out, "ds_config")
     out.metadata["source"] = source
     return out
+
+
+def _module_shape(module: Mapping[str, Mapping[tuple[int, int], Any]], name: str,
+                  at: tuple[int, int], where: Path) -> tuple[int, ...]:
+    """The local shape of parameter ``name`` on model-parallel rank ``at`` (stage, tp)."""
+    held = module.get(name, {})
+    t = held.get(at)
+    if t is None:  # a tied module: the first stage's copy has the same shape
+        t = next((v for (_, tp), v in sorted(held.items()) if tp == at[1]), None)
+    if t is None:
+        raise FormatError("the optimizer partitions hold a parameter the model files do not",
+                          tensor=name, path=str(where))
+    return tuple(int(n) for n in t.shape)
 
 
 def _stage_layers(known: Mapping[str, int], module: Mapping[str, Mapping[tuple[int, int], Any]],
