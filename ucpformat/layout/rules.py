@@ -267,7 +267,7 @@ class RuleSet:
         expert_local = self.conventions.get("expert_numbering", "global") == "rank-local"
         new = dict(caps)
         if "layer" in caps and layer_local:
-            start = cfg.stage_layers(coords.pp).start
+            start = 0 if cfg.pp == 1 else cfg.stage_layers(coords.pp).start
             new["layer"] = caps["layer"] + direction * start
         if "expert" in caps and expert_local:
             if cfg.num_experts is None:
