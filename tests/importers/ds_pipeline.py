@@ -44,6 +44,8 @@ GPT = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 8, "num_query_
 #: ZeRO-0 with bf16 is DeepSpeed's bf16 optimizer (flat partitions without ZeRO's metadata)
 PIPE_RUNS = ["pp2-dp2-zero1-fp32", "pp2-dp2-zero1-bf16", "pp2-dp2-zero0-bf16"]
 GPT_RUNS = ["gpt-pp2-tp2-zero1-fp32", "gpt-pp2-tp2-zero1-bf16"]
+#: megatron-core names under DeepSpeed's engine (no pipeline), its mpu giving TP=2 x DP=2
+CORE_RUNS = ["megatron-tp2-dp2-zero2-bf16"]
 STEPS = 2
 
 
@@ -197,8 +199,9 @@ class RowParallel(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention with Megatron's fused QKV (per query group: q heads, k, v)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, names: tuple[str, str] = ("query_key_value", "dense")) -> None:
         super().__init__()
+        self.names = names
         tp, r = _TP["size"], _TP["rank"]
         h, heads, groups, kv = (GPT["hidden_size"], GPT["num_attention_heads"],
                                 GPT["num_query_groups"], GPT["kv_channels"])
@@ -212,39 +215,43 @@ class Attention(nn.Module):
                                   v[g * kv:(g + 1) * kv]]) for g in mine])
         b = torch.cat([torch.cat([qb[g * per_group:(g + 1) * per_group], kb[g * kv:(g + 1) * kv],
                                   vb[g * kv:(g + 1) * kv]]) for g in mine])
-        self.query_key_value = ColumnParallel(w, b)
         dense = _full(seed + 6, h, heads * kv)
-        self.dense = RowParallel(dense.chunk(tp, dim=1)[r], _full(seed + 7, h))
+        self.add_module(names[0], ColumnParallel(w, b))
+        self.add_module(names[1], RowParallel(dense.chunk(tp, dim=1)[r], _full(seed + 7, h)))
 
     def forward(self, x: Any) -> Any:
         b, s, _ = x.shape
         heads, groups, kv = GPT["num_attention_heads"], GPT["num_query_groups"], GPT["kv_channels"]
         local_groups = groups // _TP["size"]
         hpg = heads // groups
-        mixed = self.query_key_value(x).view(b, s, local_groups, hpg + 2, kv)
+        mixed = getattr(self, self.names[0])(x).view(b, s, local_groups, hpg + 2, kv)
         q = mixed[:, :, :, :hpg].reshape(b, s, local_groups * hpg, kv).transpose(1, 2)
         k = mixed[:, :, :, hpg].transpose(1, 2).repeat_interleave(hpg, dim=1)
         v = mixed[:, :, :, hpg + 1].transpose(1, 2).repeat_interleave(hpg, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.dense(out.transpose(1, 2).reshape(b, s, local_groups * hpg * kv))
+        out = out.transpose(1, 2).reshape(b, s, local_groups * hpg * kv)
+        return getattr(self, self.names[1])(out)
 
 
 class SwiGLU(nn.Module):
     """Megatron's fused SwiGLU: ``dense_h_to_4h`` holds [gate_r; up_r] on each rank."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int,
+                 names: tuple[str, str] = ("dense_h_to_4h", "dense_4h_to_h")) -> None:
         super().__init__()
+        self.names = names
         tp, r, h, f = _TP["size"], _TP["rank"], GPT["hidden_size"], GPT["ffn_hidden_size"]
         gate, up = _full(seed, f, h), _full(seed + 1, f, h)
         gb, ub = _full(seed + 2, f), _full(seed + 3, f)
-        self.dense_h_to_4h = ColumnParallel(torch.cat([_rows(gate, tp, r), _rows(up, tp, r)]),
-                                            torch.cat([_rows(gb, tp, r), _rows(ub, tp, r)]))
         down = _full(seed + 4, h, f)
-        self.dense_4h_to_h = RowParallel(down.chunk(tp, dim=1)[r], _full(seed + 5, h))
+        self.add_module(names[0], ColumnParallel(
+            torch.cat([_rows(gate, tp, r), _rows(up, tp, r)]),
+            torch.cat([_rows(gb, tp, r), _rows(ub, tp, r)])))
+        self.add_module(names[1], RowParallel(down.chunk(tp, dim=1)[r], _full(seed + 5, h)))
 
     def forward(self, x: Any) -> Any:
-        gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
-        return self.dense_4h_to_h(F.silu(gate) * up)
+        gate, up = getattr(self, self.names[0])(x).chunk(2, dim=-1)
+        return getattr(self, self.names[1])(F.silu(gate) * up)
 
 
 class TransformerLayerPipe(nn.Module):
@@ -261,6 +268,83 @@ class TransformerLayerPipe(nn.Module):
     def forward(self, x: Any) -> Any:
         x = x + self.self_attention(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CoreLayer(nn.Module):
+    """megatron-core's ``TransformerLayer`` (local spec): its parameter names."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__()
+        h = GPT["hidden_size"]
+        self.input_layernorm = nn.LayerNorm(h)
+        self.self_attention = Attention(100 * (number + 1), ("linear_qkv", "linear_proj"))
+        self.pre_mlp_layernorm = nn.LayerNorm(h)
+        self.mlp = SwiGLU(100 * (number + 1) + 50, ("linear_fc1", "linear_fc2"))
+
+    def forward(self, x: Any) -> Any:
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class CoreDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CoreLayer(i) for i in range(GPT["num_layers"]))
+        self.final_layernorm = nn.LayerNorm(GPT["hidden_size"])
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return self.final_layernorm(x)
+
+
+class CoreGPT(nn.Module):
+    """A GPT with megatron-core's names (``GPTModel``), tensor parallel, untied output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = VocabEmbedding()
+        self.decoder = CoreDecoder()
+        padded = self.embedding.word_embeddings.weight.shape[0] * _TP["size"]
+        out = torch.zeros(padded, GPT["hidden_size"])
+        out[:GPT["vocab_size"]] = _full(3, GPT["vocab_size"], GPT["hidden_size"])
+        self.output_layer = nn.Linear(GPT["hidden_size"], padded // _TP["size"], bias=False)
+        self.output_layer.weight.data.copy_(_rows(out, _TP["size"], _TP["rank"]))
+
+    def forward(self, tokens: Any) -> Any:
+        hidden = self.decoder(self.embedding(tokens))
+        logits = F.linear(_CopyToTP.apply(hidden), self.output_layer.weight)
+        return _gpt_loss(logits, tokens)
+
+
+class MPU:
+    """The model-parallel unit DeepSpeed's engine asks for groups (Megatron's interface)."""
+
+    def __init__(self, tp_group: Any, tp: tuple[int, int], dp_group: Any,
+                 dp: tuple[int, int]) -> None:
+        self.tp_group, self.tp, self.dp_group, self.dp = tp_group, tp, dp_group, dp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp[0]
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp[1]
+
+    def get_model_parallel_group(self) -> Any:
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp[0]
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp[1]
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
 
 
 def _to_hidden(tokens: Any) -> Any:
@@ -319,13 +403,15 @@ def _config(run: str) -> dict[str, Any]:
     }
 
 
-def _engine_state(engine: Any) -> dict[str, Any]:
+def _engine_state(engine: Any, coords: dict[str, int] | None = None) -> dict[str, Any]:
     """What the engine holds: coordinates, module tensors, full fp32 master and moments."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    grid = engine.grid
-    out: dict[str, Any] = {"coords": {"pp": grid.get_stage_id(), "dp": grid.data_parallel_id,
-                                      "tp": grid.get_slice_parallel_rank()}}
+    if coords is None:
+        grid = engine.grid
+        coords = {"pp": grid.get_stage_id(), "dp": grid.data_parallel_id,
+                  "tp": grid.get_slice_parallel_rank()}
+    out: dict[str, Any] = {"coords": coords}
     for name, p in engine.module.named_parameters():
         out[f"module/{name}"] = p.detach().clone()
         out[f"fp32/{name}"] = safe_get_full_fp32_param(p).clone()
@@ -379,16 +465,51 @@ def pipe_worker(rank: int, world: int, init: str, out: str) -> None:
             config=_config(run))
         _train(engine, vocab, seed=5 + engine.grid.data_parallel_id)
         engine.save_checkpoint(os.path.join(out, run), tag=f"global_step{STEPS}")
-        state = _engine_state(engine)
-        path = Path(out) / run / "engine" / f"rank{rank}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
+        _save_engine(engine, Path(out) / run, rank)
         engine.destroy()
         dist.barrier()
+    for run in CORE_RUNS:
+        _core_run(rank, run, Path(out) / run)
     if rank == 0:
         for run in PIPE_RUNS + GPT_RUNS:
             ds_tools(Path(out) / run)
     _finish()
+
+
+def _save_engine(engine: Any, run_dir: Path, rank: int,
+                 coords: dict[str, int] | None = None) -> None:
+    state = _engine_state(engine, coords)
+    path = run_dir / "engine" / f"rank{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+def _core_run(rank: int, run: str, run_dir: Path) -> None:
+    """A megatron-core-named GPT, TP=2 x DP=2 (TP fastest), under DeepSpeed's engine."""
+    import deepspeed
+
+    groups = {}
+    for kind, lists in (("tp", [[0, 1], [2, 3]]), ("dp", [[0, 2], [1, 3]])):
+        for ranks in lists:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                groups[kind] = (group, ranks.index(rank))
+    _TP.update(group=groups["tp"][0], size=2, rank=groups["tp"][1])
+    torch.manual_seed(0)
+    model = CoreGPT()
+    mpu = MPU(groups["tp"][0], (groups["tp"][1], 2), groups["dp"][0], (groups["dp"][1], 2))
+    cfg = _config(run) | {"gradient_accumulation_steps": 1}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=cfg, mpu=mpu)
+    g = torch.Generator().manual_seed(5 + groups["dp"][1])  # the same batch on a TP pair
+    for _ in range(STEPS):
+        loss = engine(torch.randint(0, GPT["vocab_size"], (2, 6), generator=g))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(str(run_dir), tag=f"global_step{STEPS}")
+    _save_engine(engine, run_dir, rank, {"pp": 0, "dp": groups["dp"][1], "tp": groups["tp"][1]})
+    engine.destroy()
+    dist.barrier()
 
 
 def ds_tools(run: Path) -> None:
@@ -425,5 +546,5 @@ def gpt_canonical_qkv(group_major: Any) -> Any:
                      + [b[q_rows + kv:] for b in blocks])
 
 
-__all__ = ["GPT", "GPT_RUNS", "GPT_UCI", "PIPE_RUNS", "STEPS", "gpt_canonical_qkv",
+__all__ = ["CORE_RUNS", "GPT", "GPT_RUNS", "GPT_UCI", "PIPE_RUNS", "STEPS", "gpt_canonical_qkv",
            "pipe_worker"]

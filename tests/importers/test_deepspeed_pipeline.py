@@ -34,6 +34,7 @@ pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 from tests.importers.ds_pipeline import (  # noqa: E402  (needs torch)
+    CORE_RUNS,
     GPT,
     GPT_RUNS,
     PIPE_RUNS,
@@ -46,11 +47,14 @@ RULE_PARAMS = {k: GPT[k] for k in ("num_attention_heads", "num_query_groups", "k
                                    "ffn_hidden_size")} | {"gated_linear_unit": True}
 RULES = {"rules": "megatron-deepspeed-gpt", "rule_params": RULE_PARAMS}
 #: the imports: each run as is, and the GPT runs through the megatron-deepspeed-gpt rule file
+CORE_PARAMS = RULE_PARAMS | {"vocab_size": GPT["vocab_size"], "tie_word_embeddings": False}
 IMPORTS = {run: (run, {}) for run in PIPE_RUNS + GPT_RUNS} | {
-    f"{run}+rules": (run, RULES) for run in GPT_RUNS}
+    f"{run}+rules": (run, RULES) for run in GPT_RUNS} | {
+    run: (run, {"rules": "megatron-gpt", "rule_params": CORE_PARAMS}) for run in CORE_RUNS}
 GPT_RULES = GPT_RUN + "+rules"
 #: runs ds_to_universal converts (it refuses the bf16 optimizer's files: no param_shapes)
-UNIVERSAL = [key for key, (run, _) in IMPORTS.items() if "zero0" not in run]
+UNIVERSAL = [key for key, (run, _) in IMPORTS.items()
+             if "zero0" not in run and run not in CORE_RUNS]
 #: GPTModelPipe's layers: the cast (0), embedding (1), 4 transformer layers, norm (6), head (7)
 GPT_LAYERS = 8
 
@@ -276,3 +280,38 @@ def test_a_rule_file_that_does_not_fit_is_refused(pp_runs: Path, tmp_path: Path)
     with pytest.raises(ucpformat.errors.LayoutError, match="query_key_value"):
         importers.convert(pp_runs / GPT_RUN, tmp_path / "ckpt", rules="megatron-deepspeed-gpt",
                           rule_params=RULE_PARAMS | {"num_query_groups": 8})
+
+
+# -- megatron-core names under DeepSpeed tensor parallelism (no pipeline) ---------------------
+
+
+@pytest.mark.parametrize("run", CORE_RUNS)
+def test_megatron_gpt_rules_under_deepspeed_tp(pp_runs: Path, imported: dict[str, Path],
+                                               tmp_path: Path, run: str) -> None:
+    """mp_rank_00/01 (TP=2) x 2 ZeRO-2 partitions each, through the megatron-gpt rule file."""
+    assert ucpformat.validate(imported[run], deep=True).valid
+    ckpt = ucpformat.open(imported[run])
+    qkv = ckpt.tensor("model", "decoder.layers.3.self_attention.linear_qkv.weight")
+    assert qkv.attributes["layout"]["parts"][0] == {"name": "q", "size": 32}
+    assert qkv.meta.dtype.name == "bfloat16"
+    assert ckpt.tensor("model", "output_layer.weight").shape == (GPT["vocab_size"], 32)
+    source = ckpt.metadata["source"]
+    assert (source["tp_world_size"], source["dp_world_size"], source["zero_stage"]) == (2, 2, 2)
+    cfg = ParallelConfig(tp=2)
+    layout = ModelLayout(RuleSet.load("megatron-gpt"),
+                         CORE_PARAMS | {"vocab_multiple": GPT["vocab_multiple"]}, cfg)
+    engines = _engines(pp_runs, run)
+    assert len(engines) == 4
+    for engine in engines:
+        t = engine["coords"]["tp"]
+        names_ = {k.split("/", 1)[1] for k in engine if k.startswith("module/")}
+        for kind, path in (("module", "model/{}"), ("fp32", "optimizer/state/{}/master"),
+                           ("exp_avg", "optimizer/state/{}/exp_avg"),
+                           ("exp_avg_sq", "optimizer/state/{}/exp_avg_sq")):
+            local = layout.local_state(ckpt, t, path_of=None if kind == "module" else
+                                       (lambda n, p=path: p.format(names.escape(n))))
+            assert set(local) == names_
+            for name in names_:
+                assert_same(local[name], engine[f"{kind}/{name}"], f"tp{t}: {kind} {name}")
+    with pytest.raises(ucpformat.errors.UnsupportedFeatureError, match="rule file"):
+        importers.convert(pp_runs / run, tmp_path / "no-rules")
