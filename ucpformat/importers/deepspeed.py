@@ -23,18 +23,27 @@ puts each parameter back together, tensor by tensor, from memory-mapped files:
 * ``training``: ``step`` (``global_steps``), ``global_samples``, ``skipped_steps``,
   the learning-rate scheduler's state and other client state when it is JSON.
 
-Tensor parallelism (``mp_rank_01``...: DeepSpeed AutoTP, Megatron-DeepSpeed): each
-parameter is first rebuilt on each model-parallel rank as above, then the ranks' shards
-are joined as ``universal_checkpoint_info`` says (replicated; split along dimension 0,
-or 1 for row-parallel weights; vocabulary rows beyond ``original_vocab_size`` dropped),
-and that is what the layout semantics record (``tp``, ``vocab``) unless a rule file is
-given.
+Tensor parallelism (``mp_rank_01``...: DeepSpeed AutoTP, Megatron-DeepSpeed, a model with
+Megatron-style layers and an ``mpu``): each parameter is first rebuilt on each
+model-parallel rank as above, then the ranks' shards are put together by their local
+maps (``ucpformat.layout``): from a rule file (``rules=``, which also gives fused parts in
+canonical order and the layout semantics written into the checkpoint), or else from the
+categories of ``universal_checkpoint_info`` (replicated; split along dimension 0, or 1 for
+row-parallel weights; two or more sub-parameters; vocabulary rows beyond
+``original_vocab_size`` dropped).
+
+Pipeline parallelism (``PipelineModule``): the module's weights and buffers are in one
+``layer_XX[-model_YY]-model_states.pt`` per layer (and TP rank), the optimizer's in the
+ZeRO files of each model-parallel rank ``mp_rank_MM`` (stage ``MM // tp``, TP rank
+``MM % tp``). Names are the PipelineModule's own, global by construction
+(``<layer>.<name>``, ``tied_modules.<key>.<name>``); a tensor held by several stages
+(tied modules) is taken from the first. DeepSpeed's bf16 optimizer without ZeRO (flat
+partitions without ``zero_stage``, the default of bf16 pipelines) is read like ZeRO-1.
 
 DeepSpeed files are pickles that name a few DeepSpeed classes. They are loaded with
 ``torch.load(weights_only=True)`` and stand-ins for exactly those classes (see
 ``ucpformat.importers._torch``): DeepSpeed need not be installed, and nothing else a
-file names is ever constructed. Pipeline-parallel checkpoints (``layer_*`` files) and
-fused sub-parameters are not supported yet.
+file names is ever constructed. Mixture-of-experts files are not supported yet.
 """
 
 from __future__ import annotations
