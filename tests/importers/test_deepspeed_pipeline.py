@@ -315,3 +315,17 @@ def test_megatron_gpt_rules_under_deepspeed_tp(pp_runs: Path, imported: dict[str
                 assert_same(local[name], engine[f"{kind}/{name}"], f"tp{t}: {kind} {name}")
     with pytest.raises(ucpformat.errors.UnsupportedFeatureError, match="rule file"):
         importers.convert(pp_runs / run, tmp_path / "no-rules")
+
+
+def test_cli_converts_a_pipeline_run_through_a_rule_file(pp_runs: Path, tmp_path: Path) -> None:
+    from ucpformat.importers.cli import main
+
+    assert importers.detect(pp_runs / GPT_RUN) == "deepspeed"
+    args = ["convert", str(pp_runs / GPT_RUN), str(tmp_path / "ckpt"), "--no-progress",
+            "--tag", f"global_step{STEPS}", "--rules", "megatron-deepspeed-gpt"]
+    for key, value in RULE_PARAMS.items():
+        args += ["--rule-param", f"{key}={json.dumps(value)}"]
+    assert main(args) == 0
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    assert ckpt.tensor("model", "5.self_attention.query_key_value.bias").attributes[
+        "layout"]["groups"] == GPT["num_query_groups"]
