@@ -268,7 +268,7 @@ class _Plan:
             if new:
                 ranks.append(t)
                 kept.extend(new)
-        return _Plan(shape, layout, tuple(maps), tuple(ranks))
+        return _Plan(shape, layout, tuple(maps), tuple(ranks) or (0,))  # (0,): no elements
 
     def assemble(self, readers: Sequence[Callable[[], np.ndarray[Any, Any]]]
                  ) -> Callable[[], np.ndarray[Any, Any]]:
