@@ -13,6 +13,8 @@ Kinds:
 * ``deepspeed``: DeepSpeed ZeRO stage 1, 2 and 3, fp32 and bf16, on 2 ranks; AutoTP
   (tensor parallel 2) of a small Llama with ZeRO-1 fp32 and ZeRO-2 bf16; then
   DeepSpeed's own ``zero_to_fp32`` and ``ds_to_universal`` of each;
+* ``deepspeed-pp``: DeepSpeed pipeline parallelism (``PipelineModule``) on 4 ranks, with
+  data and tensor parallelism (see ``tests/importers/ds_pipeline.py``);
 * ``ds-universal-load``: DeepSpeed loads universal checkpoints (``load_universal``) on
   another number of ranks and writes what it loaded.
 """
@@ -403,7 +405,8 @@ def ds_references(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["dcp", "deepspeed", "ds-universal-load", "megatron"])
+    parser.add_argument("kind", choices=["dcp", "deepspeed", "deepspeed-pp", "ds-universal-load",
+                                         "megatron"])
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=None)
     args = parser.parse_args(argv)
@@ -414,6 +417,10 @@ def main(argv: list[str] | None = None) -> None:
         _spawn(_meg_worker, 4, args.out)
     elif args.kind == "deepspeed":
         _spawn(_ds_worker, args.world or 2, args.out)
+    elif args.kind == "deepspeed-pp":
+        from tests.importers.ds_pipeline import pipe_worker
+
+        _spawn(pipe_worker, 4, args.out)
     else:
         _spawn(_ds_load_worker, args.world or 3, os.path.join(args.out, "jobs.json"))
 

@@ -13,9 +13,11 @@ local tensors. Spec chapter "Layout semantics", UCP-1.0-R120 and up.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import operator
 import re
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,17 @@ _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
 }
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(expr: str) -> ast.Expression:
+    # CPython 3.11's parser is not thread-safe ("AST constructor recursion depth
+    # mismatch" when ranks resolve rules on threads): parse each expression once, alone
+    with _PARSE_LOCK:
+        return ast.parse(expr, mode="eval")
+
+
 def evaluate(expr: Any, params: Mapping[str, Any], *, where: str) -> Any:
     """An integer, or an integer expression over ``params`` (+ - * //, parentheses)."""
     if isinstance(expr, (bool, int)):
@@ -44,7 +57,7 @@ def evaluate(expr: Any, params: Mapping[str, Any], *, where: str) -> Any:
     if not isinstance(expr, str):
         return expr
     try:
-        tree = ast.parse(expr, mode="eval")
+        tree = _parse(expr)
     except SyntaxError:
         raise LayoutError(f"bad expression {expr!r}", rule="UCP-1.0-R121", path=where) from None
 
@@ -267,7 +280,7 @@ class RuleSet:
         expert_local = self.conventions.get("expert_numbering", "global") == "rank-local"
         new = dict(caps)
         if "layer" in caps and layer_local:
-            start = cfg.stage_layers(coords.pp).start
+            start = 0 if cfg.pp == 1 else cfg.stage_layers(coords.pp).start
             new["layer"] = caps["layer"] + direction * start
         if "expert" in caps and expert_local:
             if cfg.num_experts is None:
