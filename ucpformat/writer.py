@@ -178,8 +178,11 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
         }
     )
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
-    # committed checkpoint intact or something every reader refuses.
-    store.put(IN_PROGRESS_KEY, [marker], atomic=True)
+    # committed checkpoint intact or something every reader refuses. The marker is not
+    # written atomically: a crash while writing it leaves a partial marker, which still
+    # marks the location as ours to retry into (an atomic write would leave a temporary
+    # file that a retry must refuse as foreign).
+    store.put(IN_PROGRESS_KEY, [marker])
     if committed:
         store.delete(ZARR_JSON)
     for key in list(store.list()):
