@@ -617,6 +617,7 @@ def open_checkpoint(
         raise IncompleteCheckpointError("root zarr.json vanished", rule="UCP-1.0-R051",
                                         path=store.location)
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
+    check_root_members(doc, where=store.location)
     root = parse_group("", doc)
     ucp = root.attributes.get("ucp")
     if not isinstance(ucp, Mapping):
@@ -639,6 +640,28 @@ def open_checkpoint(
         )
     arrays, groups = parse_consolidated(doc, where=store.location)
     return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+
+
+ROOT_MEMBERS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
+CONSOLIDATED_MEMBERS = frozenset({"kind", "must_understand", "metadata"})
+
+
+def check_root_members(doc: Any, *, where: str) -> None:
+    """UCP-1.0-R057: the root and its consolidated metadata have only the members UCP
+    defines, so that no byte of the root can change unnoticed (R045, R055)."""
+    if not isinstance(doc, Mapping):
+        return  # parse_group reports it
+    extra = sorted(set(doc) - ROOT_MEMBERS)
+    cm = doc.get("consolidated_metadata")
+    if isinstance(cm, Mapping):
+        extra += sorted(f"consolidated_metadata.{k}" for k in set(cm) - CONSOLIDATED_MEMBERS)
+    if extra:
+        raise FormatError(
+            f"the root zarr.json has members UCP does not define: {extra[:5]} (damaged, or "
+            "not written by a UCP writer)",
+            rule="UCP-1.0-R057",
+            path=where,
+        )
 
 
 def parse_consolidated(

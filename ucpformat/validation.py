@@ -167,6 +167,8 @@ def _validate(
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
+    if manifest is not None:
+        _check_root_seal(doc, manifest, report)
     if deep and report.valid:
         root = parse_group("", doc)
         ckpt = Checkpoint(store, root, arrays, groups)
@@ -234,8 +236,39 @@ def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> N
         except UCPError as exc:
             report.add_error(exc, path)
             continue
-        if own != node:
+        if not json_equal(own, node):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of JSON values: ``1``, ``1.0`` and ``true`` are three different values."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:
+    """UCP-1.0-R045: the root's attributes equal the copy in the (digest-sealed) manifest."""
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, Mapping) or not isinstance(attrs.get("ucp"), Mapping):
+        return  # reported already (R002)
+    actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items() if k != "manifest"}}
+    sealed = manifest.get("root_attributes")
+    if sealed is None:
+        report.add("UCP-1.0-R045", ZARR_JSON,
+                   "the manifest holds no copy of the root's attributes (root_attributes)")
+    elif not json_equal(sealed, actual):
+        sealed_ucp = sealed.get("ucp") if isinstance(sealed, Mapping) else None
+        sealed_ucp = sealed_ucp if isinstance(sealed_ucp, Mapping) else {}
+        changed = sorted(
+            k for k in set(actual["ucp"]) | set(sealed_ucp)
+            if not json_equal(sealed_ucp.get(k), actual["ucp"].get(k))
+        )
+        report.add("UCP-1.0-R045", ZARR_JSON,
+                   "the root's attributes differ from the copy the manifest seals: the root "
+                   f"zarr.json is damaged (attributes.ucp members {changed or ['?']})")
 
 
 def _walk_ints(value: Any) -> Iterable[int]:
