@@ -11,6 +11,8 @@ and the chunk it concerns.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,13 +149,17 @@ class ChunkCodec:
                 rule="UCP-1.0-R041",
                 tensor=tensor,
             )
-        nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
-        if self._numcodec is not None:
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        if self.compression is not None:
             try:
-                payload = memoryview(self._numcodec.decode(payload)).cast("B")
+                payload = decompress(self.compression.name, payload, nbytes)
+            except CorruptDataError as exc:
+                raise CorruptDataError(
+                    f"chunk {chunk} {exc.message}", rule=exc.rule, tensor=tensor
+                ) from None
             except Exception as exc:
                 raise CorruptDataError(
-                    f"chunk {chunk} cannot be decompressed ({self.compression.name if self.compression else ''}): {exc}",
+                    f"chunk {chunk} cannot be decompressed ({self.compression.name}): {exc}",
                     rule="UCP-1.0-R041",
                     tensor=tensor,
                 ) from exc
@@ -164,6 +170,101 @@ class ChunkCodec:
                 tensor=tensor,
             )
         return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))
+
+
+# -- bounded decompression --------------------------------------------------------------
+
+_ZSTD_MAGIC = 0xFD2FB528
+_GZIP_WBITS = 16 + 15
+_BLOSC_HEADER = 16
+
+
+def _too_big(name: str, claimed: int | str, nbytes: int) -> CorruptDataError:
+    return CorruptDataError(
+        f"decompresses ({name}) to {claimed} bytes, not the chunk's {nbytes}: refused before "
+        "decompressing",
+        rule="UCP-1.0-R093",
+    )
+
+
+def zstd_content_size(frame: Any) -> int | None:
+    """The content size a zstd frame header declares (RFC 8878, 3.1.1.1), None if absent."""
+    view = memoryview(frame).cast("B")
+    if len(view) < 6 or int.from_bytes(view[:4], "little") != _ZSTD_MAGIC:
+        raise CorruptDataError("is not a zstd frame", rule="UCP-1.0-R041")
+    descriptor = view[4]
+    fcs_flag, single_segment, dict_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
+    pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[dict_flag]
+    size = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+    if size == 0:
+        return None
+    if len(view) < pos + size:
+        raise CorruptDataError("has a truncated zstd frame header", rule="UCP-1.0-R041")
+    value = int.from_bytes(view[pos : pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+def decompress(name: str, payload: Any, nbytes: int) -> memoryview:
+    """Decompress ``payload`` to exactly ``nbytes`` bytes, never producing more.
+
+    UCP-1.0-R093: the output buffer is allocated from the chunk's size (which the caller
+    has checked against its limit), never from a size the compressed data claims; a
+    frame that claims or produces another size is refused before or while decoding.
+    """
+    if name == "zstd":
+        import numcodecs.zstd
+
+        declared = zstd_content_size(payload)
+        if declared is not None and declared != nbytes:
+            raise _too_big(name, declared, nbytes)
+        out = bytearray(nbytes)
+        # numcodecs decodes into ``out`` and fails if the frame produces more (or, with
+        # no declared size, a different number of) bytes.
+        numcodecs.zstd.decompress(payload, out)
+        return memoryview(out)
+    if name == "gzip":
+        return memoryview(_gunzip(payload, nbytes))
+    if name == "blosc":
+        import numcodecs.blosc
+
+        view = memoryview(payload).cast("B")
+        if len(view) < _BLOSC_HEADER:
+            raise CorruptDataError("is shorter than a blosc header", rule="UCP-1.0-R041")
+        declared = int.from_bytes(view[4:8], "little")
+        cbytes = int.from_bytes(view[12:16], "little")
+        if declared != nbytes:
+            raise _too_big(name, declared, nbytes)
+        if cbytes != len(view):
+            raise CorruptDataError(
+                f"has a blosc header for {cbytes} compressed bytes, but holds {len(view)}",
+                rule="UCP-1.0-R041",
+            )
+        out = bytearray(nbytes)
+        numcodecs.blosc.decompress(view, out)
+        return memoryview(out)
+    raise UnsupportedFeatureError(f"compressor {name!r} is not in {COMPRESSORS}",
+                                  rule="UCP-1.0-R024")
+
+
+def _gunzip(payload: Any, nbytes: int) -> bytearray:
+    """gzip members, one after another, decompressed into at most ``nbytes`` bytes."""
+    out = bytearray()
+    rest = bytes(payload)
+    while True:
+        d = zlib.decompressobj(_GZIP_WBITS)
+        out += d.decompress(rest, nbytes - len(out) + 1)
+        if len(out) > nbytes:
+            raise _too_big("gzip", "more than that", nbytes)
+        if not d.eof:
+            raise CorruptDataError("is a truncated gzip stream", rule="UCP-1.0-R041")
+        rest = d.unused_data
+        if not rest:
+            break
+    if len(out) != nbytes:
+        raise CorruptDataError(
+            f"decompresses (gzip) to {len(out)} bytes, expected {nbytes}", rule="UCP-1.0-R041"
+        )
+    return out
 
 
 # -- shard index ------------------------------------------------------------------------

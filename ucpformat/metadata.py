@@ -452,13 +452,42 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
+#: below at most 8 levels of document structure); deeper documents are refused before
+#: anything walks them recursively (UCP-1.0-R096).
+MAX_DOCUMENT_DEPTH: Final = 80
+
+
+def json_depth(doc: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((v, depth + 1) for v in children)
+    return deepest
+
+
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
     """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys)."""
     try:
         text = data.decode("utf-8")
-        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+        doc = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"not valid JSON: {exc}", rule=rule, path=what) from None
+    if json_depth(doc) > MAX_DOCUMENT_DEPTH:
+        raise FormatError(
+            f"the document nests deeper than {MAX_DOCUMENT_DEPTH} levels", rule="UCP-1.0-R096",
+            path=what,
+        )
+    return doc
 
 
 def native_scalar(value: Any) -> Any:

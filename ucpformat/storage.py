@@ -145,6 +145,9 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         try:
+            # Never allocate for more than the file holds: a hostile shard index may ask
+            # for 2**60 bytes (UCP-1.0-R094).
+            length = max(0, min(length, os.fstat(fd).st_size - offset))
             return _pread_all(fd, length, offset)
         finally:
             os.close(fd)

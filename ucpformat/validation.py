@@ -110,12 +110,18 @@ def validate(
     deep: bool = False,
     progress: bool | Callable[[int], None] = False,
     workers: int = 4,
+    max_read_bytes: int | None = None,
 ) -> Report:
-    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report)."""
+    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report).
+
+    ``max_read_bytes`` bounds what a deep validation decodes at once (one stored object;
+    default: the physical memory, as for ``open``).
+    """
     store = open_store(path, durable=False)
     report = Report(store.location, deep=deep)
     try:
-        _validate(store, report, deep=deep, progress=progress, workers=workers)
+        _validate(store, report, deep=deep, progress=progress, workers=workers,
+                  max_read_bytes=max_read_bytes)
     except UCPError as exc:  # a problem that stops validation early
         report.add_error(exc, "/")
     return report
@@ -128,6 +134,7 @@ def _validate(
     deep: bool,
     progress: bool | Callable[[int], None],
     workers: int,
+    max_read_bytes: int | None = None,
 ) -> None:
     raw = store.get(ZARR_JSON)
     if raw is None:
@@ -171,7 +178,7 @@ def _validate(
         _check_root_seal(doc, manifest, report)
     if deep and report.valid:
         root = parse_group("", doc)
-        ckpt = Checkpoint(store, root, arrays, groups)
+        ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
         _deep(ckpt, manifest, report, progress=progress, workers=workers)
 
 
@@ -384,6 +391,11 @@ def _check_layouts(
             )
 
 
+def object_count(meta: ArrayMeta) -> int:
+    """How many stored objects a non-sparse array has (without enumerating them)."""
+    return 0 if math.prod(meta.shape) == 0 else math.prod(meta.object_grid)
+
+
 def expected_objects(meta: ArrayMeta) -> list[str]:
     """Keys of every stored object a non-sparse array must have."""
     if math.prod(meta.shape) == 0:
@@ -423,6 +435,14 @@ def _check_manifest(
         if listed_node not in files:
             report.add("UCP-1.0-R042", meta.path, "its zarr.json is not in the manifest")
         if meta.sparse:
+            continue
+        count = object_count(meta)
+        if count > len(files):  # never enumerate more than the manifest lists (R095)
+            report.add(
+                "UCP-1.0-R030", meta.path,
+                f"needs {count} stored objects, more than the manifest lists in all "
+                f"({len(files)}): most of them were never written",
+            )
             continue
         for key in expected_objects(meta):
             if key not in files:
@@ -474,7 +494,13 @@ def _deep(
 
     for meta in ckpt.arrays.values():
         tensor = ckpt[meta.path]
-        for coords in object_coords(meta):
+        if object_count(meta) > len(files):
+            # Reported by the manifest check (R030); enumerating it is unbounded (R095).
+            # Read only the objects the manifest lists.
+            coords_iter: Iterable[tuple[int, ...]] = _listed_coords(meta, files)
+        else:
+            coords_iter = object_coords(meta)
+        for coords in coords_iter:
             lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
             tasks.append((tensor, lo, hi))
@@ -497,6 +523,22 @@ def _deep(
             if issue2:
                 report.add(issue2.rule, issue2.path, issue2.message)
         advance(total)
+
+
+def _listed_coords(meta: ArrayMeta, files: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    """Grid coordinates of the stored objects of ``meta`` that the manifest lists."""
+    prefix = f"{meta.path}/c"
+    out = []
+    for key in files:
+        if key != prefix and not key.startswith(prefix + "/"):
+            continue
+        parts = key[len(prefix) + 1 :].split("/") if key != prefix else []
+        if len(parts) != len(meta.shape) or not all(p.isdigit() for p in parts):
+            continue
+        coords = tuple(int(p) for p in parts)
+        if all(c < n for c, n in zip(coords, meta.object_grid, strict=True)):
+            out.append(coords)
+    return out
 
 
 def main_json(report: Report) -> str:
