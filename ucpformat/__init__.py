@@ -21,7 +21,7 @@ from ucpformat.zarr_dtypes import register as _register_zarr_dtypes
 
 _register_zarr_dtypes()
 
-open = open_checkpoint  # noqa: A001 - ``ucpformat.open(path)`` is the documented entry point
+open = open_checkpoint
 
 __all__ = [
     "DATA_TYPES",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_SHARD_BYTES = 1 << 30

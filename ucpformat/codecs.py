@@ -10,9 +10,9 @@ and the chunk it concerns.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import math
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -73,6 +73,20 @@ _DATA_KEY = re.compile(r"(^|/)c(/[0-9]+)*$")
 # -- the fault-injecting store ---------------------------------------------------------------
 
 
+class OpCounter:
+    """Counts operations across threads, and across stores that share it."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            n = self._n
+            self._n += 1
+            return n
+
+
 class FaultyStore(Store):
     """A store that kills its process at the ``kill_at``-th mutating operation.
 
@@ -82,7 +96,8 @@ class FaultyStore(Store):
     atomic put, to a temporary name beside it, as a crash during the write would; other
     operations behave as ``before``) or ``after`` (the operation completes). ``delay``
     seconds are slept before each operation (for kills at random times). ``trace``
-    collects ``(operation, key)`` of every operation.
+    collects ``(operation, key)`` of every operation; stores given the same ``counter``
+    count together (a manager opens one store per location).
     """
 
     def __init__(
@@ -93,6 +108,7 @@ class FaultyStore(Store):
         mode: str = "before",
         delay: float = 0.0,
         trace: list[tuple[str, str]] | None = None,
+        counter: OpCounter | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
@@ -102,17 +118,14 @@ class FaultyStore(Store):
         self.mode = mode
         self.delay = delay
         self.trace = trace if trace is not None else []
-        self._count = 0
-        self._lock = threading.Lock()
+        self.counter = counter if counter is not None else OpCounter()
 
     def _tick(self, op: str, key: str) -> bool:
         """Count an operation; True if the process must die at this one."""
         if self.delay:
             time.sleep(self.delay)
-        with self._lock:
-            n = self._count
-            self._count += 1
-            self.trace.append((op, key))
+        n = self.counter.next()
+        self.trace.append((op, key))
         return n == self.kill_at
 
     @staticmethod
