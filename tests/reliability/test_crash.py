@@ -42,7 +42,7 @@ def _harness(*args: str, timeout: float = 240) -> dict[str, Any]:
 
 def test_quick_crash_trials_lose_nothing() -> None:
     """UCP-1.0-R050, UCP-1.0-R051, UCP-1.0-R053, UCP-1.0-R054: dozens of killed saves."""
-    figures = _harness("--trials", "42", "--seed", "7")
+    figures = _harness("--trials", "42", "--seed", "7", "--cli-every", "0")
     assert figures["_rc"] == 0, figures["_output"]
     assert figures["trials"] == 42
     assert figures["checkpoints lost"] == 0
@@ -57,7 +57,7 @@ def test_quick_crash_trials_lose_nothing() -> None:
 def test_killed_rank_of_a_gloo_save_commits_nothing() -> None:
     """UCP-1.0-R132: one rank of a two-process gloo save is killed; the other fails, no hang."""
     pytest.importorskip("torch.distributed")
-    figures = _harness("--trials", "0", "--gloo-trials", "2", "--seed", "3")
+    figures = _harness("--trials", "0", "--gloo-trials", "2", "--seed", "3", "--cli-every", "0")
     assert figures["_rc"] == 0, figures["_output"]
     assert figures["trials"] == 2
     assert figures["checkpoints lost"] == 0

@@ -315,6 +315,7 @@ class Trial:
     delay: float = 0.0  # seconds slept before each storage operation
     kill_after: float = 0.0  # "time" trials: SIGKILL this many seconds after the start
     victim: int = 0
+    cli: bool = False  # also check with ``ucp validate`` in a subprocess
     # outcome
     killed: bool = False
     outcome: str = ""  # refused | committed | old-intact | (failure kinds)
@@ -365,6 +366,28 @@ def check_after_crash(
             trial.problems.append("open refuses it but validate finds it valid")
         elif "UCP-1.0-R051" not in report.rules():
             trial.problems.append(f"validate refuses it without R051: {report.errors[:2]}")
+
+
+def cli_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ucpformat.cli") is not None
+
+
+def check_cli(trial: Trial, target: Path) -> None:
+    """``ucp validate`` (when the CLI exists) agrees: exit 0 for a committed checkpoint,
+    1 (invalid, naming R051) or 2 (nothing there) for an interrupted one."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ucpformat.cli", "validate", "--json", str(target)],
+        capture_output=True, text=True, timeout=120,
+    )
+    if trial.outcome == "refused":
+        if proc.returncode == 1 and "UCP-1.0-R051" not in proc.stdout:
+            trial.problems.append(f"ucp validate refuses without R051: {proc.stdout[:200]}")
+        elif proc.returncode not in (1, 2):
+            trial.problems.append(f"ucp validate exits {proc.returncode} on an interrupted save")
+    elif proc.returncode != 0:
+        trial.problems.append(f"ucp validate exits {proc.returncode} on a committed checkpoint")
 
 
 def _diffs(location: Path, expected: Any) -> list[str]:
@@ -442,6 +465,8 @@ def run_fork_trial(
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0:
         trial.problems.append(f"the writer failed by itself (exit {os.WEXITSTATUS(status)})")
     check_after_crash(trial, target, previous, seed_a, seed_b)
+    if trial.cli:
+        check_cli(trial, target)
     retry_and_check(trial, target, seed_b, durable=durable)
     shutil.rmtree(target, ignore_errors=True)
 
@@ -653,6 +678,7 @@ def run(
     trials: int,
     *,
     gloo_trials: int = 0,
+    cli_every: int = 0,
     seed: int = 0,
     durable: bool = False,
     workdir: Path | None = None,
@@ -671,7 +697,9 @@ def run(
         plan = plan_trials(trials, rng, traces, time_share=time_share)
         if gloo_trials:
             plan += plan_gloo_trials(gloo_trials, rng, seed_b)
+        use_cli = cli_every > 0 and cli_available()
         for i, trial in enumerate(plan):
+            trial.cli = use_cli and i % cli_every == 0
             if trial.scenario == "gloo":
                 run_gloo_trial(trial, root, previous, seed_a, seed_b, durable=durable)
             else:
@@ -689,6 +717,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gloo-trials", type=int, default=0,
                         help="trials of a two-process torch.distributed (gloo) save")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cli-every", type=int, default=10,
+                        help="check every Nth trial with `ucp validate` too, where the CLI "
+                        "exists (0: never)")
     parser.add_argument("--durable", action="store_true", help="fsync every write")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     # worker mode (internal)
@@ -704,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return gloo_worker(args)
     start = time.perf_counter()
     figures = run(args.trials, gloo_trials=args.gloo_trials, seed=args.seed,
-                  durable=args.durable, progress=not args.json)
+                  cli_every=args.cli_every, durable=args.durable, progress=not args.json)
     out = figures.as_dict()
     out["seconds"] = round(time.perf_counter() - start, 1)
     print_figures("crash consistency (ucpformat.testing.faults)", out, as_json=args.json)
