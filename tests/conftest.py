@@ -1,4 +1,4 @@
-"""Shared fixtures of the test suite."""
+"""Shared fixtures of the test suite (plain helpers are in tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+import ucpformat
+from tests.helpers import write_explicit
 
 
 @pytest.fixture
@@ -44,11 +47,26 @@ def small_state(rng: np.random.Generator) -> dict[str, Any]:
 @pytest.fixture
 def saved(tmp_path: Path, small_state: dict[str, Any]) -> Callable[..., Path]:
     """Save ``small_state`` (or a given state) and return the checkpoint path."""
-    import ucpformat
 
     def _save(state: dict[str, Any] | None = None, name: str = "ckpt", **kw: Any) -> Path:
         path = tmp_path / name
+        kw.setdefault("durable", False)
         ucpformat.save(path, small_state if state is None else state, **kw)
         return path
 
     return _save
+
+
+@pytest.fixture
+def sharded(tmp_path: Path, rng: np.random.Generator) -> Path:
+    """A checkpoint whose ``model/w`` (float32, 13x11) is sharded into 7 shards of 2x12.
+
+    Inner chunks are 2x2 (some partial at the edges); each shard holds 1x6 of them (the
+    last shard and the last column of chunks partial); ``model/b`` is a single unsharded
+    chunk.
+    """
+    w = rng.standard_normal((13, 11)).astype(np.float32)
+    return write_explicit(tmp_path / "sharded", {
+        "model/w": (w, (2, 2), (2, 12), None),
+        "model/b": (np.arange(5, dtype=np.int32), (5,), None, None),
+    })

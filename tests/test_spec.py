@@ -23,7 +23,7 @@ import pytest
 from tests import spec_helpers as sh
 from ucpformat import dtypes, metadata, names, schemas
 from ucpformat.errors import UCPError
-from ucpformat.reader import parse_consolidated
+from ucpformat.reader import parse_root
 
 SPEC = sh.SPEC_DIR / "ucp-1.0.md"
 #: Kinds a ```json schema=KIND``` block may name: every schema but the shared definitions.
@@ -189,8 +189,7 @@ def _code_rule(kind: str, doc: Any) -> tuple[bool, str | None]:
         elif kind == "group":
             metadata.parse_group("model", doc)
         elif kind == "root":
-            metadata.parse_group("", doc)
-            parse_consolidated(doc, where="example")
+            parse_root(doc, where="example")
     except UCPError as exc:
         return False, exc.rule
     return True, None

@@ -16,12 +16,12 @@ from ucpformat.errors import UCPError
 from ucpformat.metadata import FORMAT_VERSION
 from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
 from ucpformat.validation import Issue, Report, validate
-from ucpformat.writer import Group, SaveResult, save
+from ucpformat.writer import Group, SaveResult, adopt, save
 from ucpformat.zarr_dtypes import register as _register_zarr_dtypes
 
 _register_zarr_dtypes()
 
-open = open_checkpoint
+open = open_checkpoint  # ``ucpformat.open(path)`` is the documented entry point
 
 __all__ = [
     "DATA_TYPES",
@@ -35,6 +35,7 @@ __all__ = [
     "Tensor",
     "UCPError",
     "__version__",
+    "adopt",
     "errors",
     "open",
     "open_checkpoint",

@@ -105,7 +105,8 @@ def choose(
     if len(shape) == 0:
         return Chunking((), None)
     chunk = tile_shape(shape, itemsize, chunk_bytes, split_dims=split_dims)
-    grid = [-(-s // c) for s, c in zip(shape, chunk, strict=True)]
+    # an empty dimension still has one (empty) row of chunks: shard edges must be >= 1
+    grid = [max(1, -(-s // c)) for s, c in zip(shape, chunk, strict=True)]
     if all(g <= 1 for g in grid):
         # Fits in one chunk: store it unsharded, exactly the tensor's shape (at least 1).
         return Chunking(tuple(max(1, s) for s in shape), None)

@@ -632,22 +632,41 @@ def _raise_if_failed(
 
 
 def read_local(
-    ckpt: Checkpoint, path: str, local: LocalMap, *, fill: Any = 0
+    ckpt: Checkpoint,
+    path: str,
+    local: LocalMap,
+    *,
+    fill: Any = 0,
+    out: np.ndarray[Any, Any] | None = None,
 ) -> np.ndarray[Any, Any]:
-    """A rank's local tensor: each piece read from its box; padding set to ``fill``."""
+    """A rank's local tensor: each piece read from its box; padding set to ``fill``.
+
+    ``out`` (the local shape, the tensor's data type, writeable): read into it, e.g. the
+    memory of a framework's local tensor, with no intermediate copy of box pieces.
+    """
     tensor = ckpt[path]
-    out = np.full(local.local_shape, fill, dtype=tensor.dtype)
-    flat = out.reshape(-1) if len(local.local_shape) == 1 else None
+    if out is None:
+        out = np.full(local.local_shape, fill, dtype=tensor.dtype)
+    else:
+        if tuple(out.shape) != tuple(local.local_shape) or out.dtype != tensor.dtype:
+            raise LayoutError(
+                f"out is {out.dtype} of shape {list(out.shape)}; the local tensor is "
+                f"{tensor.dtype} of shape {list(local.local_shape)}",
+                tensor=path,
+            )
+        if local.has_padding:
+            out[...] = fill
     for piece in local.pieces:
         lo = [a for a, _ in piece.glob]
         hi = [b for _, b in piece.glob]
-        values = tensor.read_region(lo, hi)
         if box_shape(piece.local) == box_shape(piece.glob):
-            out[as_slices(piece.local)] = values
-        else:
-            target = flat if flat is not None else out.reshape(-1)
-            ((a, b),) = piece.local
-            target[a:b] = values.reshape(-1)
+            view = out[as_slices(piece.local)] if out.ndim else out
+            tensor.read_region(lo, hi, out=view)
+            continue
+        if not out.flags.c_contiguous:
+            raise LayoutError("a flat piece needs a C-contiguous out array", tensor=path)
+        ((a, b),) = piece.local
+        out.reshape(-1)[a:b] = tensor.read_region(lo, hi).reshape(-1)
     return out
 
 

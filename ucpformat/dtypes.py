@@ -191,8 +191,13 @@ def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) 
         return dt.numpy.type(special[data])
     if isinstance(data, bool) or not isinstance(data, int | float):
         raise bad("expected a number")
-    value = dt.numpy.type(data)
-    if not math.isfinite(float(value)) and math.isfinite(float(data)):
+    try:
+        as_float = float(data)  # ml_dtypes scalars do not take Python ints beyond int64
+    except OverflowError:
+        raise bad("out of range") from None
+    with np.errstate(over="ignore"):
+        value = dt.numpy.type(as_float)
+    if not math.isfinite(float(value)) and math.isfinite(as_float):
         raise bad("out of range")
     return value
 

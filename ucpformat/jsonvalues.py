@@ -36,7 +36,10 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
     if depth > MAX_DEPTH:
         raise InvalidValueError(f"value nested deeper than {MAX_DEPTH} levels",
                                 rule="UCP-1.0-R070", path=where)
-    if value is None or isinstance(value, bool | str):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        _check_text(value, where)
         return value
     if isinstance(value, np.generic):
         value = value.item()
@@ -48,7 +51,8 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
     if isinstance(value, float):
         if math.isfinite(value):
             return value
-        return {FLOAT_TAG: "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+        tag = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return {FLOAT_TAG: tag}
     if isinstance(value, list | tuple):
         return [encode(v, where=f"{where}[{i}]", depth=depth + 1) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
@@ -60,6 +64,7 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
                     rule="UCP-1.0-R070",
                     path=where,
                 )
+            _check_text(k, where)
             out[k] = encode(v, where=f"{where}.{k}", depth=depth + 1)
         if FLOAT_TAG in out:
             raise InvalidValueError(
@@ -72,6 +77,18 @@ def encode(value: Any, *, where: str, depth: int = 0) -> Any:
         f"{type(value).__name__} is neither an array nor a JSON value", rule="UCP-1.0-R070",
         path=where,
     )
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse strings that have no UTF-8 encoding (lone surrogates): JSON files are UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidValueError(
+            f"string {text[:60]!r} is not valid Unicode (lone surrogate)",
+            rule="UCP-1.0-R070",
+            path=where,
+        ) from None
 
 
 def decode(value: Any, *, where: str, depth: int = 0) -> Any:

@@ -19,6 +19,7 @@ from ucpformat.errors import InvalidNameError, UnsafePathError
 MAX_NODE_NAME_BYTES = 255
 ZARR_JSON_NAME = "zarr.json"
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_ALL_SAFE_RE = re.compile(r"[A-Za-z0-9._-]+")
 _NODE_NAME_RE = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
 
 
@@ -58,14 +59,17 @@ def _escape_unchecked(name: str) -> str:
     if name.strip(".") == "":
         # zarr v3 forbids node names made only of periods ("." and ".." among them).
         return "%2E" * len(name)
-    raw = name.encode("utf-8")
-    out = []
-    for i, byte in enumerate(raw):
-        if byte in _SAFE and not (i == 0 and byte == ord("_") and raw.startswith(b"__")):
-            out.append(chr(byte))
-        else:
-            out.append(f"%{byte:02X}")
-    escaped = "".join(out)
+    if _ALL_SAFE_RE.fullmatch(name) and not name.startswith("__"):
+        escaped = name  # fast path, the common case: the loop below would keep every byte
+    else:
+        raw = name.encode("utf-8")
+        out = []
+        for i, byte in enumerate(raw):
+            if byte in _SAFE and not (i == 0 and byte == ord("_") and raw.startswith(b"__")):
+                out.append(chr(byte))
+            else:
+                out.append(f"%{byte:02X}")
+        escaped = "".join(out)
     if escaped.lower() == ZARR_JSON_NAME:
         # A node named zarr.json would collide with its parent's metadata document.
         escaped = escaped[:4] + "%2E" + escaped[5:]
@@ -93,6 +97,17 @@ def unescape(node_name: str, *, where: str | None = None) -> str:
             rule="UCP-1.0-R012",
             path=where,
         )
+    name = node_name if "%" not in node_name else _percent_decode(node_name, where)
+    if name == "" or "\x00" in name or _escape_unchecked(name) != node_name:
+        raise UnsafePathError(
+            f"node name {node_name!r} is not the canonical escape of a valid name",
+            rule="UCP-1.0-R010",
+            path=where,
+        )
+    return name
+
+
+def _percent_decode(node_name: str, where: str | None) -> str:
     raw = bytearray()
     i = 0
     while i < len(node_name):
@@ -104,18 +119,11 @@ def unescape(node_name: str, *, where: str | None = None) -> str:
             raw.append(ord(ch))
             i += 1
     try:
-        name = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UnsafePathError(
             f"node name {node_name!r} does not decode to UTF-8", rule="UCP-1.0-R010", path=where
         ) from None
-    if name == "" or "\x00" in name or _escape_unchecked(name) != node_name:
-        raise UnsafePathError(
-            f"node name {node_name!r} is not the canonical escape of a valid name",
-            rule="UCP-1.0-R010",
-            path=where,
-        )
-    return name
 
 
 def join(*node_names: str) -> str:
@@ -138,7 +146,14 @@ def split_path(path: str, *, where: str | None = None) -> list[str]:
         return []
     if not isinstance(path, str):
         raise UnsafePathError(f"path {path!r} is not a string", rule="UCP-1.0-R010", path=where)
-    return [unescape(part, where=where or path) for part in path.split("/")]
+    try:
+        return [unescape(part, where=where or path) for part in path.split("/")]
+    except UnsafePathError as exc:
+        if where is None:
+            raise
+        # name the whole path, not only the offending component
+        raise UnsafePathError(f"path {path!r}: {exc.message}", rule=exc.rule,
+                              path=where) from None
 
 
 def check_path(path: str, *, where: str | None = None) -> None:

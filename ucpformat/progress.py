@@ -1,4 +1,8 @@
-"""Progress bars for long work (rich), or a caller's own callback."""
+"""Progress bars for long work (rich), or a caller's own callback.
+
+Bars are drawn on stderr, so that what a command prints on stdout (``ucp inspect --json``,
+``ucp validate --json``) stays machine-readable while a bar runs.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ def byte_progress(
     if not progress:
         yield lambda _n: None
         return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -37,6 +42,7 @@ def byte_progress(
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
+        console=Console(stderr=True),
         transient=not sys.stderr.isatty(),
     ) as bar:
         task = bar.add_task(description, total=total)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +36,18 @@ from ucpformat.errors import (
 )
 from ucpformat.metadata import (
     IN_PROGRESS_KEY,
+    MANIFEST_KEY,
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_values,
+    gc_paused,
     loads,
     parse_array,
     parse_group,
     parse_version,
 )
+from ucpformat.schemas import DATE_TIME
 from ucpformat.storage import Store, open_store
 
 #: Root metadata larger than this is refused before parsing (hostile input).
@@ -235,7 +240,10 @@ class Checkpoint:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<ucpformat.Checkpoint {self.location!r} version={self.version} tensors={len(self)}>"
+        return (
+            f"<ucpformat.Checkpoint {self.location!r} version={self.version} "
+            f"tensors={len(self)}>"
+        )
 
 
 def _nest(out: dict[str, Any], rel_path: str) -> dict[str, Any]:
@@ -294,8 +302,19 @@ class Tensor:
         starts, stops, post = _parse_selection(selection, self.shape, self.path)
         return _apply_post(self.read_region(starts, stops), post)
 
-    def read_region(self, starts: Sequence[int], stops: Sequence[int]) -> np.ndarray[Any, Any]:
-        """The box ``[starts, stops)`` of the tensor, reading only what overlaps it."""
+    def read_region(
+        self,
+        starts: Sequence[int],
+        stops: Sequence[int],
+        *,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """The box ``[starts, stops)`` of the tensor, reading only what overlaps it.
+
+        ``out``: a writeable array of the region's shape and the tensor's data type to
+        read into (and return), e.g. a view of a framework tensor's memory; where it is
+        C-contiguous, uncompressed row blocks go from storage straight into it.
+        """
         meta = self.meta
         if len(starts) != self.ndim or len(stops) != self.ndim:
             raise SelectionError(f"a region of rank {self.ndim} is needed", tensor=self.path)
@@ -307,7 +326,16 @@ class Tensor:
                 )
         out_shape = tuple(b - a for a, b in zip(starts, stops, strict=True))
         nbytes = math.prod(out_shape) * meta.dtype.itemsize
-        if nbytes > self.checkpoint.max_read_bytes:
+        if out is not None:
+            if tuple(out.shape) != out_shape or out.dtype != meta.dtype.numpy:
+                raise SelectionError(
+                    f"out is {out.dtype} of shape {list(out.shape)}; the region needs "
+                    f"{meta.dtype.numpy} of shape {list(out_shape)}",
+                    tensor=self.path,
+                )
+            if not out.flags.writeable:
+                raise SelectionError("out is read-only", tensor=self.path)
+        elif nbytes > self.checkpoint.max_read_bytes:
             raise ResourceLimitError(
                 f"reading region of shape {list(out_shape)} needs {nbytes} bytes, over the "
                 f"limit of {self.checkpoint.max_read_bytes} (read a smaller slice, or raise "
@@ -324,7 +352,8 @@ class Tensor:
                 rule="UCP-1.0-R090",
                 tensor=self.path,
             )
-        out = np.empty(out_shape, dtype=meta.dtype.numpy)
+        if out is None:
+            out = np.empty(out_shape, dtype=meta.dtype.numpy)
         if nbytes == 0:
             return out
         lo, hi = tuple(starts), tuple(stops)
@@ -415,8 +444,8 @@ class Tensor:
         if raw_index is None:
             if meta.sparse:
                 for local in needed:
-                    glo = [o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True)]
-                    self._place(glo, None, req_lo, req_hi, out)
+                    chunk_lo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
+                    self._place(chunk_lo, None, req_lo, req_hi, out)
                 return []
             raise self._missing(f"shard {key}")
         if len(raw_index) != isize:
@@ -467,7 +496,8 @@ class Tensor:
             and all(src[d] == (0, cs[d]) for d in range(1, len(cs)))
             and (read.nbytes is None or read.nbytes == payload + CRC_BYTES)
         ):
-            view = out[(*(slice(a, b) for a, b in dst), Ellipsis)]
+            rows: tuple[Any, ...] = (*(slice(a, b) for a, b in dst), Ellipsis)
+            view = out[rows]
             if view.flags.c_contiguous:
                 self._read_rows_into(read, src, view, payload, label)
                 return
@@ -501,7 +531,7 @@ class Tensor:
         meta = self.meta
         row = payload // meta.chunk_shape[0] if meta.chunk_shape else payload
         before = src[0][0] * row if meta.chunk_shape else 0
-        middle = memoryview(view.reshape(-1).view(np.uint8))
+        middle = view.reshape(-1).view(np.uint8).data
         after = payload - before - len(middle)
         if read.nbytes is None and before + after > UNCHECKED_SCRATCH_BYTES:
             # Allocate scratch for the unwanted rows only once the object is that large
@@ -651,29 +681,79 @@ def open_checkpoint(
         raise IncompleteCheckpointError("root zarr.json vanished", rule="UCP-1.0-R051",
                                         path=store.location)
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
-    check_root_members(doc, where=store.location)
-    root = parse_group("", doc)
+    root, arrays, groups = parse_root(doc, where=store.location)
+    return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def parse_root(
+    doc: Any, *, where: str
+) -> tuple[GroupMeta, dict[str, ArrayMeta], dict[str, GroupMeta]]:
+    """Check the root zarr.json document (the commit) and every node it consolidates.
+
+    This is everything ``open`` checks before it returns; it reads nothing else.
+    """
+    check_root_members(doc, where=where)
+    root = parse_group("", doc, root=True)
     ucp = root.attributes.get("ucp")
     if not isinstance(ucp, Mapping):
         raise FormatError(
             "the root group has no attributes.ucp object: not a UCP checkpoint",
             rule="UCP-1.0-R002",
-            path=store.location,
+            path=where,
         )
-    parse_version(ucp.get("version"), where=store.location)
+    parse_version(ucp.get("version"), where=where)
     must = ucp.get("must_understand", [])
-    if not isinstance(must, list) or not all(isinstance(m, str) for m in must):
-        raise FormatError("attributes.ucp.must_understand must be a list of strings",
-                          rule="UCP-1.0-R061", path=store.location)
+    if (
+        not isinstance(must, list)
+        or not all(isinstance(m, str) for m in must)
+        or len(set(must)) != len(must)
+    ):
+        raise FormatError("attributes.ucp.must_understand must be a list of distinct strings",
+                          rule="UCP-1.0-R061", path=where)
     unknown = sorted(set(must) - UNDERSTOOD_FEATURES)
     if unknown:
         raise UnsupportedFeatureError(
             f"this checkpoint needs features this reader does not implement: {unknown}",
             rule="UCP-1.0-R061",
-            path=store.location,
+            path=where,
         )
-    arrays, groups = parse_consolidated(doc, where=store.location)
-    return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+    manifest = ucp.get("manifest")
+    if (
+        not isinstance(manifest, Mapping)
+        or manifest.get("path") != MANIFEST_KEY
+        or not _is_count(manifest.get("nbytes"))
+        or not isinstance(manifest.get("sha256"), str)
+        or not _SHA256_RE.match(manifest["sha256"])
+    ):
+        raise FormatError(
+            f"attributes.ucp.manifest must be {{'path': {MANIFEST_KEY!r}, 'nbytes': <int>, "
+            f"'sha256': <hex>}}, got {manifest!r}",
+            rule="UCP-1.0-R042",
+            path=where,
+        )
+    producer = ucp.get("producer", {})
+    if not isinstance(producer, Mapping) or not all(
+        isinstance(producer.get(k, ""), str) for k in ("name", "version")
+    ):
+        raise FormatError("attributes.ucp.producer must be an object with string name and "
+                          "version", rule="UCP-1.0-R002", path=where)
+    created = ucp.get("created", "2000-01-01T00:00:00Z")
+    if not isinstance(created, str) or not DATE_TIME.match(created):
+        raise FormatError("attributes.ucp.created must be an RFC 3339 date-time string",
+                          rule="UCP-1.0-R002", path=where)
+    for member in ("metadata", "values"):
+        if member in ucp:
+            check_values(ucp[member], what=f"attributes.ucp.{member}", where=where)
+    with gc_paused():
+        arrays, groups = parse_consolidated(doc, where=where)
+    return root, arrays, groups
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 ROOT_MEMBERS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
@@ -707,6 +787,7 @@ def parse_consolidated(
         not isinstance(cm, Mapping)
         or cm.get("kind") != "inline"
         or not isinstance(cm.get("metadata"), Mapping)
+        or cm.get("must_understand", False) is not False
     ):
         raise FormatError(
             "the root zarr.json must hold consolidated metadata of kind 'inline'",

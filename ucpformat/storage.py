@@ -8,6 +8,7 @@ symbolic link can reach outside it (spec requirements UCP-1.0-R010 and UCP-1.0-R
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -53,7 +54,10 @@ class Store(ABC):
         """The last ``length`` bytes (all of them if shorter), or None if absent."""
 
     def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        """Fill ``buffers`` in order from ``offset``; bytes read (fewer at the end), None if absent."""
+        """Fill ``buffers`` in order from ``offset``.
+
+        Returns the bytes read (fewer at the end of the object), or None if it is absent.
+        """
         total = sum(memoryview(b).nbytes for b in buffers)
         data = self.get_range(key, offset, total)
         if data is None:
@@ -217,13 +221,20 @@ class LocalStore(Store):
         target = f"{path}.tmp-{uuid.uuid4().hex}" if atomic else path
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            written = _write_all(fd, buffers)
-            if self.durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                written = _write_all(fd, buffers)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if atomic:
+                os.replace(target, path)
+        except BaseException:
+            if atomic:  # leave no temporary file behind (it would be a foreign file)
+                with contextlib.suppress(OSError):
+                    os.unlink(target)
+            raise
         if atomic:
-            os.replace(target, path)
             if self.durable:
                 _fsync_dir(directory)
         else:

@@ -26,17 +26,22 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_depth,
     loads,
     parse_array,
     parse_group,
     parse_version,
+    stored_object_coords,
 )
 from ucpformat.progress import byte_progress
-from ucpformat.reader import Checkpoint, Tensor
+from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor
 from ucpformat.storage import Store, open_store
 
 Level = Literal["error", "warning"]
 MAX_SAFE_INTEGER = 2**53 - 1
+#: Deep validation of a checkpoint whose manifest is unreadable reads at most this many
+#: objects per array.
+DEEP_OBJECTS_WITHOUT_MANIFEST = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ def _validate(
         report.add("UCP-1.0-R051", "/", f"not a committed checkpoint: {why}")
         return
     doc = loads(raw, what=ZARR_JSON)
+    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (R096)
     for v in schemas.violations("root", doc):
         report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
     if not isinstance(doc, Mapping):
@@ -160,6 +166,12 @@ def _validate(
     except UCPError as exc:
         report.add_error(exc, "/")
         return
+    must = ucp.get("must_understand", [])
+    features = {m for m in must if isinstance(m, str)} if isinstance(must, list) else set()
+    unknown = sorted(features - UNDERSTOOD_FEATURES)
+    if unknown:
+        report.add("UCP-1.0-R061", "/",
+                   f"needs features this reader does not implement: {unknown}")
     if store.exists(IN_PROGRESS_KEY):
         report.add(
             "UCP-1.0-R056", "/",
@@ -176,8 +188,10 @@ def _validate(
     manifest = _check_manifest(store, ucp, arrays, report)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
-    if deep and report.valid:
-        root = parse_group("", doc)
+    if deep:
+        # Also when shallow checks failed: every file and every array that parsed is still
+        # read, so one run reports all the damage.
+        root = parse_group("", doc, root=True)
         ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
         _deep(ckpt, manifest, report, progress=progress, workers=workers)
 
@@ -204,7 +218,9 @@ def _parse_nodes(
     return arrays, groups
 
 
-def _check_tree(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report) -> None:
+def _check_tree(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
     children: dict[str, list[str]] = {}
     for path in [*arrays, *groups]:
         parent, _, leaf = path.rpartition("/")
@@ -212,7 +228,8 @@ def _check_tree(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta]
         if parent and parent not in groups:
             report.add("UCP-1.0-R005", path, f"parent group {parent!r} is not in the metadata")
         if not parent and leaf.lower().endswith(RESERVED_ROOT_SUFFIX):
-            report.add("UCP-1.0-R004", path, f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
+            report.add("UCP-1.0-R004", path,
+                       f"names ending in {RESERVED_ROOT_SUFFIX!r} are reserved at the root")
     for reserved in RESERVED_GROUPS:
         if reserved in arrays:
             report.add("UCP-1.0-R004", reserved, f"{reserved!r} must be a group, not an array")
@@ -240,6 +257,7 @@ def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> N
             continue
         try:
             own = loads(raw, what=f"{path}/{ZARR_JSON}")
+            check_depth(own, what=f"{path}/{ZARR_JSON}")
         except UCPError as exc:
             report.add_error(exc, path)
             continue
@@ -291,7 +309,9 @@ def _walk_ints(value: Any) -> Iterable[int]:
             yield from _walk_ints(v)
 
 
-def _check_values(groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], report: Report) -> None:
+def _check_values(
+    groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], report: Report
+) -> None:
     sources = [("/", root_ucp.get("values", {})), ("/", root_ucp.get("metadata", {}))]
     sources += [(p, g.values) for p, g in groups.items()]
     for path, values in sources:
@@ -304,7 +324,9 @@ def _check_values(groups: Mapping[str, GroupMeta], root_ucp: Mapping[str, Any], 
             )
 
 
-def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report) -> None:
+def _check_optimizer(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
     opt = groups.get("optimizer")
     if opt is None:
         return
@@ -312,7 +334,9 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
     for v in schemas.violations("optimizer", dict(values)):
         report.add(v.rule, "optimizer", f"values{v.pointer}: {v.message}")
     model_params = {
-        names.unescape(p.split("/", 1)[1]) for p in arrays if p.startswith("model/") and p.count("/") == 1
+        names.unescape(p.split("/", 1)[1])
+        for p in arrays
+        if p.startswith("model/") and p.count("/") == 1
     }
     has_model = "model" in groups
     named: set[str] = set()
@@ -322,7 +346,8 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
         for p in params if isinstance(params, list) else []:
             if isinstance(p, str):
                 if p in named:
-                    report.add("UCP-1.0-R081", "optimizer", f"parameter {p!r} is in more than one param group")
+                    report.add("UCP-1.0-R081", "optimizer",
+                               f"parameter {p!r} is in more than one param group")
                 named.add(p)
                 if has_model and p not in model_params:
                     report.add("UCP-1.0-R082", "optimizer",
@@ -335,13 +360,16 @@ def _check_optimizer(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, Group
             except UCPError:
                 continue
             if has_model and pname not in model_params:
-                report.add("UCP-1.0-R082", path, f"optimizer state for {pname!r}, which is not a tensor of model/")
+                report.add("UCP-1.0-R082", path,
+                           f"optimizer state for {pname!r}, which is not a tensor of model/")
             if pgs and pname not in named:
-                report.add("UCP-1.0-R082", path, f"optimizer state for {pname!r}, which no param group lists")
+                report.add("UCP-1.0-R082", path,
+                           f"optimizer state for {pname!r}, which no param group lists")
     for path in arrays:
         parts = path.split("/")
         if parts[0] == "optimizer" and len(parts) >= 2 and parts[1] == "state" and len(parts) != 4:
-            report.add("UCP-1.0-R081", path, "optimizer state arrays live at optimizer/state/<parameter>/<state>")
+            report.add("UCP-1.0-R081", path,
+                       "optimizer state arrays live at optimizer/state/<parameter>/<state>")
 
 
 def _check_layouts(
@@ -372,11 +400,15 @@ def _check_layouts(
                 report.add_error(exc, gpath)
                 continue
             if alias_path in arrays:
-                report.add("UCP-1.0-R108", alias_path, f"is an alias of {target!r} and must not be stored too")
+                report.add("UCP-1.0-R108", alias_path,
+                           f"is an alias of {target!r} and must not be stored too")
             if target in aliases:
-                report.add("UCP-1.0-R108", gpath, f"alias {alias!r} points to another alias {target!r}")
+                report.add("UCP-1.0-R108", gpath,
+                           f"alias {alias!r} points to another alias {target!r}")
             elif target_path not in arrays:
-                report.add("UCP-1.0-R108", gpath, f"alias {alias!r} points to {target!r}, which is not an array of this group")
+                report.add("UCP-1.0-R108", gpath,
+                           f"alias {alias!r} points to {target!r}, which is not an array of "
+                           "this group")
     for path, meta in arrays.items():
         parts = path.split("/")
         if len(parts) != 4 or parts[:2] != ["optimizer", "state"] or "layout" in meta.ucp:
@@ -385,19 +417,19 @@ def _check_layouts(
         if param is not None and meta.shape not in ((), param.shape):
             report.add(
                 "UCP-1.0-R109", path,
-                f"its shape {list(meta.shape)} differs from its parameter's {list(param.shape)}, so it "
-                "cannot follow the parameter's layout; it should declare its own",
+                f"its shape {list(meta.shape)} differs from its parameter's "
+                f"{list(param.shape)}, so it cannot follow the parameter's layout; it should "
+                "declare its own",
                 "warning",
             )
 
 
-def object_count(meta: ArrayMeta) -> int:
-    """How many stored objects a non-sparse array has (without enumerating them)."""
-    return 0 if math.prod(meta.shape) == 0 else math.prod(meta.object_grid)
-
-
 def expected_objects(meta: ArrayMeta) -> list[str]:
-    """Keys of every stored object a non-sparse array must have."""
+    """Keys of every stored object a non-sparse array must have.
+
+    Callers bound ``meta.object_count`` first: a hostile shape can describe more objects
+    than fit in memory.
+    """
     if math.prod(meta.shape) == 0:
         return []
     from ucpformat.writer import object_coords
@@ -416,11 +448,14 @@ def _check_manifest(
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
         return None
     if len(raw) != ref.get("nbytes"):
-        report.add("UCP-1.0-R043", MANIFEST_KEY, f"the manifest is {len(raw)} bytes, the root says {ref.get('nbytes')}")
+        report.add("UCP-1.0-R043", MANIFEST_KEY,
+                   f"the manifest is {len(raw)} bytes, the root says {ref.get('nbytes')}")
     if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
-        report.add("UCP-1.0-R043", MANIFEST_KEY, "the manifest's SHA-256 differs from the one in the root")
+        report.add("UCP-1.0-R043", MANIFEST_KEY,
+                   "the manifest's SHA-256 differs from the one in the root")
     try:
         manifest = loads(raw, what=MANIFEST_KEY, rule="UCP-1.0-R042")
+        check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
         return None
@@ -436,8 +471,8 @@ def _check_manifest(
             report.add("UCP-1.0-R042", meta.path, "its zarr.json is not in the manifest")
         if meta.sparse:
             continue
-        count = object_count(meta)
-        if count > len(files):  # never enumerate more than the manifest lists (R095)
+        count = meta.object_count
+        if count > len(files):
             report.add(
                 "UCP-1.0-R030", meta.path,
                 f"needs {count} stored objects, more than the manifest lists in all "
@@ -446,7 +481,8 @@ def _check_manifest(
             continue
         for key in expected_objects(meta):
             if key not in files:
-                report.add("UCP-1.0-R030", meta.path, f"stored object {key} is not in the manifest (never written)")
+                report.add("UCP-1.0-R030", meta.path,
+                           f"stored object {key} is not in the manifest (never written)")
     for key, entry in files.items():
         try:
             size = store.size(key)
@@ -456,7 +492,8 @@ def _check_manifest(
         if size is None:
             report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
         elif size != entry.get("nbytes"):
-            report.add("UCP-1.0-R043", key, f"is {size} bytes, the manifest says {entry.get('nbytes')}")
+            report.add("UCP-1.0-R043", key,
+                       f"is {size} bytes, the manifest says {entry.get('nbytes')}")
     known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
     for key in store.list():
         if key not in known:
@@ -492,15 +529,14 @@ def _deep(
     tasks: list[tuple[Tensor, list[int], list[int]]] = []
     from ucpformat.writer import object_coords
 
+    # Never enumerate more objects than the manifest lists (a hostile shape can describe
+    # 2**60): a non-sparse array that needs more is already reported (R030).
+    bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
     for meta in ckpt.arrays.values():
         tensor = ckpt[meta.path]
-        if object_count(meta) > len(files):
-            # Reported by the manifest check (R030); enumerating it is unbounded (R095).
-            # Read only the objects the manifest lists.
-            coords_iter: Iterable[tuple[int, ...]] = _listed_coords(meta, files)
-        else:
-            coords_iter = object_coords(meta)
-        for coords in coords_iter:
+        enumerable = not meta.sparse and meta.object_count <= bound
+        coords_list = object_coords(meta) if enumerable else stored_object_coords(meta, files)
+        for coords in coords_list:
             lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
             tasks.append((tensor, lo, hi))
@@ -513,7 +549,10 @@ def _deep(
             return Issue(exc.rule, exc.tensor or tensor.path, exc.message)
         return None
 
-    with byte_progress(progress, 2 * total, "verifying") as advance, ThreadPoolExecutor(workers) as pool:
+    with (
+        byte_progress(progress, 2 * total, "verifying") as advance,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         for nbytes, issue in pool.map(check_file, list(files)):
             advance(nbytes)
             if issue:
@@ -523,22 +562,6 @@ def _deep(
             if issue2:
                 report.add(issue2.rule, issue2.path, issue2.message)
         advance(total)
-
-
-def _listed_coords(meta: ArrayMeta, files: Mapping[str, Any]) -> list[tuple[int, ...]]:
-    """Grid coordinates of the stored objects of ``meta`` that the manifest lists."""
-    prefix = f"{meta.path}/c"
-    out = []
-    for key in files:
-        if key != prefix and not key.startswith(prefix + "/"):
-            continue
-        parts = key[len(prefix) + 1 :].split("/") if key != prefix else []
-        if len(parts) != len(meta.shape) or not all(p.isdigit() for p in parts):
-            continue
-        coords = tuple(int(p) for p in parts)
-        if all(c < n for c, n in zip(coords, meta.object_grid, strict=True)):
-            out.append(coords)
-    return out
 
 
 def main_json(report: Report) -> str:

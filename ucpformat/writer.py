@@ -10,13 +10,16 @@ un-commits it (deletes the root) before anything else is touched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import itertools
+import json
 import math
 import os
 import platform
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +46,7 @@ from ucpformat.metadata import (
     ArrayMeta,
     GroupMeta,
     dumps,
+    parse_array,
 )
 from ucpformat.storage import Store, open_store
 
@@ -107,7 +111,10 @@ def encode_object(meta: ArrayMeta, coords: Sequence[int], data: np.ndarray[Any, 
         if math.prod(meta.chunk_shape) == 0:
             continue
         block = data[
-            tuple(slice(low, min(low + c, n)) for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True))
+            tuple(
+                slice(low, min(low + c, n))
+                for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True)
+            )
         ]
         parts = codec.encode(_padded(block, meta.chunk_shape, meta.fill_value))
         size = sum(memoryview(p).nbytes for p in parts)
@@ -163,20 +170,15 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    if not committed and not in_progress and not store.is_empty() and not overwrite:
+    if not in_progress and not store.is_empty() and not (committed and _holds_checkpoint(store)):
+        # overwrite=True replaces a checkpoint; it never deletes a directory of other files.
         raise CheckpointExistsError(
-            "the destination holds files that are not a UCP checkpoint; refusing to mix them",
+            "the destination holds files that are not a UCP checkpoint; refusing to mix them "
+            "with a checkpoint or to delete them (even with overwrite=True)",
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    marker = dumps(
-        {
-            "writer": f"ucpformat {__version__}",
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": _now(),
-        }
-    )
+    marker = _in_progress_marker()
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
     # committed checkpoint intact or something every reader refuses. The marker is not
     # written atomically: a crash while writing it leaves a partial marker, which still
@@ -189,6 +191,28 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
         if key != IN_PROGRESS_KEY:
             store.delete(key)
     store.flush()
+
+
+def _in_progress_marker() -> bytes:
+    return dumps(
+        {
+            "writer": f"ucpformat {__version__}",
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _now(),
+        }
+    )
+
+
+def _holds_checkpoint(store: Store) -> bool:
+    """True if the root zarr.json is a UCP root (a JSON object with ``attributes.ucp``)."""
+    raw = store.get(ZARR_JSON)
+    try:
+        doc = json.loads(raw or b"")
+    except ValueError:
+        return False
+    attrs = doc.get("attributes") if isinstance(doc, Mapping) else None
+    return isinstance(attrs, Mapping) and isinstance(attrs.get("ucp"), Mapping)
 
 
 def commit(
@@ -207,7 +231,8 @@ def commit(
     """
     files: dict[str, dict[str, Any]] = {o.key: o.to_json() for o in objects}
     consolidated: dict[str, Any] = {}
-    for node in sorted([*groups, *arrays], key=lambda n: n.path):
+    nodes: list[ArrayMeta | GroupMeta] = [*groups, *arrays]
+    for node in sorted(nodes, key=lambda n: n.path):
         doc = node.to_zarr_json()
         body = dumps(doc)
         store.put(f"{node.path}/{ZARR_JSON}", [body])
@@ -234,9 +259,12 @@ def commit(
         "zarr_format": 3,
         "node_type": "group",
         "attributes": attributes,
-        "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": consolidated},
+        "consolidated_metadata": {
+            "kind": "inline", "must_understand": False, "metadata": consolidated
+        },
     }
-    store.put(ZARR_JSON, [dumps(root)], atomic=True)
+    # Compact: the root holds every node's metadata; it is parsed on every open.
+    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
     store.delete(IN_PROGRESS_KEY)
     return root
 
@@ -400,7 +428,7 @@ def _array_meta(
         shard_bytes=shard_bytes,
         split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
     )
-    return ArrayMeta(
+    meta = ArrayMeta(
         path=path,
         shape=tuple(int(s) for s in arr.shape),
         dtype=dt,
@@ -410,6 +438,9 @@ def _array_meta(
         fill_value=zero_bits(dt),
         attributes=attributes,
     )
+    # Write nothing a reader would refuse (a bad attribute, a chunking bug): check first.
+    parse_array(path, json.loads(dumps(meta.to_zarr_json())))
+    return meta
 
 
 def zero_bits(dt: dtypes.DataType) -> Any:
@@ -464,25 +495,40 @@ def save(
         shard_bytes=shard_bytes,
         array_attributes=array_attributes,
     )
-    store = open_store(path, durable=durable)
-    prepare_destination(store, overwrite=overwrite)
-    objects = write_arrays(
-        store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers, progress=progress
-    )
     root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
     if metadata is not None:
         root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
     if the_plan.root_values:
         root_ucp["values"] = the_plan.root_values
-    commit(
-        store,
-        arrays=[m for m, _ in the_plan.arrays],
-        groups=the_plan.groups,
-        objects=objects,
-        root_ucp=root_ucp,
-        hash_algorithm=hash_algorithm,
-    )
+    store = open_store(path, durable=durable)
+    with _storage_errors(store):
+        prepare_destination(store, overwrite=overwrite)
+        objects = write_arrays(
+            store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
+            progress=progress,
+        )
+        commit(
+            store,
+            arrays=[m for m, _ in the_plan.arrays],
+            groups=the_plan.groups,
+            objects=objects,
+            root_ucp=root_ucp,
+            hash_algorithm=hash_algorithm,
+        )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
+
+
+@contextlib.contextmanager
+def _storage_errors(store: Store) -> Iterator[None]:
+    """Report a failure of the storage (OSError) as a WriteError naming the checkpoint."""
+    try:
+        yield
+    except UCPError:
+        raise
+    except OSError as exc:
+        raise WriteError(
+            f"the save failed and nothing was committed: {exc}", path=store.location
+        ) from exc
 
 
 def default_workers() -> int:
@@ -525,3 +571,439 @@ def write_arrays(
             return obj
 
         return list(pool.map(run, tasks))
+
+
+# -- adopting arrays written by another writer ----------------------------------------------
+
+
+def adopt(
+    path: str | os.PathLike[str] | Store,
+    *,
+    attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    values: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    hash_algorithm: str | None = "sha256",
+    durable: bool = True,
+) -> SaveResult:
+    """Commit, as a checkpoint, the zarr v3 arrays another writer put under ``path``.
+
+    For producers that write the arrays themselves (tensorstore, zarr-python, a C++ or
+    JAX exporter, ranks that each write their own shards) and need only the commit.
+    Every ``<node>/zarr.json`` under ``path`` is read and checked against format 1.0
+    (closed data types and codecs, crc32c, canonical escaped names); every stored object
+    of every non-sparse array must exist (a missing one is a MissingChunkError, never
+    fill values); groups the writer left implicit are added; then node metadata, the
+    manifest (with SHA-256s when ``hash_algorithm`` is set) and, last, the root are
+    written by :func:`commit`, exactly as :func:`save` commits.
+
+    ``attributes`` maps node paths (``model/fc.weight``) to attributes merged into that
+    node's ``attributes`` (e.g. ``{"ucp": {"role": "parameter"}}``). ``values`` are the
+    root's JSON values (what :func:`save` stores for non-array entries of the state, e.g.
+    ``{"training": {"step": 10}}``); ``metadata`` is free-form JSON, as for :func:`save`.
+
+    Node ``zarr.json`` files are rewritten in ucpformat's canonical spelling (same
+    meaning), so that each equals its entry in the consolidated metadata. A root
+    ``zarr.json`` that is a plain zarr group is replaced (its attributes are kept). Refuses
+    a directory that already holds a committed checkpoint (UCP-1.0-R053) and files that
+    belong to no node (the manifest could not list them, UCP-1.0-R044). The stored
+    objects are read once, to size and hash them; they are never modified.
+    """
+    from ucpformat.errors import MissingChunkError
+    from ucpformat.metadata import loads, parse_group, stored_object_coords
+
+    if hash_algorithm not in (None, *HASH_ALGORITHMS):
+        raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
+    root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+    if metadata is not None:
+        root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
+    if values:
+        root_ucp["values"] = jsonvalues.encode(dict(values), where="values")
+    extra_attributes = dict(attributes or {})
+    store = open_store(path, durable=durable)
+    with _storage_errors(store):
+        root_attributes: dict[str, Any] = {}
+        if store.exists(ZARR_JSON):
+            if _holds_checkpoint(store):
+                raise CheckpointExistsError(
+                    "a committed checkpoint is already here; adopt commits arrays only once",
+                    rule="UCP-1.0-R053",
+                    path=store.location,
+                )
+            old_root = parse_group("", loads(store.get(ZARR_JSON) or b"", what=ZARR_JSON),
+                                   root=True)
+            root_attributes = dict(old_root.attributes)
+        keys = sorted(store.list())
+        # every node's zarr.json, checked strictly
+        arrays: dict[str, ArrayMeta] = {}
+        groups: dict[str, GroupMeta] = {}
+        for key in keys:
+            if not key.endswith(f"/{ZARR_JSON}"):
+                continue
+            node_path = key[: -len(ZARR_JSON) - 1]
+            names.check_path(node_path, where=key)
+            doc = loads(store.get(key) or b"", what=key)
+            extra = extra_attributes.pop(node_path, None)
+            if extra is not None and isinstance(doc, Mapping):
+                old = doc.get("attributes", {})
+                doc = {**doc, "attributes": {**(old if isinstance(old, Mapping) else {}), **extra}}
+            if isinstance(doc, Mapping) and doc.get("node_type") == "array":
+                arrays[node_path] = parse_array(node_path, doc)
+            else:
+                groups[node_path] = parse_group(node_path, doc)
+        if extra_attributes:
+            raise InvalidValueError(
+                f"attributes given for nodes that do not exist: {sorted(extra_attributes)}",
+                path=store.location,
+            )
+        if not arrays:
+            raise InvalidValueError("no zarr arrays to adopt", path=store.location)
+        # implicit groups, the tree's shape, names
+        for node_path in [*arrays, *groups]:
+            parent = node_path.rpartition("/")[0]
+            while parent:
+                if parent in arrays:
+                    raise InvalidValueError(
+                        f"{node_path!r} lies inside the array {parent!r}", rule="UCP-1.0-R005",
+                        path=store.location,
+                    )
+                groups.setdefault(parent, GroupMeta(parent))
+                parent = parent.rpartition("/")[0]
+        children: dict[str, list[str]] = {}
+        for node_path in [*arrays, *groups]:
+            parent, _, leaf = node_path.rpartition("/")
+            children.setdefault(parent, []).append(leaf)
+            if not parent and leaf.endswith(RESERVED_ROOT_SUFFIX):
+                raise InvalidValueError(
+                    f"top-level names ending in {RESERVED_ROOT_SUFFIX!r} are reserved",
+                    rule="UCP-1.0-R004",
+                    path=node_path,
+                )
+        for parent, kids in children.items():
+            names.check_case_collisions(kids, parent=parent)
+        # every stored object: present, sized, hashed
+        owned = {ZARR_JSON, IN_PROGRESS_KEY} | {f"{p}/{ZARR_JSON}" for p in [*arrays, *groups]}
+        objects: list[StoredObject] = []
+        for meta in arrays.values():
+            present = stored_object_coords(meta, keys)
+            if not meta.sparse and len(present) != meta.object_count:
+                have = set(present)
+                # stops at the first gap: at most len(present) + 1 steps, whatever the shape
+                first = next(c for c in object_coords(meta) if c not in have)
+                raise MissingChunkError(
+                    f"{meta.object_count - len(present)} of its {meta.object_count} stored "
+                    f"objects are missing (the first is {meta.object_key(first)}); a "
+                    "non-sparse array needs every one (mark it attributes.ucp.sparse to have "
+                    "absent ones read as fill values)",
+                    rule="UCP-1.0-R030",
+                    tensor=meta.path,
+                )
+            for coords in present:
+                key = meta.object_key(coords)
+                data = store.get(key)
+                if data is None:  # removed while we looked
+                    raise MissingChunkError(f"stored object {key} vanished", rule="UCP-1.0-R030",
+                                            tensor=meta.path)
+                digest = hashlib.sha256(data).hexdigest() if hash_algorithm == "sha256" else None
+                objects.append(StoredObject(key, len(data), digest))
+                owned.add(key)
+        foreign = [k for k in keys if k not in owned]
+        if foreign:
+            raise WriteError(
+                f"{len(foreign)} file(s) belong to no node of the checkpoint (first: "
+                f"{foreign[0]!r}); remove them or write them as arrays",
+                rule="UCP-1.0-R044",
+                path=store.location,
+            )
+        store.put(IN_PROGRESS_KEY, [_in_progress_marker()], atomic=True)
+        ordered = sorted(arrays.values(), key=lambda m: m.path)
+        commit(
+            store,
+            arrays=ordered,
+            groups=sorted(groups.values(), key=lambda g: g.path),
+            objects=objects,
+            root_ucp=root_ucp,
+            root_attributes=root_attributes,
+            hash_algorithm=hash_algorithm,
+        )
+    return SaveResult(store.location, len(ordered), sum(m.nbytes for m in ordered), len(objects))
+
+# -- streaming: declare every array first, then give each tensor's data ------------------
+
+
+class StreamingWriter:
+    """Write a checkpoint tensor by tensor, holding only what the caller hands over.
+
+    Every array is declared up front (path, shape, data type, attributes), so the
+    metadata is known before any data exists; then each tensor's data is given with
+    :meth:`write` (the whole tensor) or :meth:`write_object` (one stored object, for
+    tensors too large to hold at once), in any order and from any number of threads.
+    :meth:`commit` refuses unless every stored object of every declared array was
+    written exactly once; a writer that is never committed leaves a directory every
+    reader refuses (the in-progress marker), as a failed :func:`save` does::
+
+        with StreamingWriter("ckpt") as w:
+            w.declare("model/fc.weight", (4096, 4096), "bfloat16")
+            w.group("optimizer", values={"type": "torch.optim.AdamW"})
+            w.write("model/fc.weight", array)
+            w.commit(root_values={"step": 10})
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Store,
+        *,
+        overwrite: bool = False,
+        compression: str | Mapping[str, Any] | None = None,
+        hash_algorithm: str | None = "sha256",
+        chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
+        shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
+        durable: bool = True,
+    ) -> None:
+        if hash_algorithm not in (None, *HASH_ALGORITHMS):
+            raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
+        self.store = open_store(path, durable=durable)
+        self.compression = compression
+        self.hash_algorithm = hash_algorithm
+        self.chunk_bytes = chunk_bytes
+        self.shard_bytes = shard_bytes
+        self._arrays: dict[str, ArrayMeta] = {}
+        self._pending: dict[str, set[tuple[int, ...]]] = {}
+        self._groups: dict[str, dict[str, Any]] = {}
+        self._objects: list[StoredObject] = []
+        self._lock = threading.Lock()
+        self._committed = False
+        prepare_destination(self.store, overwrite=overwrite)
+
+    @property
+    def location(self) -> str:
+        return self.store.location
+
+    @property
+    def arrays(self) -> dict[str, ArrayMeta]:
+        """The declared arrays, by node path."""
+        return dict(self._arrays)
+
+    # -- declaring -------------------------------------------------------------------
+
+    def declare(
+        self,
+        path: str,
+        shape: Sequence[int],
+        dtype: str | dtypes.DataType | np.dtype[Any],
+        *,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> ArrayMeta:
+        """Declare the array at node ``path`` (escaped names joined by ``/``)."""
+        if self._committed:
+            raise WriteError("this checkpoint is already committed", path=self.location)
+        parts = names.split_path(path, where=path)
+        if len(parts) < 1:
+            raise InvalidValueError("an array needs a name", path=path)
+        if path.split("/")[0].endswith(RESERVED_ROOT_SUFFIX):
+            raise InvalidValueError(
+                f"top-level names ending in {RESERVED_ROOT_SUFFIX!r} are reserved",
+                rule="UCP-1.0-R004", path=path,
+            )
+        if isinstance(dtype, dtypes.DataType):
+            dt = dtype
+        elif isinstance(dtype, str):
+            dt = dtypes.by_name(dtype, tensor=path)
+        else:
+            dt = dtypes.from_numpy(np.dtype(dtype), tensor=path)
+        dims = tuple(int(s) for s in shape)
+        if any(s < 0 for s in dims):
+            raise InvalidValueError(f"shape {list(dims)} has a negative size", path=path)
+        encoded_attrs = jsonvalues.encode(dict(attributes or {}), where=f"{path} attributes")
+        ucp = encoded_attrs.get("ucp", {})
+        ch = chunking.choose(
+            dims, dt.itemsize, chunk_bytes=self.chunk_bytes, shard_bytes=self.shard_bytes,
+            split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
+        )
+        meta = ArrayMeta(
+            path=path,
+            shape=dims,
+            dtype=dt,
+            chunk_shape=ch.chunk_shape,
+            shard_shape=ch.shard_shape,
+            compression=Compression.parse(self.compression, dt),
+            fill_value=zero_bits(dt),
+            attributes=encoded_attrs,
+        )
+        # Write nothing a reader would refuse (a bad attribute, a chunking bug): check first.
+        parse_array(path, json.loads(dumps(meta.to_zarr_json())))
+        with self._lock:
+            if path in self._arrays:
+                raise InvalidValueError("this array is already declared", path=path)
+            if path in self._groups:
+                raise InvalidValueError("a group of this name is already declared", path=path)
+            self._arrays[path] = meta
+            self._pending[path] = set(object_coords(meta))
+        return meta
+
+    def group(
+        self,
+        path: str,
+        *,
+        values: Mapping[str, Any] | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Declare the group at ``path`` with JSON ``values`` and other ``attributes.ucp`` members.
+
+        Parent groups of declared arrays and groups exist without being declared; calling
+        this again for the same group merges the members.
+        """
+        names.check_path(path, where=path)
+        if not path:
+            raise InvalidValueError("the root's values are given to commit()", path=path)
+        ucp: dict[str, Any] = {}
+        if attributes:
+            ucp.update(jsonvalues.encode(dict(attributes), where=f"{path} attributes"))
+        if values:
+            ucp["values"] = jsonvalues.encode(dict(values), where=f"{path} values")
+        with self._lock:
+            if path in self._arrays:
+                raise InvalidValueError("an array of this name is already declared", path=path)
+            target = self._groups.setdefault(path, {})
+            if "values" in ucp and "values" in target:
+                merged = dict(target["values"])
+                merged.update(ucp.pop("values"))
+                target["values"] = merged
+            target.update(ucp)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def _meta(self, path: str) -> ArrayMeta:
+        meta = self._arrays.get(path)
+        if meta is None:
+            raise InvalidValueError("no array of this name was declared", path=path)
+        return meta
+
+    def _checked(self, meta: ArrayMeta, data: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        arr = np.asarray(data)
+        got = dtypes.from_numpy(arr.dtype, tensor=meta.path)
+        if got is not meta.dtype:
+            raise InvalidValueError(
+                f"data of type {got.name} given for an array declared {meta.dtype.name} "
+                "(convert explicitly; writers never cast)",
+                path=meta.path,
+            )
+        return arr.astype(meta.dtype.numpy, copy=False)
+
+    def object_regions(self, path: str) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """(grid coordinates, region) of every stored object of a declared array."""
+        meta = self._meta(path)
+        return [(c, object_region(meta, c)) for c in object_coords(meta)]
+
+    def write_object(self, path: str, coords: Sequence[int], data: np.ndarray[Any, Any]) -> int:
+        """Write one stored object; ``data`` is that object's region of the tensor."""
+        meta = self._meta(path)
+        key = tuple(int(c) for c in coords)
+        with self._lock:
+            pending = self._pending[path]
+            if key not in pending:
+                raise WriteError(
+                    f"stored object {list(key)} was already written or is outside the grid "
+                    "(one writer per stored object)",
+                    rule="UCP-1.0-R130", tensor=path,
+                )
+            pending.discard(key)
+        try:
+            obj = write_object(self.store, meta, key, self._checked(meta, data),
+                               hash_algorithm=self.hash_algorithm)
+        except BaseException:
+            with self._lock:
+                self._pending[path].add(key)
+            raise
+        with self._lock:
+            self._objects.append(obj)
+        return obj.nbytes
+
+    def write(self, path: str, data: np.ndarray[Any, Any]) -> int:
+        """Write a whole declared tensor; returns the bytes stored."""
+        meta = self._meta(path)
+        arr = self._checked(meta, data)
+        if tuple(arr.shape) != meta.shape:
+            raise InvalidValueError(
+                f"data of shape {list(arr.shape)} given for an array declared "
+                f"{list(meta.shape)}",
+                path=path,
+            )
+        total = 0
+        for coords in object_coords(meta):
+            try:
+                total += self.write_object(path, coords, arr[object_region(meta, coords)])
+            except OSError as exc:
+                raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
+                                 path=self.location) from exc
+        return total
+
+    def missing(self) -> dict[str, int]:
+        """Declared arrays with stored objects not yet written (path -> count)."""
+        with self._lock:
+            return {p: len(s) for p, s in self._pending.items() if s}
+
+    # -- commit ------------------------------------------------------------------------
+
+    def commit(
+        self,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        root_values: Mapping[str, Any] | None = None,
+        root_attributes: Mapping[str, Any] | None = None,
+    ) -> SaveResult:
+        """Write the metadata and, last, the root: refused while any object is missing."""
+        if self._committed:
+            raise WriteError("this checkpoint is already committed", path=self.location)
+        missing = self.missing()
+        if missing:
+            listed = ", ".join(f"{p} ({n})" for p, n in sorted(missing.items())[:5])
+            raise WriteError(
+                f"{len(missing)} declared arrays are not completely written: {listed}; "
+                "nothing was committed",
+                rule="UCP-1.0-R031", path=self.location,
+            )
+        groups: dict[str, GroupMeta] = {}
+        for path in [*self._arrays, *self._groups]:
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                gp = "/".join(parts[:i])
+                if gp in self._arrays:
+                    raise InvalidValueError(f"{gp!r} is an array and the parent of {path!r}",
+                                            path=path)
+                groups.setdefault(gp, GroupMeta(gp, {}))
+        for gp, ucp in self._groups.items():
+            groups[gp] = GroupMeta(gp, {"ucp": dict(ucp)} if ucp else {})
+        children: dict[str, list[str]] = {}
+        for path in [*self._arrays, *groups]:
+            parent, _, leaf = path.rpartition("/")
+            children.setdefault(parent, []).append(leaf)
+        for parent, leaves in children.items():
+            names.check_case_collisions(leaves, parent=parent)
+        root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+        if metadata is not None:
+            root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
+        if root_values:
+            root_ucp["values"] = jsonvalues.encode(dict(root_values), where="values")
+        commit(
+            self.store,
+            arrays=list(self._arrays.values()),
+            groups=list(groups.values()),
+            objects=self._objects,
+            root_ucp=root_ucp,
+            root_attributes=root_attributes,
+            hash_algorithm=self.hash_algorithm,
+        )
+        self._committed = True
+        return SaveResult(
+            self.store.location,
+            len(self._arrays),
+            sum(m.nbytes for m in self._arrays.values()),
+            len(self._objects),
+        )
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Not committed: the in-progress marker stays, and every reader refuses the directory.
+        return None

@@ -129,7 +129,7 @@ class BFloat16(_MultiByteFloat):
 
 def _one_byte(name: str) -> type[_ExtensionFloat]:
     entry = _dt.BY_NAME[name]
-    cls = dataclass(frozen=True, kw_only=True)(
+    cls: type[_ExtensionFloat] = dataclass(frozen=True, kw_only=True)(
         type(
             "".join(p.upper() if p.startswith("e") else p.capitalize() for p in name.split("_")),
             (_ExtensionFloat,),

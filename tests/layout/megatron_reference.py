@@ -50,7 +50,7 @@ class ModelConfig:
         }
 
 
-OPT_KINDS = ("master", "exp_avg", "exp_avg_sq")
+OPT_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 
 
 def ground_truth(mc: ModelConfig, seed: int = 0) -> dict[str, dict[str, np.ndarray[Any, Any]]]:

@@ -7,9 +7,25 @@ Single process::
     result = ucpt.load("ckpt", model=model, optimizer=opt, scheduler=sched)
 
 ``convert`` maps tensors to numpy arrays and back bit for bit; ``state`` defines the
-checkpoint layout of a training state. Distributed saving and loading belong in further
-modules of this subpackage and reuse both.
+checkpoint layout of a training state.
+
+Distributed (every rank calls it; FSDP2, tensor parallel, HSDP, 2-D meshes; the same
+checkpoint layout, so any saved layout loads into any other or into one process)::
+
+    ucpt.save_distributed("ckpt", model=model, optimizer=opt, step=step)
+    ucpt.load_distributed("ckpt", model=model, optimizer=opt)
+    saver = ucpt.AsyncSaver(); saver.save("ckpt", model=model, optimizer=opt)  # background
+
+Those names are imported on first use (``torch.distributed`` modules take a while to
+import); see :mod:`ucpformat.torch.distributed` and :mod:`ucpformat.torch.async_save`.
+
+With ``torch.distributed.checkpoint``, ``ucpformat.torch.dcp`` is a storage plugin::
+
+    dcp.save(state_dict, storage_writer=ucpformat.torch.dcp.UCPWriter("ckpt"))
+    dcp.load(state_dict, storage_reader=ucpformat.torch.dcp.UCPReader("ckpt"))
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.state import (
@@ -22,16 +38,50 @@ from ucpformat.torch.state import (
     save,
 )
 
+if TYPE_CHECKING:
+    from ucpformat.torch.async_save import AsyncSaver, save_async, wait_async
+    from ucpformat.torch.distributed import load_distributed, save_distributed
+
+_LAZY = {
+    "AsyncSaver": "ucpformat.torch.async_save",
+    "save_async": "ucpformat.torch.async_save",
+    "wait_async": "ucpformat.torch.async_save",
+    "load_distributed": "ucpformat.torch.distributed",
+    "save_distributed": "ucpformat.torch.distributed",
+}
+
+
+#: Submodules reachable as attributes (``ucpformat.torch.dcp.UCPWriter``), imported on use.
+_LAZY_SUBMODULES = ("dcp", "dcp_keys")
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ucpformat.torch' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    "AsyncSaver",
     "LoadResult",
     "data_type",
     "from_numpy",
     "load",
+    "load_distributed",
     "load_state_dict",
     "optimizer_fqns",
     "parameter_names",
     "read_optimizer_state",
     "save",
+    "save_async",
+    "save_distributed",
     "to_numpy",
     "torch_dtype",
+    "wait_async",
 ]
+

@@ -1,0 +1,262 @@
+"""Worker functions of the multi-process tests (run by ucpformat.torch.launch.spawn).
+
+A tiny model with dimensions that no degree divides (11, 10, 5, 3 rows: uneven shards,
+and empty ones on 4 ranks) is trained for two AdamW steps under one layout, saved, and
+loaded under others. Every check compares, bit for bit, the full tensors of the live
+(loaded or saved) state with the consolidated arrays of the checkpoint, read in one
+process: saving must write the truth, loading must place exactly it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import ucpformat
+from ucpformat.torch.async_save import AsyncSaver
+from ucpformat.torch.distributed import load_distributed, save_distributed
+
+LR = 0.0123
+WEIGHT_DECAY = 0.05
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.up = torch.nn.Linear(6, 10)
+        self.down = torch.nn.Linear(10, 5)
+        self.head = torch.nn.Linear(5, 3)
+        self.register_buffer("scale", torch.tensor([1.5, 2.0]))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = torch.relu(self.up(x))
+        x = self.down(x) * self.scale[0]
+        return self.head(x)
+
+
+def build(layout: str, seed: int = 0) -> torch.nn.Module:
+    """The model under a layout: plain, fsdp, tp, 2x2 (FSDP2 x TP) or hsdp."""
+    torch.manual_seed(seed)
+    model = Tiny()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+        for sub in (model.up, model.down, model.head):
+            fully_shard(sub, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "tp":
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, tp_plan)
+    elif layout == "2x2":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], tp_plan)
+        fully_shard(model, mesh=mesh["dp"])
+    elif layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)
+    elif layout != "plain":
+        raise ValueError(layout)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = LR) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, 11, (4, 3), generator=g)
+        model(idx).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(t: Any) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def _equal(a: np.ndarray[Any, Any], b: torch.Tensor, what: str) -> None:
+    assert a.shape == tuple(b.shape), f"{what}: shape {a.shape} vs {tuple(b.shape)}"
+    got = b.reshape(-1).contiguous().view(torch.uint8).numpy()
+    want = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    assert np.array_equal(got, want), f"{what}: values differ"
+
+
+def check_state(
+    path: str,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer | None,
+    *,
+    lr: float = LR,
+) -> dict[str, Any]:
+    """Collective: the live state equals the checkpoint's arrays, bit for bit."""
+    ck = ucpformat.open_checkpoint(path)
+    msd = get_model_state_dict(model)
+    count = 0
+    for fqn in sorted(msd):
+        _equal(ck.tensor("model", fqn).read(), _full(msd[fqn]), f"model/{fqn}")
+        count += 1
+    if opt is not None:
+        osd = get_optimizer_state_dict(model, opt)
+        for fqn in sorted(osd["state"]):
+            for name in sorted(osd["state"][fqn]):
+                value = osd["state"][fqn][name]
+                _equal(ck.tensor("optimizer", "state", fqn, name).read(), _full(value),
+                       f"optimizer/state/{fqn}/{name}")
+                count += 1
+        saved = ck.values("optimizer")["param_groups"]
+        for group, saved_group in zip(opt.param_groups, saved, strict=True):
+            assert math.isclose(group["lr"], lr, rel_tol=0, abs_tol=0), group["lr"]
+            for key in ("lr", "weight_decay", "eps", "amsgrad"):
+                assert group[key] == saved_group[key], key
+            assert tuple(group["betas"]) == tuple(saved_group["betas"])
+    return {"checked": count}
+
+
+def check_placements(model: torch.nn.Module, expect: dict[str, str]) -> None:
+    """The layout really is what the test claims (placements by parameter)."""
+    for fqn, text in expect.items():
+        param = model.get_parameter(fqn)
+        assert isinstance(param, DTensor), fqn
+        got = ",".join(str(p) for p in param.placements)
+        assert got == text, f"{fqn}: {got} != {text}"
+
+
+# -- the scenarios ---------------------------------------------------------------------------
+
+
+def save_two(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks: save FSDP2 and TP checkpoints; load a single-process one into FSDP2."""
+    out: dict[str, Any] = {}
+    for layout in ("fsdp", "tp"):
+        model = build(layout)
+        opt = make_optimizer(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5)
+        train(model, opt, 2)
+        sched.step()
+        path = f"{root}/{layout}2"
+        save_distributed(path, model=model, optimizer=opt, scheduler=sched, step=2)
+        out[f"save {layout}2"] = check_state(path, model, opt)
+    model = build("fsdp", seed=7)
+    opt = make_optimizer(model, lr=0.5)
+    load_distributed(f"{root}/single", model=model, optimizer=opt)
+    out["single -> fsdp2"] = check_state(f"{root}/single", model, opt)
+    return out
+
+
+def load_four(rank: int, world: int, root: str) -> dict[str, Any]:
+    """4 ranks: FSDP2 2->4, TP 2->4, FSDP2xTP 2x2 -> FSDP 4, save FSDP2 4, HSDP, model only."""
+    out: dict[str, Any] = {}
+    # FSDP2 2 -> 4, with the scheduler and step
+    model = build("fsdp", seed=3)
+    opt = make_optimizer(model, lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5)
+    result = load_distributed(f"{root}/fsdp2", model=model, optimizer=opt, scheduler=sched)
+    assert result.step == 2 and sched.last_epoch == 1, (result.step, sched.last_epoch)
+    out["fsdp2 -> fsdp4"] = check_state(f"{root}/fsdp2", model, opt)
+    # TP 2 -> 4 (10 features on 4 ranks: 3, 3, 3, 1)
+    model = build("tp", seed=3)
+    check_placements(model, {"up.weight": "S(0)", "down.weight": "S(1)"})
+    opt = make_optimizer(model, lr=0.5)
+    load_distributed(f"{root}/tp2", model=model, optimizer=opt)
+    out["tp2 -> tp4"] = check_state(f"{root}/tp2", model, opt)
+    # FSDP2 x TP on a 2x2 mesh (strided shards, uneven) -> TP 1 x FSDP 4
+    model = build("2x2")
+    check_placements(model, {"up.weight": "_S(0, 2),S(0)", "down.weight": "S(0),S(1)"})
+    opt = make_optimizer(model)
+    train(model, opt, 2)
+    save_distributed(f"{root}/2x2", model=model, optimizer=opt, step=2)
+    out["save 2x2"] = check_state(f"{root}/2x2", model, opt)
+    model = build("fsdp", seed=5)
+    opt = make_optimizer(model, lr=0.5)
+    load_distributed(f"{root}/2x2", model=model, optimizer=opt)
+    out["2x2 -> fsdp4"] = check_state(f"{root}/2x2", model, opt)
+    # model only
+    model = build("fsdp", seed=6)
+    load_distributed(f"{root}/2x2", model=model)
+    out["2x2 -> fsdp4 model only"] = check_state(f"{root}/2x2", model, None)
+    # FSDP2 on 4 ranks (5 rows: 2, 2, 1, 0), tiny chunks so that loads read slices
+    model = build("fsdp")
+    opt = make_optimizer(model)
+    train(model, opt, 2)
+    save_distributed(f"{root}/fsdp4", model=model, optimizer=opt, step=2, chunk_bytes=16)
+    out["save fsdp4"] = check_state(f"{root}/fsdp4", model, opt)
+    # HSDP (replicate 2 x shard 2)
+    model = build("hsdp", seed=8)
+    check_placements(model, {"up.weight": "R,S(0)"})
+    opt = make_optimizer(model, lr=0.5)
+    load_distributed(f"{root}/fsdp4", model=model, optimizer=opt)
+    out["fsdp4 -> hsdp2x2"] = check_state(f"{root}/fsdp4", model, opt)
+    # HSDP save: replicas are written once
+    save_distributed(f"{root}/hsdp", model=model, optimizer=opt, step=2)
+    out["save hsdp"] = check_state(f"{root}/hsdp", model, opt)
+    return out
+
+
+def load_two(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks: FSDP2 4 -> 2 reading only its half; async save while training goes on."""
+    out: dict[str, Any] = {}
+    model = build("fsdp", seed=4)
+    opt = make_optimizer(model, lr=0.5)
+    result = load_distributed(f"{root}/fsdp4", model=model, optimizer=opt)
+    out["fsdp4 -> fsdp2"] = check_state(f"{root}/fsdp4", model, opt)
+    ck = ucpformat.open_checkpoint(f"{root}/fsdp4")
+    for tensor in ck.tensors():
+        tensor.read()
+    out["bytes_read"] = result.bytes_read
+    out["bytes_read_whole"] = ck.stats.bytes_read
+    # async: the checkpoint holds the state at the time of the call, not later updates
+    saver = AsyncSaver()
+    snapshot = {k: _full(v).clone() for k, v in sorted(get_model_state_dict(model).items())}
+    future = saver.save(f"{root}/async", model=model, optimizer=opt, step=3)
+    train(model, opt, 1, seed=9)  # modifies every parameter while the save may run
+    saver.close()
+    assert future.done()
+    ck = ucpformat.open_checkpoint(f"{root}/async")
+    for fqn, value in snapshot.items():
+        _equal(ck.tensor("model", fqn).read(), value, f"async model/{fqn}")
+    out["async"] = {"blocked_s": saver.last_blocked_s}
+    # a mismatched model fails on every rank, without hanging
+    torch.manual_seed(0)
+    other = Tiny()
+    other.emb = torch.nn.Embedding(12, 6)
+    fully_shard(other)
+    try:
+        load_distributed(f"{root}/fsdp4", model=other)
+    except ucpformat.errors.ShapeMismatchError as exc:
+        out["mismatch"] = str(exc)
+    else:
+        raise AssertionError("a model of another shape loaded")
+    return out
+
+
+def save_single(path: Path) -> dict[str, torch.Tensor]:
+    """The single-process checkpoint that the 2-rank run loads (ucpformat.torch.save)."""
+    import ucpformat.torch as ucpt
+
+    model = build("plain", seed=11)
+    opt = make_optimizer(model)
+    train(model, opt, 2)
+    ucpt.save(path, model=model, optimizer=opt, step=2)
+    return {k: v.clone() for k, v in model.state_dict().items()}

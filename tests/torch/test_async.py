@@ -1,0 +1,60 @@
+"""AsyncSaver in one process (no torch.distributed): snapshot semantics, one save at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ucpformat  # noqa: E402
+from tests.torch import dist_workers as w  # noqa: E402
+from ucpformat.errors import CheckpointExistsError  # noqa: E402
+from ucpformat.torch.async_save import AsyncSaver  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+def test_saves_the_state_at_call_time_and_reuses_staging(tmp_path: Path) -> None:
+    model = w.build("plain")
+    opt = w.make_optimizer(model)
+    w.train(model, opt, 1)
+    with AsyncSaver() as saver:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        first = saver.save(tmp_path / "a", model=model, optimizer=opt, step=1)
+        staged = saver.staging_bytes
+        assert staged > 0
+        w.train(model, opt, 1)  # changes every parameter, maybe while the write runs
+        second = saver.save(tmp_path / "b", model=model, optimizer=opt, step=2)
+        assert first.done()  # the next save waited for the previous one
+        assert saver.staging_bytes == staged  # the same buffers, reused
+        assert saver.last_blocked_s > 0
+    assert second.done() and second.result().tensors == first.result().tensors
+    ck = ucpformat.open_checkpoint(tmp_path / "a")
+    for fqn, value in before.items():
+        assert ck.tensor("model", fqn).read().tobytes() == _raw(value), fqn
+    ck = ucpformat.open_checkpoint(tmp_path / "b")
+    for fqn, value in model.state_dict().items():
+        assert ck.tensor("model", fqn).read().tobytes() == _raw(value), fqn
+    assert ck.values("training")["step"] == 2
+
+
+def test_a_failed_save_is_reported_by_the_next_call(tmp_path: Path) -> None:
+    model = w.build("plain")
+    saver = AsyncSaver()
+    saver.save(tmp_path / "a", model=model).result()
+    failing = saver.save(tmp_path / "a", model=model)  # committed already, no overwrite
+    with pytest.raises(CheckpointExistsError):
+        saver.save(tmp_path / "b", model=model)
+    assert failing.done()
+    assert not (tmp_path / "b").exists()  # nothing of the next save was started
+    saver.save(tmp_path / "b", model=model)
+    saver.close()
+    assert ucpformat.open_checkpoint(tmp_path / "b").tensor("model", "up.weight").shape == (10, 6)
+    with pytest.raises(RuntimeError):
+        saver.save(tmp_path / "c", model=model)

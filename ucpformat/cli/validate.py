@@ -1,0 +1,77 @@
+"""``ucp validate``: check a checkpoint against the spec.
+
+Exit status 0 valid, 1 invalid, 2 could not run (missing or unreadable path, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich.text import Text
+
+from ucpformat.cli.common import FOUND, OK, check_location, console, write_json
+from ucpformat.validation import Issue, Report, validate
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "validate",
+        parents=[common],
+        help="check a checkpoint against the spec",
+        description="Check a checkpoint against the spec and its JSON Schemas. Every problem "
+        "names the requirement it breaks. Exit status: 0 valid, 1 invalid, 2 could not run.",
+    )
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--deep", action="store_true",
+                   help="also read every stored object: check every CRC32C, and every SHA-256 "
+                   "the manifest records")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true",
+                     help='print {"valid", "errors", "warnings"} as JSON')
+    out.add_argument("--quiet", "-q", action="store_true",
+                     help="print nothing; the exit status says it all")
+    p.set_defaults(run=run, invalid_status=FOUND)
+
+
+_STYLE = {"error": "bold red", "warning": "yellow"}
+
+
+def issue_line(issue: Issue) -> Text:
+    """``error: [UCP-1.0-R031] model/w/c/0: listed in the manifest but missing``."""
+    return Text.assemble(
+        (issue.level, _STYLE.get(issue.level, "")),
+        ": ",
+        (f"[{issue.rule}] " if issue.rule else "", "bold"),
+        f"{issue.path}: {issue.message}",
+    )
+
+
+def verdict(report: Report) -> Text:
+    if report.valid:
+        detail = (
+            f"deep: {report.checked_objects:,} stored objects read, every checksum verified"
+            if report.deep
+            else "metadata checked; --deep also verifies every checksum"
+        )
+        warnings = f", {len(report.warnings)} warning(s)" if report.warnings else ""
+        return Text.assemble(("valid", "bold green"), f": {report.location} ({detail}{warnings})")
+    return Text.assemble(
+        ("invalid", "bold red"),
+        f": {report.location} ({len(report.errors)} error(s), {len(report.warnings)} warning(s))",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    check_location(args.path)
+    progress = args.deep and not args.quiet and sys.stderr.isatty()
+    report = validate(args.path, deep=args.deep, progress=progress)
+    if args.json:
+        write_json(report.to_json())
+    elif not args.quiet:
+        out = console()
+        for issue in report.issues:
+            out.print(issue_line(issue), soft_wrap=True)
+        out.print(verdict(report), soft_wrap=True)
+    return OK if report.valid else FOUND

@@ -1,0 +1,973 @@
+"""A storage plugin for PyTorch DCP: ``torch.distributed.checkpoint`` saves and loads UCP.
+
+Switch a DCP training loop by one argument::
+
+    import torch.distributed.checkpoint as dcp
+    from ucpformat.torch.dcp import UCPReader, UCPWriter
+
+    dcp.save(state_dict, storage_writer=UCPWriter("ckpt/step-100"))
+    dcp.load(state_dict, storage_reader=UCPReader("ckpt/step-100"))
+    # or: dcp.save(state_dict, checkpoint_id=path, storage_writer=UCPWriter())
+
+What lands on disk is an ordinary UCP checkpoint: every tensor consolidated at its full
+shape (``model/<fqn>``, ``optimizer/state/<fqn>/<state>``, ...; the mapping of DCP keys
+is in :mod:`ucpformat.torch.dcp_keys`), non-tensor values as JSON, no pickle anywhere.
+
+Saving, in DCP's order of calls:
+
+1. every rank: DCP's planner makes write items (a chunk of a tensor, or a non-tensor
+   value); the default planner removes replicas so each chunk has one writer.
+2. the coordinator (``prepare_global_plan``) sees every rank's items: it checks coverage,
+   chooses each array's shard grid from the chunk boundaries with
+   :func:`ucpformat.distributed.make_plan` and assigns every shard one owner, who holds
+   it; where chunks are too small to shard on their boundaries, the owner of a coarser
+   shard receives the missing cells from their holders (point to point, in
+   ``write_data``). It then prepares the destination (un-commits an old checkpoint when
+   ``overwrite=True``). Nothing is written before this point.
+3. every rank (``write_data``): exchanges boundary cells, writes its shards whole, and
+   returns its non-tensor values (JSON) and what it wrote.
+4. the coordinator (``finish``, called by DCP only if every rank succeeded): checks that
+   every planned shard was written, writes values and the metadata, and commits last. A
+   failure anywhere leaves no committed checkpoint.
+
+Loading: ``read_metadata`` builds DCP's metadata from the root ``zarr.json`` (one chunk
+per tensor, no pickle); DCP's planner turns each rank's target layout into read requests
+(offsets and lengths), which :meth:`ucpformat.Tensor.read_region` serves by reading only
+the inner chunks that overlap them.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ucpformat import chunking, dtypes, jsonvalues, names, schemas
+from ucpformat.codecs import Compression
+from ucpformat.distributed import DEFAULT_MIN_SHARD_BYTES, TensorSpec, make_plan
+from ucpformat.errors import (
+    FormatError,
+    InvalidValueError,
+    LayoutError,
+    LoadError,
+    WriteError,
+)
+from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
+from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, parse_array
+from ucpformat.reader import Checkpoint, open_checkpoint
+from ucpformat.storage import Store, open_store
+from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
+from ucpformat.torch.dcp_keys import (
+    MAX_VALUE_TENSOR,
+    RECORD_KEY,
+    Entry,
+    KeyMap,
+    ObjectPath,
+    SaveContext,
+    ValueTarget,
+    ancestors,
+    assemble_values,
+    check_groups_and_arrays,
+    derive_entries,
+    encode_value,
+    locate,
+    lookup,
+    node_path,
+    record_from_json,
+    record_to_json,
+)
+from ucpformat.torch.state import like, qualified_name, unwrap
+from ucpformat.writer import (
+    StoredObject,
+    _now,
+    commit,
+    default_workers,
+    object_coords,
+    object_region,
+    prepare_destination,
+    producer,
+    write_object,
+    zero_bits,
+)
+
+CheckpointId = str | os.PathLike[str]
+
+_ROLES = {"optimizer": "optimizer_state", "training": "training_state"}
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _box(offsets: Sequence[int], sizes: Sequence[int]) -> Box:
+    return tuple((int(o), int(o) + int(s)) for o, s in zip(offsets, sizes, strict=True))
+
+
+def _is_tensor_item(item: WriteItem) -> bool:
+    return item.type != WriteItemType.BYTE_IO
+
+
+# -- what the coordinator tells each rank -----------------------------------------------
+
+
+@dataclass
+class _ObjectTask:
+    path: str
+    coords: tuple[int, ...]
+    region: Box
+    remote: list[tuple[int, Box]]  # (sender rank, cell)
+
+
+@dataclass
+class _RankTasks:
+    """A rank's share of a save, sent in its ``SavePlan.storage_data``."""
+
+    rank: int
+    metas: dict[str, dict[str, Any]]  # node path -> zarr.json of arrays it writes or sends from
+    key_of: dict[str, str]  # node path -> DCP key
+    objects: list[_ObjectTask]
+    sends: list[tuple[int, str, Box]]  # (owner, path, cell), in the order every rank agrees on
+    recvs: list[tuple[int, str, Box]]  # (sender, path, cell)
+    peers: list[int] | None  # global rank of each rank of the group, when cells move
+    tensor_values: list[str]  # DCP keys of tensors stored as JSON values
+
+
+@dataclass
+class _SavePlanState:
+    """What the coordinator keeps between ``prepare_global_plan`` and ``finish``."""
+
+    world_size: int
+    metas: dict[str, ArrayMeta]
+    expected: set[str]  # keys of every stored object
+    tensor_entries: dict[str, Entry]
+    values: dict[str, tuple[ObjectPath, ValueTarget]]
+    context: SaveContext
+    tensor_values: dict[str, tuple[str, tuple[int, ...]]]
+
+
+# -- the writer -----------------------------------------------------------------------------
+
+
+class UCPWriter(StorageWriter):
+    """Write a UCP checkpoint from ``torch.distributed.checkpoint.save``.
+
+    ``path`` may be given later as DCP's ``checkpoint_id``. ``overwrite=True`` replaces a
+    committed checkpoint (un-committing it first); otherwise saving over one is refused.
+    ``key_map`` says which state-dict keys hold model and optimizer state (default:
+    ``model`` and ``optim``/``optimizer``, see :mod:`ucpformat.torch.dcp_keys`). ``model``
+    (optional) tells parameters from buffers for the arrays' roles; without it, model
+    tensors named in the optimizer's param groups are parameters and the rest get no
+    role. ``optimizer`` (optional) names the optimizer's class in the ``optimizer`` group
+    (``type``), as ``ucpformat.torch.save`` does. ``metadata`` is free-form JSON stored in
+    the root.
+
+    ``min_shard_bytes``: chunks whose aligned shards would be smaller than this on average
+    are written as coarser shards, each assembled by one owner from cells sent by the
+    ranks that hold them (over ``process_group``, default: the default group, which must
+    be the group DCP saves with). ``0`` never moves data between ranks: shards then follow
+    every chunk boundary, however small.
+    """
+
+    def __init__(
+        self,
+        path: CheckpointId | None = None,
+        *,
+        overwrite: bool = False,
+        key_map: KeyMap | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        compression: str | Mapping[str, Any] | None = None,
+        hash_algorithm: str | None = "sha256",
+        chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
+        shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
+        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
+        workers: int | None = None,
+        durable: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.path: CheckpointId | None = path
+        self.overwrite = overwrite
+        self.key_map = key_map or KeyMap()
+        self.metadata = dict(metadata) if metadata is not None else None
+        self.compression = compression
+        self.hash_algorithm = hash_algorithm
+        self.chunk_bytes = chunk_bytes
+        self.shard_bytes = shard_bytes
+        self.min_shard_bytes = min_shard_bytes
+        self.workers = workers
+        self.durable = durable
+        self.process_group = process_group
+        self._roles: dict[str, str] = {}
+        if model is not None:
+            bare = unwrap(model)  # names as get_state_dict gives them (no wrapper prefixes)
+            self._roles.update((n, "buffer") for n, _ in bare.named_buffers())
+            self._roles.update((n, "parameter") for n, _ in bare.named_parameters())
+        self._optimizer_type = qualified_name(optimizer) if optimizer is not None else None
+        self._is_coordinator = False
+        self._state: _SavePlanState | None = None
+        self._store: Store | None = None
+
+    # -- StorageWriter API ------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> CheckpointId | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self._state = None
+        self._store = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.path is None else os.fspath(self.path))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.path is None:
+            raise WriteError("UCPWriter needs a path: UCPWriter(path) or dcp.save(..., "
+                             "checkpoint_id=path)")
+        if kwargs.get("use_collectives", True) is False and dist.is_available() \
+                and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+            raise WriteError(
+                "UCPWriter needs DCP's collectives (use_collectives=True): one checkpoint is "
+                "planned, written and committed by all ranks together",
+                path=os.fspath(self.path),
+            )
+        self._is_coordinator = is_coordinator
+        self._store = open_store(self.path, durable=self.durable)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        store = self._require_store()
+        if any(not p.usable for p in plans):
+            raise WriteError("UCPWriter does not support DCP's plan caching "
+                             "(DefaultSavePlanner(enable_plan_caching=True))",
+                             path=store.location)
+        world = len(plans)
+        object_paths: dict[str, ObjectPath] = {}
+        for p in plans:
+            if isinstance(p.planner_data, Mapping):
+                for key, opath in p.planner_data.items():
+                    object_paths.setdefault(str(key), tuple(opath))
+        tensor_keys: dict[str, WriteItem] = {}
+        value_keys: dict[str, None] = {}  # in first-seen order
+        boxes: dict[str, list[tuple[int, Box]]] = {}
+        for rank, p in enumerate(plans):
+            for item in p.items:
+                key = item.index.fqn
+                object_paths.setdefault(key, (key,))
+                if not _is_tensor_item(item):
+                    value_keys[key] = None
+                    continue
+                td = item.tensor_data
+                if td is None:  # pragma: no cover - DCP always sets it for tensors
+                    raise WriteError("a tensor write item without tensor data", path=key)
+                known = tensor_keys.setdefault(key, item)
+                known_td = known.tensor_data
+                assert known_td is not None
+                if (tuple(known_td.size), known_td.properties.dtype) != (
+                    tuple(td.size), td.properties.dtype
+                ):
+                    raise LayoutError(
+                        f"ranks disagree on the tensor: {tuple(known_td.size)} "
+                        f"{known_td.properties.dtype} vs rank {rank}: {tuple(td.size)} "
+                        f"{td.properties.dtype}", rule="UCP-1.0-R131", tensor=key,
+                    )
+                box = _box(td.chunk.offsets, td.chunk.sizes)
+                if box_size(box) > 0 or not box:
+                    boxes.setdefault(key, []).append((rank, box))
+        ctx = SaveContext.of(
+            (object_paths[k] for k in [*tensor_keys, *value_keys]), self.key_map
+        )
+
+        # tensors -> arrays
+        specs: dict[str, TensorSpec] = {}
+        path_of_key: dict[str, str] = {}
+        key_of_path: dict[str, str] = {}
+        tensor_entries: dict[str, Entry] = {}
+        tensor_values: dict[str, tuple[str, tuple[int, ...]]] = {}
+        values: dict[str, tuple[ObjectPath, ValueTarget]] = {}
+        for key, item in tensor_keys.items():
+            target = locate(object_paths[key], tensor=True, ctx=ctx)
+            td = item.tensor_data
+            assert td is not None
+            if target.param_entry is not None or target.logical[:2] == ("optimizer",
+                                                                          "param_groups"):
+                # a tensor hyperparameter: stored as a JSON number (list), as the spec says
+                shape = tuple(int(n) for n in td.size)
+                if math.prod(shape) > MAX_VALUE_TENSOR:
+                    raise InvalidValueError(
+                        f"a tensor of shape {list(shape)} in param_groups is too large to "
+                        f"store as a JSON value (at most {MAX_VALUE_TENSOR} elements)", path=key)
+                dt = data_type(td.properties.dtype, tensor=key)
+                tensor_values[key] = (dt.name, shape)
+                values[key] = (object_paths[key], target)
+                continue
+            apath = node_path(target.logical)
+            other = key_of_path.get(apath)
+            if other is not None:
+                raise InvalidValueError(
+                    f"DCP entries {other!r} and {key!r} would both be stored at {apath!r}; "
+                    "pass UCPWriter(key_map=...) to tell them apart", path=key,
+                )
+            path_of_key[key], key_of_path[apath] = apath, key
+            dt = data_type(td.properties.dtype, tensor=key)
+            specs[apath] = TensorSpec(apath, tuple(int(s) for s in td.size), dt.name)
+            tensor_entries[key] = Entry(object_paths[key], array=apath)
+
+        # values: located now so that a clash fails before anything is written
+        groups = {a for p in specs for a in ancestors(p)}
+        for key in value_keys:
+            target = locate(object_paths[key], tensor=False, ctx=ctx)
+            if target.param_entry is None:
+                vpath = node_path(target.logical) if all(
+                    isinstance(x, str) for x in target.logical) else None
+                if vpath is not None and vpath in key_of_path:
+                    raise InvalidValueError(
+                        f"DCP entries {key_of_path[vpath]!r} (a tensor) and {key!r} (a value) "
+                        f"would both be stored at {vpath!r}", path=key,
+                    )
+            values[key] = (object_paths[key], target)
+        check_groups_and_arrays(specs, groups)
+
+        with_boxes = {path_of_key[k]: b for k, b in boxes.items() if k in path_of_key}
+        plan = make_plan(
+            specs, with_boxes, world,
+            compression=self.compression, chunk_bytes=self.chunk_bytes,
+            shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
+        )
+        transfers = plan.transfers()
+        peers: list[int] | None = None
+        if transfers:
+            peers = self._peers(world)
+
+        prepare_destination(store, overwrite=self.overwrite)
+
+        per_rank = [
+            _RankTasks(r, {}, {}, [], [], [], peers, sorted(tensor_values)) for r in range(world)
+        ]
+        expected: set[str] = set()
+        for apath, tplan in sorted(plan.tensors.items()):
+            for obj in tplan.objects:
+                expected.add(tplan.meta.object_key(obj.coords))
+                per_rank[obj.owner].objects.append(
+                    _ObjectTask(apath, obj.coords, obj.region, list(obj.remote)))
+        for owner, sender, apath, cell in transfers:
+            per_rank[sender].sends.append((owner, apath, cell))
+            per_rank[owner].recvs.append((sender, apath, cell))
+        for tasks in per_rank:
+            used = {o.path for o in tasks.objects} | {p for _, p, _ in tasks.sends}
+            tasks.metas = {p: plan.tensors[p].meta.to_zarr_json() for p in sorted(used)}
+            tasks.key_of = {p: key_of_path[p] for p in used}
+        self._state = _SavePlanState(
+            world, {p: tp.meta for p, tp in plan.tensors.items()}, expected,
+            tensor_entries, values, ctx, tensor_values,
+        )
+        return [replace(p, storage_data=t) for p, t in zip(plans, per_rank, strict=True)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        store = self._require_store()
+        tasks = plan.storage_data
+        if not isinstance(tasks, _RankTasks):
+            raise WriteError("the save plan carries no UCPWriter tasks (was prepare_global_plan "
+                             "of a UCPWriter run on the coordinator?)", path=store.location)
+        results: list[WriteResult] = []
+        items_of: dict[str, list[WriteItem]] = {}
+        metas: dict[str, ArrayMeta] = {}
+        # Every rank must reach the exchange, or an owner waits forever for its cells:
+        # an error before it is raised after it.
+        error: BaseException | None = None
+        try:
+            as_value = set(tasks.tensor_values)
+            for item in plan.items:
+                if _is_tensor_item(item) and item.index.fqn not in as_value:
+                    items_of.setdefault(item.index.fqn, []).append(item)
+                elif _is_tensor_item(item):
+                    data = planner.resolve_data(item)
+                    assert isinstance(data, torch.Tensor)
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={
+                        "value": encode_value(data.detach().cpu().tolist(), key=item.index.fqn)}))
+                else:
+                    results.append(self._value_result(item, planner))
+            metas = {p: parse_array(p, doc) for p, doc in tasks.metas.items()}
+        except BaseException as exc:
+            error = exc
+
+        def fragments(apath: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
+            meta = metas[apath]
+            out = []
+            for item in items_of.get(tasks.key_of[apath], []):
+                td = item.tensor_data
+                assert td is not None
+                box = _box(td.chunk.offsets, td.chunk.sizes)
+                data = planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
+                    raise WriteError("resolve_data returned no tensor", tensor=apath)
+                arr = to_numpy(data, name=tasks.key_of[apath]).reshape(box_shape(box))
+                out.append((box, arr.astype(meta.dtype.numpy, copy=False)))
+            return out
+
+        inbox = self._exchange(tasks, fragments, error)
+
+        by_path: dict[str, list[_ObjectTask]] = {}
+        for obj in tasks.objects:
+            by_path.setdefault(obj.path, []).append(obj)
+
+        def write_tensor(apath: str) -> list[StoredObject]:
+            meta = metas[apath]
+            local = fragments(apath)
+            written = []
+            for obj in by_path[apath]:
+                data = _assemble(meta, obj, local, inbox)
+                try:
+                    written.append(write_object(store, meta, obj.coords, data,
+                                                hash_algorithm=self.hash_algorithm))
+                except OSError as exc:
+                    raise WriteError(f"writing {meta.object_key(obj.coords)} failed: {exc}",
+                                     path=store.location) from exc
+            return written
+
+        with ThreadPoolExecutor(self.workers or default_workers()) as pool:
+            stored = list(pool.map(write_tensor, sorted(by_path)))
+        store.flush()
+        for apath, objs in zip(sorted(by_path), stored, strict=True):
+            key = tasks.key_of[apath]
+            index = items_of[key][0].index if key in items_of else MetadataIndex(key)
+            results.append(WriteResult(
+                index=index, size_in_bytes=sum(o.nbytes for o in objs),
+                storage_data={"objects": [[o.key, o.nbytes, o.sha256] for o in objs]},
+            ))
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        store = self._require_store()
+        state = self._state
+        if state is None:
+            raise WriteError("finish() without a global plan: this UCPWriter was not the "
+                             "coordinator's", path=store.location)
+        objects: list[StoredObject] = []
+        value_of: dict[str, Any] = {}
+        raw_of: dict[str, tuple[bytes, str]] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                sd = wr.storage_data
+                if not isinstance(sd, Mapping):
+                    continue
+                for k, n, h in sd.get("objects", []):
+                    objects.append(StoredObject(str(k), int(n), h))
+                if "value" in sd:
+                    value_of[wr.index.fqn] = sd["value"]
+                if "bytes" in sd:
+                    raw_of[wr.index.fqn] = (bytes(sd["bytes"]), str(sd["encoding"]))
+        written = {o.key for o in objects}
+        missing = sorted(state.expected - written)
+        if missing:
+            raise WriteError(
+                f"{len(missing)} planned shards were not written (first: {missing[0]!r}); "
+                "nothing was committed", rule="UCP-1.0-R132", path=store.location,
+            )
+        absent = sorted(set(state.values) - set(value_of) - set(raw_of))
+        if absent:
+            raise WriteError(f"no rank wrote the value of {absent[:5]}; nothing was committed",
+                             rule="UCP-1.0-R132", path=store.location)
+
+        metas = dict(state.metas)
+        entries = dict(state.tensor_entries)
+        # raw bytes -> uint8 arrays, written here by the coordinator alone
+        for key, (raw, encoding) in sorted(raw_of.items()):
+            opath, target = state.values[key]
+            if target.param_entry is not None:
+                raise InvalidValueError("a param_groups entry holds bytes", path=key)
+            apath = node_path(target.logical)
+            if apath in metas:
+                raise InvalidValueError(f"{apath!r} is stored twice", path=key)
+            meta = _bytes_meta(apath, len(raw), self.compression, self.chunk_bytes,
+                               self.shard_bytes)
+            arr = np.frombuffer(raw, dtype=np.uint8)
+            for coords in object_coords(meta):
+                objects.append(write_object(store, meta, coords, arr[object_region(meta, coords)],
+                                            hash_algorithm=self.hash_algorithm))
+            metas[apath] = meta
+            entries[key] = Entry(opath, array=apath, encoding=encoding)
+
+        groups = {a for p in metas for a in ancestors(p)}
+        json_values = [
+            (state.values[k][0], state.values[k][1], v) for k, v in value_of.items()
+        ]
+        group_values, value_entries = assemble_values(json_values, groups)
+        for key, spec in state.tensor_values.items():
+            value_entries[key] = replace(value_entries[key], tensor=spec)
+        if self._optimizer_type is not None and "optimizer" in groups:
+            group_values.setdefault("optimizer", {}).setdefault("type", self._optimizer_type)
+        entries.update(value_entries)
+        check_groups_and_arrays(metas, groups)
+        _check_siblings([*metas, *groups])
+
+        _check_optimizer_values(group_values.get("optimizer", {}), metas)
+        roles = self._model_roles(group_values.get("optimizer", {}))
+        final_metas = []
+        for apath, meta in sorted(metas.items()):
+            top = apath.partition("/")[0]
+            role = roles.get(names.unescape(apath.partition("/")[2])) if top == "model" \
+                else _ROLES.get(top, "other")
+            if role is not None:
+                meta = replace(meta, attributes={**meta.attributes, "ucp": {
+                    **dict(meta.attributes.get("ucp", {})), "role": role}})
+            final_metas.append(meta)
+        group_metas = [
+            GroupMeta(g, {"ucp": {"values": group_values[g]}} if g in group_values else {})
+            for g in sorted(groups)
+        ]
+        root_ucp: dict[str, Any] = {
+            "producer": producer(),
+            "created": _now(),
+            "saved_by": {"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
+            RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()},
+        }
+        if self.metadata is not None:
+            root_ucp["metadata"] = jsonvalues.encode(self.metadata, where="metadata")
+        commit(store, arrays=final_metas, groups=group_metas, objects=objects,
+               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm)
+        self._state = None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _require_store(self) -> Store:
+        if self._store is None:
+            raise WriteError("UCPWriter is not set up (set_up_storage_writer was not called)")
+        return self._store
+
+    def _peers(self, world: int) -> list[int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise WriteError(
+                "shards must be assembled from several ranks' chunks, which needs "
+                "torch.distributed; pass UCPWriter(min_shard_bytes=0) to shard on chunk "
+                "boundaries instead"
+            )
+        group = self.process_group
+        size = dist.get_world_size(group)
+        if size != world:
+            raise WriteError(
+                f"DCP planned for {world} ranks but UCPWriter's process group has {size}; "
+                "pass UCPWriter(process_group=...) the group given to dcp.save"
+            )
+        if group is None:
+            return list(range(world))
+        return [dist.get_global_rank(group, r) for r in range(world)]
+
+    def _value_result(self, item: WriteItem, planner: SavePlanner) -> WriteResult:
+        key = item.index.fqn
+        lookup_object = getattr(planner, "lookup_object", None)
+        if callable(lookup_object):
+            obj = lookup_object(item.index)
+        else:  # a planner without the default planner's lookup: undo its torch.save
+            data = planner.resolve_data(item)
+            if not isinstance(data, io.BytesIO):
+                raise WriteError(f"resolve_data returned a {type(data).__name__}", path=key)
+            data.seek(0)
+            obj = torch.load(data, weights_only=True)
+        if isinstance(obj, bytes | bytearray | memoryview):
+            raw = bytes(obj)
+            return WriteResult(index=item.index, size_in_bytes=len(raw),
+                               storage_data={"bytes": raw, "encoding": "bytes"})
+        if isinstance(obj, io.BytesIO):
+            raw = obj.getvalue()
+            return WriteResult(index=item.index, size_in_bytes=len(raw),
+                               storage_data={"bytes": raw, "encoding": "bytesio"})
+        value = encode_value(obj, key=key)
+        return WriteResult(index=item.index, size_in_bytes=0, storage_data={"value": value})
+
+    def _exchange(
+        self,
+        tasks: _RankTasks,
+        fragments: Callable[[str], list[tuple[Box, np.ndarray[Any, Any]]]],
+        error: BaseException | None,
+    ) -> dict[tuple[str, Box], np.ndarray[Any, Any]]:
+        """Send the cells others need and receive the cells this rank's shards need.
+
+        Sizes follow from the plan, so every send and receive is posted even when this
+        rank has failed (``error``, or while reading a cell): it then sends zeros, and
+        raises once the exchange is over. Its failure reaches DCP, which then does not
+        call ``finish``: nothing is committed.
+        """
+        if not tasks.sends and not tasks.recvs:
+            if error is not None:
+                raise error
+            return {}
+        assert tasks.peers is not None
+        group = self.process_group
+        device = _p2p_device(group)
+        itemsize = {p: dtypes.by_name(doc["data_type"]).itemsize for p, doc in tasks.metas.items()}
+        numpy_type = {p: dtypes.by_name(doc["data_type"]).numpy for p, doc in tasks.metas.items()}
+        outgoing: dict[int, list[bytes]] = {}
+        cache: dict[str, list[tuple[Box, np.ndarray[Any, Any]]]] = {}
+        for owner, apath, cell in tasks.sends:
+            nbytes = box_size(cell) * itemsize[apath]
+            try:
+                if error is not None:
+                    raise error
+                if apath not in cache:
+                    cache[apath] = fragments(apath)
+                data = _extract(cache[apath], cell, apath)
+                outgoing.setdefault(owner, []).append(
+                    np.ascontiguousarray(data).reshape(-1).view(np.uint8).tobytes())
+            except BaseException as exc:  # still send, so that no owner waits forever
+                error = exc
+                outgoing.setdefault(owner, []).append(bytes(nbytes))
+        cache.clear()
+        expected: dict[int, int] = {}
+        for sender, apath, cell in tasks.recvs:
+            expected[sender] = expected.get(sender, 0) + box_size(cell) * itemsize[apath]
+        buffers = {src: torch.empty(n, dtype=torch.uint8, device=device)
+                   for src, n in expected.items()}
+        ops = [dist.P2POp(dist.irecv, buf, tasks.peers[src], group)
+               for src, buf in sorted(buffers.items())]
+        for dst, parts in sorted(outgoing.items()):
+            payload = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.isend, payload.to(device), tasks.peers[dst], group))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        if error is not None:
+            raise error
+        inbox: dict[tuple[str, Box], np.ndarray[Any, Any]] = {}
+        offsets = dict.fromkeys(buffers, 0)
+        host = {src: buf.cpu().numpy() for src, buf in buffers.items()}
+        for sender, apath, cell in tasks.recvs:
+            n = box_size(cell) * itemsize[apath]
+            raw = host[sender][offsets[sender]: offsets[sender] + n]
+            offsets[sender] += n
+            inbox[(apath, cell)] = raw.view(numpy_type[apath]).reshape(box_shape(cell))
+        return inbox
+
+    def _model_roles(self, optimizer_values: Mapping[str, Any]) -> dict[str, str]:
+        if self._roles:
+            return self._roles
+        roles: dict[str, str] = {}
+        groups = optimizer_values.get("param_groups", [])
+        for g in groups if isinstance(groups, list) else []:
+            params = g.get("params", []) if isinstance(g, Mapping) else []
+            for p in params if isinstance(params, list) else []:
+                if isinstance(p, str):
+                    roles[p] = "parameter"
+        return roles
+
+
+def _p2p_device(group: dist.ProcessGroup | None) -> torch.device:
+    pg = group if group is not None else dist.group.WORLD
+    types = getattr(pg, "_device_types", None)
+    if types and torch.device("cpu") not in types and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _extract(
+    local: Sequence[tuple[Box, np.ndarray[Any, Any]]], cell: Box, where: str
+) -> np.ndarray[Any, Any]:
+    for box, data in local:
+        if contains(box, cell):
+            rel = tuple((a - b0, b - b0) for (a, b), (b0, _) in zip(cell, box, strict=True))
+            return data[as_slices(rel)]
+    raise LayoutError(f"this rank holds no chunk containing {list(cell)}", rule="UCP-1.0-R131",
+                      tensor=where)
+
+
+def _assemble(
+    meta: ArrayMeta,
+    obj: _ObjectTask,
+    local: Sequence[tuple[Box, np.ndarray[Any, Any]]],
+    inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
+) -> np.ndarray[Any, Any]:
+    """The data of one stored object: a view of a local chunk, or pieced together."""
+    if not obj.remote:
+        for box, _ in local:
+            if contains(box, obj.region):
+                return _extract(local, obj.region, meta.path)
+    out = np.empty(box_shape(obj.region), dtype=meta.dtype.numpy)
+    for box, data in local:
+        inter = intersect(box, obj.region)
+        if inter is not None:
+            dst = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(inter, obj.region, strict=True))
+            out[as_slices(dst)] = _extract([(box, data)], inter, meta.path)
+    for _sender, cell in obj.remote:
+        dst = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(cell, obj.region, strict=True))
+        out[as_slices(dst)] = inbox[(meta.path, cell)]
+    return out
+
+
+def _bytes_meta(
+    path: str, size: int, compression: str | Mapping[str, Any] | None, chunk_bytes: int,
+    shard_bytes: int,
+) -> ArrayMeta:
+    dt = dtypes.by_name("uint8", tensor=path)
+    ch = chunking.choose((size,), 1, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+    return ArrayMeta(path=path, shape=(size,), dtype=dt, chunk_shape=ch.chunk_shape,
+                     shard_shape=ch.shard_shape, compression=Compression.parse(compression, dt),
+                     fill_value=zero_bits(dt), attributes={})
+
+
+def _check_optimizer_values(values: Mapping[str, Any], arrays: Mapping[str, ArrayMeta]) -> None:
+    """Refuse param groups the spec refuses (R081, R082), before anything is committed."""
+    if not values:
+        return
+    hint = ("save the optimizer state of torch.distributed.checkpoint.state_dict."
+            "get_state_dict / get_optimizer_state_dict, which names parameters by FQN")
+    for v in schemas.violations("optimizer", dict(values)):
+        raise InvalidValueError(f"optimizer values{v.pointer}: {v.message} ({hint})",
+                                rule=v.rule, path="optimizer")
+    model = {names.unescape(p.partition("/")[2]) for p in arrays
+             if p.startswith("model/") and p.count("/") == 1}
+    if not model:
+        return
+    for group in values.get("param_groups", []):
+        for param in group.get("params", []):
+            if param not in model:
+                raise InvalidValueError(
+                    f"param_groups names {param!r}, which is not a tensor of the model state "
+                    f"({hint})", rule="UCP-1.0-R082", path="optimizer",
+                )
+
+
+def _check_siblings(paths: Sequence[str]) -> None:
+    children: dict[str, list[str]] = {}
+    for p in paths:
+        parent, _, name = p.rpartition("/")
+        children.setdefault(parent, []).append(name)
+    for parent, kids in children.items():
+        names.check_case_collisions(kids, parent=parent)
+
+
+# -- the reader -----------------------------------------------------------------------------
+
+
+class UCPReader(StorageReader):
+    """Read a UCP checkpoint with ``torch.distributed.checkpoint.load``.
+
+    Any UCP checkpoint loads, not only those written by :class:`UCPWriter`: one written
+    by UCPWriter gets back exactly the keys it was saved with; for any other, the keys
+    are derived from the layout with ``key_map`` (default: ``model.<fqn>``,
+    ``optim.state.<fqn>.<state>``, ``optim.param_groups.<i>.<key>``, the contents of
+    ``training`` at the top level; :meth:`KeyMap.torchtitan` for torchtitan's keys).
+    Each tensor is one DCP chunk; each rank reads only the inner chunks that overlap the
+    regions its state dict needs.
+    """
+
+    def __init__(
+        self,
+        path: CheckpointId | None = None,
+        *,
+        key_map: KeyMap | None = None,
+        workers: int | None = None,
+        max_read_bytes: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.path: CheckpointId | None = path
+        self.key_map = key_map or KeyMap()
+        self.workers = workers
+        self.max_read_bytes = max_read_bytes
+        self._ckpt: Checkpoint | None = None
+        self._entries: dict[str, Entry] = {}
+
+    @property
+    def checkpoint_id(self) -> CheckpointId | None:
+        return self.path
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The open checkpoint (after ``read_metadata``); ``checkpoint.stats`` counts reads."""
+        if self._ckpt is None:
+            raise LoadError("UCPReader has not read the checkpoint's metadata yet")
+        return self._ckpt
+
+    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self.close()
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike) and os.path.isfile(
+            os.path.join(os.fspath(checkpoint_id), ZARR_JSON))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.path is None:
+            raise LoadError("UCPReader needs a path: UCPReader(path) or dcp.load(..., "
+                            "checkpoint_id=path)")
+        self.close()
+        ckpt = open_checkpoint(self.path, max_read_bytes=self.max_read_bytes,
+                               workers=self.workers)
+        self._ckpt = ckpt
+        self._entries = self._load_entries(ckpt)
+        md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for key, entry in self._entries.items():
+            if entry.tensor is not None:  # a small tensor stored as a JSON value
+                dtype_name, dims = entry.tensor
+            elif entry.array is None or entry.encoding is not None:
+                md[key] = BytesStorageMetadata()
+                continue
+            else:
+                meta = ckpt.arrays[entry.array]
+                dtype_name, dims = meta.dtype.name, meta.shape
+            shape = torch.Size(dims)
+            md[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype(dtype_name, tensor=key)),
+                size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
+            )
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data={k: e.path for k, e in self._entries.items()},
+            storage_meta=StorageMeta(checkpoint_id=os.fspath(self.path)),
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.checkpoint  # noqa: B018 - raises unless read_metadata ran
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ckpt = self.checkpoint
+        templates = getattr(planner, "state_dict", None)
+        tensor_items: list[ReadItem] = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                template = templates.get(item.dest_index.fqn) if isinstance(
+                    templates, Mapping) else None
+                buf = io.BytesIO()
+                torch.save(self._value(item.storage_index.fqn, template), buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+            else:
+                tensor_items.append(item)
+
+        def read(item: ReadItem) -> np.ndarray[Any, Any]:
+            entry = self._entry(item.storage_index.fqn)
+            base = item.storage_index.offset or ()
+            lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
+                if base else [int(o) for o in item.storage_offsets]
+            hi = [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
+            if entry.tensor is not None:
+                assert entry.group is not None
+                value = lookup(ckpt.values(entry.group), entry.pointer, where=entry.key)
+                dtype_name, dims = entry.tensor
+                full = np.asarray(value, dtype=dtypes.by_name(dtype_name).numpy)
+                if full.shape != dims:
+                    raise FormatError(f"the value has shape {list(full.shape)}, the entry "
+                                      f"says {list(dims)}", path=entry.key)
+                return full[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
+            assert entry.array is not None
+            return ckpt[entry.array].read_region(lo, hi)
+
+        window = 4 * (self.workers or default_workers())
+        with ThreadPoolExecutor(self.workers or default_workers()) as pool:
+            for start in range(0, len(tensor_items), window):
+                batch = tensor_items[start:start + window]
+                for item, region in zip(batch, pool.map(read, batch), strict=True):
+                    target = planner.resolve_tensor(item).detach()
+                    source = from_numpy(region, name=item.storage_index.fqn)
+                    if tuple(target.shape) != tuple(source.shape):
+                        raise LoadError(
+                            f"read {tuple(source.shape)} for a target of {tuple(target.shape)}",
+                            tensor=item.dest_index.fqn,
+                        )
+                    target.copy_(source)
+                    planner.commit_tensor(item, target)
+        return _done(None)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _entry(self, key: str) -> Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise LoadError(f"the checkpoint has no entry {key!r}", path=key)
+        return entry
+
+    def _load_entries(self, ckpt: Checkpoint) -> dict[str, Entry]:
+        record = ckpt.ucp.get(RECORD_KEY)
+        entries = record_from_json(record, where=ckpt.location) if record is not None else None
+        if entries is None:
+            group_values = {g: ckpt.values(g) for g in ckpt.groups}
+            model = ckpt.groups.get("model")
+            aliases = model.ucp.get("aliases", {}) if model is not None else {}
+            entries = derive_entries(
+                ckpt.arrays, group_values,
+                {str(a): str(t) for a, t in aliases.items() if isinstance(t, str)}
+                if isinstance(aliases, Mapping) else {},
+                self.key_map,
+            )
+        for key, entry in entries.items():
+            if entry.array is not None:
+                meta = ckpt.arrays.get(entry.array)
+                if meta is None:
+                    raise FormatError(f"entry {key!r} names the array {entry.array!r}, which the "
+                                      "checkpoint lacks", path=ckpt.location)
+                if entry.encoding is not None and (meta.dtype.name != "uint8"
+                                                   or len(meta.shape) != 1):
+                    raise FormatError(f"bytes entry {key!r} must be a 1-D uint8 array",
+                                      tensor=entry.array)
+            elif entry.group not in ckpt.groups:
+                raise FormatError(f"entry {key!r} names the group {entry.group!r}, which the "
+                                  "checkpoint lacks", path=ckpt.location)
+        return entries
+
+    def _value(self, key: str, template: Any) -> Any:
+        entry = self._entry(key)
+        ckpt = self.checkpoint
+        if entry.array is not None:
+            raw = ckpt[entry.array].read().tobytes()
+            return io.BytesIO(raw) if entry.encoding == "bytesio" else raw
+        assert entry.group is not None
+        values = ckpt.values(entry.group)
+        return like(template, lookup(values, entry.pointer, where=key))
+
+
+__all__ = ["KeyMap", "UCPReader", "UCPWriter"]

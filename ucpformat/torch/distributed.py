@@ -1,0 +1,771 @@
+"""Collective save and load of distributed PyTorch training state.
+
+Every rank calls :func:`save_distributed` (or :func:`load_distributed`) with its part of
+the model and optimizer: FSDP2 (``fully_shard``), tensor parallelism
+(``parallelize_module``), both on a 2-D mesh (strided shards), HSDP, DTensors of any
+``Shard`` / ``Replicate`` / strided placements with uneven shard sizes, and plain
+tensors (replicated: every rank holds them). The checkpoint is the same consolidated
+one that the single-process API (:mod:`ucpformat.torch.state`) writes, with the same
+layout (``model/<fqn>``, ``optimizer/state/<fqn>/<state>``, FQN ``param_groups``,
+``training``), so a checkpoint saved on N ranks with one layout loads on M ranks with
+another, or in a single process, and the other way round.
+
+Saving: the state dicts come from ``torch.distributed.checkpoint.state_dict``
+(``get_model_state_dict`` / ``get_optimizer_state_dict``: FQN keys, DTensor values).
+Each DTensor's local tensor is described, from its mesh, placements and global shape,
+as pieces of the consolidated tensor (:func:`ucpformat.layout.dtensor.dtensor_local_map`,
+checked against the local tensor's shape and torch's own
+``compute_local_shape_and_global_offset``). The format core's distributed writer
+(:func:`ucpformat.distributed.save_distributed`) then writes every stored object once,
+by one rank that holds it (replicas are written once), and rank 0 commits after every
+rank has succeeded.
+
+Loading: for every tensor of the target state dicts, each rank computes the part its
+target placements give it and reads only that (the inner chunks overlapping it), into
+the local tensor in place; then ``set_model_state_dict`` / ``set_optimizer_state_dict``.
+All names, shapes and types are checked on every rank, and the ranks agree on the
+outcome, before any tensor is modified.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from ucpformat import names
+from ucpformat.comm import Communicator
+from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec, read_local
+from ucpformat.distributed import save_distributed as _core_save_distributed
+from ucpformat.errors import (
+    InvalidValueError,
+    KeyMismatchError,
+    LayoutError,
+    LoadError,
+    ShapeMismatchError,
+)
+from ucpformat.layout.boxes import LocalMap, Piece, as_slices, box_size, full_box
+from ucpformat.layout.dtensor import (
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    dtensor_local_map,
+    placement_to_json,
+)
+from ucpformat.reader import Checkpoint
+from ucpformat.storage import Store
+from ucpformat.torch.comm import ProcessGroup, communicator
+from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
+from ucpformat.torch.state import (
+    LoadResult,
+    PathOrCheckpoint,
+    Stateful,
+    _ArrayRef,
+    _children,
+    _listing,
+    _opened,
+    _optimizer_entries,
+    _to_torch,
+    _values,
+    like,
+    qualified_name,
+    tied_aliases,
+    to_json,
+    unwrap,
+)
+
+#: Turns a rank's local tensor into the numpy array that is written (a view or a copy).
+Snapshot = Callable[[str, torch.Tensor], np.ndarray[Any, Any]]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _path(*logical: str) -> str:
+    """``names.path_of``, cached: the same names come back at every save."""
+    return names.path_of(*logical)
+
+
+# -- DTensor placements --------------------------------------------------------------------
+
+
+def placements_of(dt: DTensor, *, name: str | None = None) -> list[Placement]:
+    """A DTensor's placements in the layout language (torch ``_StridedShard`` included).
+
+    ``Partial`` (values pending a reduction) is refused (UCP-1.0-R114).
+    """
+    from torch.distributed.tensor.placement_types import (
+        Replicate as TorchReplicate,
+    )
+    from torch.distributed.tensor.placement_types import (
+        Shard as TorchShard,
+    )
+    from torch.distributed.tensor.placement_types import (
+        _StridedShard,
+    )
+
+    out: list[Placement] = []
+    for p in dt.placements:
+        if isinstance(p, _StridedShard):
+            out.append(StridedShard(int(p.dim), int(p.split_factor)))
+        elif isinstance(p, TorchShard):
+            out.append(Shard(int(p.dim)))
+        elif isinstance(p, TorchReplicate):
+            out.append(Replicate())
+        else:
+            raise LayoutError(
+                f"placement {p} is not Shard, Replicate or a strided shard; partial values "
+                "must be reduced before saving (redistribute the DTensor)",
+                rule="UCP-1.0-R114",
+                tensor=name,
+            )
+    return out
+
+
+_MapKey = tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...], tuple[int, ...],
+                tuple[int, ...]]
+_LOCAL_MAPS: dict[_MapKey, LocalMap] = {}
+
+
+def local_map_of(dt: DTensor, *, name: str | None = None) -> LocalMap | None:
+    """This rank's local tensor of ``dt`` as pieces of the global tensor (None: not in mesh).
+
+    The map is checked against the local tensor's shape and, where it is one box, against
+    torch's ``compute_local_shape_and_global_offset``: a disagreement is an error, never a
+    silently misplaced shard. Checked maps are cached by global shape, mesh, placements,
+    coordinates and local shape (a save repeats them all).
+    """
+    mesh = dt.device_mesh
+    coords = mesh.get_coordinate()
+    if coords is None:
+        return None
+    placements = tuple(placements_of(dt, name=name))
+    global_shape = tuple(int(n) for n in dt.shape)
+    local_shape = tuple(int(n) for n in dt.to_local().shape)
+    key = (global_shape, tuple(int(n) for n in mesh.shape), placements,
+           tuple(int(c) for c in coords), local_shape)
+    cached = _LOCAL_MAPS.get(key)
+    if cached is not None:
+        return cached
+    lm = dtensor_local_map(global_shape, key[1], placements, key[3], tensor=name)
+    if local_shape != lm.local_shape:
+        raise LayoutError(
+            f"the local tensor has shape {list(local_shape)}, but placements "
+            f"{list(dt.placements)} on mesh {list(mesh.shape)} at {list(coords)} give "
+            f"{list(lm.local_shape)}",
+            rule="UCP-1.0-R114",
+            tensor=name,
+        )
+    _check_against_torch(dt, lm, name)
+    if len(_LOCAL_MAPS) > 1 << 16:
+        _LOCAL_MAPS.clear()
+    _LOCAL_MAPS[key] = lm
+    return lm
+
+
+def _check_against_torch(dt: DTensor, lm: LocalMap, name: str | None) -> None:
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            dt.shape, dt.device_mesh, dt.placements
+        )
+    except Exception:  # a private helper: its absence must not stop a save
+        return
+    shape = tuple(int(n) for n in shape)
+    if shape != lm.local_shape:
+        raise LayoutError(
+            f"torch computes local shape {list(shape)}, the layout language "
+            f"{list(lm.local_shape)} (placements {list(dt.placements)})",
+            rule="UCP-1.0-R114", tensor=name,
+        )
+    if math.prod(lm.local_shape) and len(lm.pieces) == 1 and lm.pieces[0].local == full_box(
+        lm.local_shape
+    ):
+        mine = tuple(a for a, _ in lm.pieces[0].glob)
+        theirs = tuple(int(o) for o in offset)
+        if mine != theirs:
+            raise LayoutError(
+                f"torch places this rank's shard at offset {list(theirs)}, the layout "
+                f"language at {list(mine)} (placements {list(dt.placements)})",
+                rule="UCP-1.0-R114", tensor=name,
+            )
+
+
+def _whole(shape: tuple[int, ...]) -> LocalMap:
+    box = full_box(shape)
+    return LocalMap(shape, (Piece(box, box),) if math.prod(shape) or not shape else ())
+
+
+def _saved_with(dt: DTensor) -> dict[str, Any]:
+    """Informative: the mesh and placements a DTensor was saved with."""
+    mesh = dt.device_mesh
+    doc: dict[str, Any] = {
+        "mesh": [int(n) for n in mesh.shape],
+        "placements": [placement_to_json(p) for p in placements_of(dt)],
+    }
+    if mesh.mesh_dim_names:
+        doc["mesh_dim_names"] = list(mesh.mesh_dim_names)
+    return doc
+
+
+# -- what a rank holds ------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    path: str  # node path
+    tensor: torch.Tensor  # a DTensor or a plain tensor (replicated)
+    role: str
+    only_rank: int | None = None  # extra training tensors: rank 0's values are stored
+
+
+@dataclass
+class _State:
+    items: list[_Item] = field(default_factory=list)
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> attributes.ucp
+
+    def values(self, group: str) -> dict[str, Any]:
+        values: dict[str, Any] = self.groups.setdefault(group, {}).setdefault("values", {})
+        return values
+
+
+def _model_fqns(model: torch.nn.Module) -> tuple[set[str], Callable[[str], str]]:
+    """Parameter FQNs (as ``get_model_state_dict`` names them) and the name normaliser."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        def canonical(name: str) -> str:
+            fqns = _get_fqns(model, name)
+            return next(iter(fqns)) if len(fqns) == 1 else name
+    except ImportError:  # pragma: no cover - private helper moved
+
+        def canonical(name: str) -> str:
+            return name
+
+    params = {canonical(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    return params, canonical
+
+
+def _check_tensor(value: torch.Tensor, where: str) -> None:
+    kind = type(value).__name__
+    if kind == "ShardedTensor":
+        raise InvalidValueError(
+            "is a ShardedTensor (FSDP1 / sharded state dict); ucpformat.torch saves DTensor "
+            "state (FSDP2 fully_shard, parallelize_module)", tensor=where,
+        )
+
+
+def collect_state(
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Stateful | None = None,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> _State:
+    """The tensors (DTensors or plain) and JSON values of a training state, by node path."""
+    state = _State()
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    if optimizer is not None and model is None:
+        raise InvalidValueError("saving an optimizer needs model= (it names the parameters)")
+    if model is not None:
+        msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
+        params, _ = _model_fqns(model)
+        aliases = tied_aliases(unwrap(model), list(msd))
+        if aliases:
+            state.groups.setdefault("model", {})["aliases"] = aliases
+        state.groups.setdefault("model", {})
+        for fqn, value in msd.items():
+            where = f"model/{fqn}"
+            if fqn in aliases:
+                continue
+            if isinstance(value, torch.Tensor):
+                _check_tensor(value, where)
+                role = "parameter" if fqn in params else "buffer"
+                state.items.append(_Item(_path("model", fqn), value, role))
+            else:
+                state.values("model")[fqn] = to_json(value, where=where)
+    if optimizer is not None:
+        assert model is not None
+        osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
+        param_groups = []
+        for gi, group in enumerate(osd.get("param_groups", [])):
+            doc = {
+                k: to_json(v, where=f"optimizer/param_groups[{gi}].{k}")
+                for k, v in group.items()
+                if k != "params"
+            }
+            doc["params"] = [str(p) for p in group["params"]]
+            param_groups.append(doc)
+        state.values("optimizer").update(
+            {"type": qualified_name(optimizer), "param_groups": param_groups}
+        )
+        for fqn, entries in osd.get("state", {}).items():
+            group_path = _path("optimizer", "state", str(fqn))
+            state.groups.setdefault(group_path, {})
+            for key, value in entries.items():
+                where = f"optimizer/state/{fqn}/{key}"
+                if not isinstance(key, str):
+                    raise InvalidValueError(f"state names must be strings, got {key!r}",
+                                            path=f"optimizer/state/{fqn}")
+                if isinstance(value, torch.Tensor):
+                    _check_tensor(value, where)
+                    path = _path("optimizer", "state", str(fqn), key)
+                    state.items.append(_Item(path, value, "optimizer_state"))
+                else:
+                    state.values(group_path)[key] = to_json(value, where=where)
+    if step is not None or scheduler is not None or extra:
+        state.groups.setdefault("training", {})
+    if step is not None:
+        state.values("training")["step"] = int(step)
+    if scheduler is not None:
+        state.values("training")["scheduler"] = to_json(
+            scheduler.state_dict(), where="training/scheduler"
+        )
+    for key, value in (extra or {}).items():
+        if key in state.groups.get("training", {}).get("values", {}):
+            raise InvalidValueError(f"extra[{key!r}] would replace training/{key}",
+                                    path="training")
+        _collect_extra(state, ("training", str(key)), value)
+    return state
+
+
+def _collect_extra(state: _State, where: tuple[str, ...], value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, DTensor):
+            state.items.append(_Item(_path(*where), value, "training_state"))
+        else:
+            state.items.append(_Item(_path(*where), value, "training_state", only_rank=0))
+        return
+    if isinstance(value, Mapping) and any(
+        isinstance(v, torch.Tensor | Mapping) for v in value.values()
+    ):
+        state.groups.setdefault(_path(*where), {})
+        for k, v in value.items():
+            _collect_extra(state, (*where, str(k)), v)
+        return
+    parent = _path(*where[:-1])
+    state.values(parent)[where[-1]] = to_json(value, where="/".join(where))
+
+
+def _plain_copy(path: str, t: torch.Tensor) -> np.ndarray[Any, Any]:
+    return to_numpy(t, name=path)
+
+
+def fragments_of(
+    state: _State, rank: int, snapshot: Snapshot = _plain_copy
+) -> tuple[list[TensorSpec], list[Fragment]]:
+    """The tensor specs and this rank's fragments (values from ``snapshot``)."""
+    specs: list[TensorSpec] = []
+    frags: list[Fragment] = []
+    for item in state.items:
+        t = item.tensor
+        dt = data_type(t.dtype, tensor=item.path)
+        ucp: dict[str, Any] = {"role": item.role}
+        if isinstance(t, DTensor):
+            ucp["saved_with"] = _saved_with(t)
+            lm = local_map_of(t, name=item.path)
+            pieces = lm.pieces if lm is not None else ()
+            local = t.to_local()
+        else:
+            pieces = _whole(tuple(t.shape)).pieces
+            local = t
+            if item.only_rank is not None and item.only_rank != rank:
+                pieces = ()
+        specs.append(TensorSpec(item.path, tuple(int(n) for n in t.shape), dt.name, {"ucp": ucp}))
+        pieces = tuple(p for p in pieces if box_size(p.glob))
+        if not pieces:
+            continue
+        arr = snapshot(item.path, local.detach())
+        for p in pieces:
+            data = arr[as_slices(p.local)] if arr.ndim else arr
+            frags.append(Fragment(item.path, p.glob, data))
+    return specs, frags
+
+
+# -- save -------------------------------------------------------------------------------------
+
+
+def save_distributed(
+    path: str | os.PathLike[str] | Store,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Stateful | None = None,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    group: ProcessGroup | None = None,
+    **save_kwargs: Any,
+) -> DistributedSaveResult:
+    """Collective: every rank of ``group`` calls it; one consolidated checkpoint results.
+
+    ``model`` may be FSDP2-sharded, tensor-parallel, both, or plain; ``optimizer`` is
+    saved by parameter FQN; ``scheduler`` and ``step`` go to ``training``; ``extra``
+    entries too (JSON values; tensors are taken from rank 0, DTensors from every rank).
+    ``group`` carries the checkpoint's collectives (default: the world; see
+    :func:`ucpformat.torch.comm.checkpoint_group`). ``save_kwargs`` go to
+    :func:`ucpformat.distributed.save_distributed` (``overwrite``, ``compression``,
+    ``hash_algorithm``, ...). Without torch.distributed it saves as one process.
+    """
+    comm = communicator(group)
+    state = collect_state(
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
+    )
+    specs, frags = fragments_of(state, comm.rank)
+    return write_collected(path, comm, state, specs, frags, metadata=metadata, **save_kwargs)
+
+
+def write_collected(
+    path: str | os.PathLike[str] | Store,
+    comm: Communicator,
+    state: _State,
+    specs: list[TensorSpec],
+    frags: list[Fragment],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    **save_kwargs: Any,
+) -> DistributedSaveResult:
+    """The collective write of collected state (shared by the sync and async paths)."""
+    return _core_save_distributed(
+        path,
+        comm,
+        specs=specs,
+        fragments=frags,
+        group_attributes=state.groups,
+        metadata=metadata,
+        **save_kwargs,
+    )
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Read:
+    path: str  # node path in the checkpoint
+    target: torch.Tensor  # DTensor or plain tensor, filled in place
+
+
+@dataclass
+class _LoadPlan:
+    reads: list[_Read] = field(default_factory=list)
+    model_sd: dict[str, Any] | None = None
+    optim_sd: dict[str, Any] | None = None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    missing_optimizer: list[str] = field(default_factory=list)
+    unexpected_optimizer: list[str] = field(default_factory=list)
+
+
+def _check_shape(ckpt: Checkpoint, path: str, target: torch.Tensor) -> None:
+    stored = ckpt.arrays[path].shape
+    if tuple(int(n) for n in target.shape) != stored:
+        raise ShapeMismatchError(
+            f"stored shape {list(stored)} differs from the target's {list(target.shape)}",
+            tensor=path,
+        )
+
+
+def _plan_model(
+    ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool
+) -> dict[str, Any]:
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
+    if "model" not in ckpt.groups:
+        if strict:
+            raise KeyMismatchError("the checkpoint has no model group; pass strict=False to "
+                                   "load the rest anyway", path=ckpt.location)
+        plan.missing = list(msd)
+        return msd
+    stored = _children(ckpt, "model")
+    meta = ckpt.groups.get("model")
+    for alias, target in (meta.ucp.get("aliases", {}) if meta else {}).items():
+        if isinstance(target, str) and target in stored and alias not in stored:
+            stored[str(alias)] = stored[target]
+    values = _values(ckpt, "model")
+    plan.missing = [k for k in msd if k not in stored and k not in values]
+    plan.unexpected = [k for k in [*stored, *values] if k not in msd]
+    if strict and (plan.missing or plan.unexpected):
+        parts = []
+        if plan.missing:
+            parts.append(f"missing from the checkpoint: {_listing(plan.missing)}")
+        if plan.unexpected:
+            parts.append(f"not in the model: {_listing(plan.unexpected)}")
+        raise KeyMismatchError(
+            "the checkpoint's model tensors differ from the model's state dict ("
+            + "; ".join(parts) + "); pass strict=False to load the common ones",
+            path=ckpt.location,
+        )
+    for fqn, current in msd.items():
+        if fqn in values:
+            msd[fqn] = like(current, values[fqn])
+            continue
+        path = stored.get(fqn)
+        if path is None:
+            continue
+        if not isinstance(current, torch.Tensor):
+            raise LoadError(f"the checkpoint stores a tensor, the model's state dict has a "
+                            f"{type(current).__name__}", tensor=path)
+        _check_tensor(current, path)
+        _check_shape(ckpt, path, current)
+        plan.reads.append(_Read(path, current))
+    return msd
+
+
+def _plan_optimizer(
+    ckpt: Checkpoint,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: _LoadPlan,
+    strict: bool,
+) -> dict[str, Any] | None:
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    current_groups: list[dict[str, Any]] = list(osd.get("param_groups", []))
+    current = [str(f) for g in current_groups for f in g["params"]]
+    if "optimizer" not in ckpt.groups:
+        if strict:
+            raise KeyMismatchError("the checkpoint has no optimizer group; pass strict=False "
+                                   "to load the rest anyway", path=ckpt.location)
+        plan.missing_optimizer = current
+        return None
+    saved: dict[str, Any] = ckpt.values("optimizer")
+    saved_type = saved.get("type")
+    if strict and saved_type != qualified_name(optimizer):
+        raise LoadError(
+            f"the checkpoint holds the state of a {saved_type!r} optimizer, not of a "
+            f"{qualified_name(optimizer)!r}; pass strict=False to load it anyway",
+            path="optimizer",
+        )
+    saved_groups = saved.get("param_groups", [])
+    if not isinstance(saved_groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in saved_groups
+    ):
+        raise LoadError("optimizer param_groups is missing or malformed",
+                        rule="UCP-1.0-R081", path="optimizer")
+    group_of = {str(f): gi for gi, g in enumerate(saved_groups) for f in g["params"]}
+    current_set = set(current)
+    plan.missing_optimizer = [f for f in current if f not in group_of]
+    plan.unexpected_optimizer = [f for f in group_of if f not in current_set]
+    if strict and (plan.missing_optimizer or plan.unexpected_optimizer):
+        parts = []
+        if plan.missing_optimizer:
+            parts.append(f"the checkpoint has no param group for "
+                         f"{_listing(plan.missing_optimizer)}")
+        if plan.unexpected_optimizer:
+            parts.append(f"the optimizer does not hold {_listing(plan.unexpected_optimizer)}")
+        raise KeyMismatchError(
+            "the optimizer's parameters differ from the checkpoint's ("
+            + "; ".join(parts) + "); pass strict=False to load the common ones",
+            path="optimizer",
+        )
+    entries = _optimizer_entries(ckpt)
+    params = _param_tensors(model)
+    groups: list[dict[str, Any]] = []
+    state: dict[str, dict[str, Any]] = {}
+    for gi, group in enumerate(current_groups):
+        fqns = [str(f) for f in group["params"]]
+        sources = sorted({group_of[f] for f in fqns if f in group_of})
+        if len(sources) > 1:
+            raise LoadError(
+                f"param group {gi} of the optimizer holds parameters of the checkpoint's "
+                f"param groups {sources}, whose hyperparameters may differ",
+                path="optimizer",
+            )
+        if sources:
+            hyper = {k: like(group.get(k), v) for k, v in saved_groups[sources[0]].items()
+                     if k != "params"}
+        else:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper["params"] = list(group["params"])
+        groups.append(hyper)
+        for fqn in fqns:
+            cur: dict[str, Any] = dict(osd.get("state", {}).get(fqn, {}))
+            if fqn not in group_of:  # strict=False: keep what the optimizer has
+                if cur:
+                    state[fqn] = cur
+                continue
+            entry = entries.get(fqn)
+            if entry is None:
+                continue  # stateless in the checkpoint: no state after loading either
+            new: dict[str, Any] = {}
+            for key, value in entry.items():
+                where = f"optimizer/state/{fqn}/{key}"
+                if isinstance(value, _ArrayRef):
+                    target = cur.get(key)
+                    if not isinstance(target, torch.Tensor):
+                        target = _new_state_tensor(ckpt, value.path, params.get(fqn))
+                    _check_tensor(target, where)
+                    _check_shape(ckpt, value.path, target)
+                    plan.reads.append(_Read(value.path, target))
+                    new[key] = target
+                else:
+                    new[key] = like(cur.get(key), value)
+            state[fqn] = new
+    return {"state": state, "param_groups": groups}
+
+
+def _param_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    _, canonical = _model_fqns(model)
+    return {canonical(n): p for n, p in model.named_parameters()}
+
+
+def _new_state_tensor(
+    ckpt: Checkpoint, path: str, param: torch.Tensor | None
+) -> torch.Tensor:
+    """A tensor to read a state into that the live optimizer lacks: laid out like its
+    parameter if it has the parameter's shape, else whole on every rank."""
+    meta = ckpt.arrays[path]
+    dtype = data_type_torch(meta.dtype.name)
+    if (
+        isinstance(param, DTensor)
+        and tuple(int(n) for n in param.shape) == meta.shape
+    ):
+        local = torch.empty(param.to_local().shape, dtype=dtype, device=param.to_local().device)
+        return DTensor.from_local(local, param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+    device = param.device if param is not None and meta.shape else torch.device("cpu")
+    return torch.empty(meta.shape, dtype=dtype, device=device)
+
+
+def data_type_torch(name: str) -> torch.dtype:
+    return torch_dtype(name)
+
+
+def _read_into(ckpt: Checkpoint, read: _Read) -> None:
+    target = read.target
+    if isinstance(target, DTensor):
+        lm = local_map_of(target, name=read.path)
+        if lm is None:
+            return
+        local = target.to_local()
+    else:
+        lm = _whole(tuple(int(n) for n in target.shape))
+        local = target
+    if local.numel() == 0:
+        return
+    stored = ckpt.arrays[read.path].dtype
+    if (
+        local.device.type == "cpu"
+        and local.is_contiguous()
+        and not local.is_conj()
+        and not local.is_neg()
+        and local.dtype == torch_dtype(stored.name)
+    ):
+        # zero-copy: chunks are decoded (or uncompressed row blocks read) straight into
+        # the local tensor's memory, which to_numpy shares
+        read_local(ckpt, read.path, lm, out=to_numpy(local, name=read.path))
+        return
+    values = read_local(ckpt, read.path, lm)
+    with torch.no_grad():
+        local.copy_(from_numpy(values, name=read.path))
+
+
+def _agree(comm: Communicator, error: BaseException | None, stage: str) -> None:
+    """Collective: raise on every rank if any rank failed (its own error where it has one)."""
+    reports = comm.allgather("" if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, e) for r, e in enumerate(reports) if e]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+    raise LoadError(f"loading failed on other ranks while {stage} ({detail})")
+
+
+def load_distributed(
+    path: PathOrCheckpoint,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Stateful | None = None,
+    strict: bool = True,
+    group: ProcessGroup | None = None,
+    map_location: str | torch.device = "cpu",
+) -> LoadResult:
+    """Collective: load a checkpoint into a model and optimizer laid out in any way.
+
+    Each rank reads only the regions its DTensors' placements give it (plain tensors:
+    the whole tensor), whatever layout and world size saved the checkpoint (or a single
+    process). Names, shapes and the optimizer type are checked on every rank and the
+    ranks agree before anything is modified (``strict=False`` loads what matches and
+    lists the rest). Model-only loading: pass no optimizer. Tensors of ``training/``
+    come back on ``map_location``.
+    """
+    comm = communicator(group)
+    if optimizer is not None and model is None:
+        raise InvalidValueError("loading an optimizer needs model= (it names the parameters)")
+    with _opened(path) as ckpt:
+        start = ckpt.stats.bytes_read
+        plan = _LoadPlan()
+        error: BaseException | None = None
+        training_values: dict[str, Any] = {}
+        training: dict[str, Any] = {}
+        try:
+            if model is not None:
+                plan.model_sd = _plan_model(ckpt, model, plan, strict)
+            if optimizer is not None:
+                assert model is not None
+                plan.optim_sd = _plan_optimizer(ckpt, model, optimizer, plan, strict)
+            training_values = _values(ckpt, "training")
+            if scheduler is not None and "scheduler" not in training_values and strict:
+                raise KeyMismatchError("the checkpoint holds no scheduler state "
+                                       "(training/scheduler); pass strict=False to load the "
+                                       "rest anyway", path=ckpt.location)
+            for read in plan.reads:  # placements that cannot be laid out fail here
+                if isinstance(read.target, DTensor):
+                    local_map_of(read.target, name=read.path)
+        except BaseException as exc:
+            error = exc
+        _agree(comm, error, "checking the checkpoint")
+        try:
+            for read in plan.reads:
+                _read_into(ckpt, read)
+            training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
+        except BaseException as exc:
+            error = exc
+        _agree(comm, error, "reading")
+        options = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
+        if model is not None and plan.model_sd is not None:
+            set_model_state_dict(model, plan.model_sd, options=options)
+        if optimizer is not None and plan.optim_sd is not None:
+            assert model is not None
+            set_optimizer_state_dict(model, optimizer, plan.optim_sd, options=options)
+        if scheduler is not None and "scheduler" in training_values:
+            scheduler.load_state_dict(like(scheduler.state_dict(), training_values["scheduler"]))
+        step = training.get("step")
+        return LoadResult(
+            step=int(step) if isinstance(step, int) else None,
+            training=_to_torch(training, map_location, "training"),
+            metadata=ckpt.metadata,
+            missing_keys=plan.missing,
+            unexpected_keys=plan.unexpected,
+            missing_optimizer_params=plan.missing_optimizer,
+            unexpected_optimizer_params=plan.unexpected_optimizer,
+            bytes_read=ckpt.stats.bytes_read - start,
+        )
+
+
+__all__ = [
+    "collect_state",
+    "fragments_of",
+    "load_distributed",
+    "local_map_of",
+    "placements_of",
+    "save_distributed",
+]
