@@ -38,10 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     from ucpformat.testing.hostile import make_fixture
     from ucpformat.validation import validate
 
-    # ucpformat is imported already (``python -m`` imports the package first): instrument
-    # every loaded module's code for coverage instead of instrumenting imports.
-    atheris.instrument_all()
-
     tmp = tempfile.TemporaryDirectory()
     fx = make_fixture(Path(tmp.name))
     root = fx.root
@@ -54,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"seed-{n}").write_bytes(bytes([n]) + fx.files[key])
         print(f"wrote {len(SLOTS)} seed inputs to {out}")
         return 0
+
+    # ucpformat is imported already (``python -m`` imports the package first): instrument
+    # every loaded module's code for coverage instead of instrumenting imports (slow: a
+    # minute or two).
+    atheris.instrument_all()
 
     def one_input(data: bytes) -> None:
         if not data:
