@@ -205,26 +205,20 @@ def choose_grid(
     min_shard_bytes: int,
 ) -> chunking.Chunking:
     shape = spec.shape
+    single_writer = chunking.choose(
+        shape,
+        itemsize,
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        split_dims=_split_dims(spec),
+    )
     if len(shape) == 0 or math.prod(shape) == 0:
-        return chunking.choose(
-            shape,
-            itemsize,
-            chunk_bytes=chunk_bytes,
-            shard_bytes=shard_bytes,
-            split_dims=_split_dims(spec),
-        )
+        return single_writer
     nbytes = math.prod(shape) * itemsize
     edges = _aligned_edges(shape, cuts)
     count = math.prod(-(-n // e) for n, e in zip(shape, edges, strict=True))
     if count > 1 and count > max(1, nbytes // min_shard_bytes):
-        # Too fine: write a coarse grid and exchange boundary cells.
-        return chunking.choose(
-            shape,
-            itemsize,
-            chunk_bytes=chunk_bytes,
-            shard_bytes=shard_bytes,
-            split_dims=_split_dims(spec),
-        )
+        return single_writer  # too fine: a coarse grid, and boundary cells are exchanged
     edges = _cap_edges(edges, itemsize, shard_bytes)
     if count == 1 and nbytes <= chunk_bytes:
         return chunking.Chunking(tuple(max(1, n) for n in shape), None)

@@ -176,21 +176,14 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         try:
-            views = [memoryview(b).cast("B") for b in buffers]
-            views = [v for v in views if len(v)]
+            views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
             total = 0
             while views:
                 n = os.preadv(fd, views[:1024], offset + total)
                 if n == 0:
                     break
                 total += n
-                while n and views:
-                    if n >= len(views[0]):
-                        n -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][n:]
-                        n = 0
+                _advance(views, n)
             return total
         finally:
             os.close(fd)
@@ -290,18 +283,22 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def _write_all(fd: int, buffers: Sequence[Any]) -> int:
     views = [memoryview(b).cast("B") for b in buffers]
     total = sum(len(v) for v in views)
     while views:
-        n = os.writev(fd, views[:1024])
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, os.writev(fd, views[:1024]))
     return total
 
 
