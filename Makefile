@@ -11,7 +11,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 MEGATRON_PIN ?= megatron-core==0.16.1
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test lint typecheck bench bench-quick stress clean conformance-cases
+.PHONY: install demo test lint typecheck bench bench-quick stress fuzz clean conformance-cases
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +46,19 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
+# Long modes of the reliability harnesses (each prints its figures; see docs/reliability.md).
+stress: $(STAMP)
+	$(BIN)/python -m ucpformat.testing.faults --trials 300 --gloo-trials 20
+	$(BIN)/python -m ucpformat.testing.corruption --trials 2000
+	$(BIN)/python -m ucpformat.testing.hostile --examples 500
+
+# Coverage-guided fuzzing with atheris (not part of make test): FUZZ_RUNS inputs.
+FUZZ_RUNS ?= 20000
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[fuzz]"
+	mkdir -p .fuzz-corpus
+	$(BIN)/python -m ucpformat.testing.fuzz_atheris --seed-corpus .fuzz-corpus
+	$(BIN)/python -m ucpformat.testing.fuzz_atheris -atheris_runs=$(FUZZ_RUNS) -timeout=20 .fuzz-corpus
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .fuzz-corpus

@@ -178,12 +178,18 @@ class ChunkCodec:
     def _decompress(self, payload: memoryview, nbytes: int) -> memoryview:
         """Decompress into at most ``nbytes`` (plus one, to tell "too long"): a hostile chunk
         of a few KB that expands to gigabytes (a decompression bomb) is refused before it
-        is expanded (spec UCP-1.0-R090)."""
+        is expanded (spec UCP-1.0-R090, UCP-1.0-R093)."""
         assert self.compression is not None and self._numcodec is not None
         name = self.compression.name
         if name == "gzip":
             return memoryview(_gunzip(payload, nbytes))
         declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
+        if name == "blosc" and _blosc_cbytes(payload) != len(payload):
+            # c-blosc trusts this header field and would read past the buffer (R093)
+            raise ValueError(
+                f"its blosc header says {_blosc_cbytes(payload)} compressed bytes, it holds "
+                f"{len(payload)}"
+            )
         if declared is not None and declared != nbytes:
             raise ValueError(f"it declares {declared} decompressed bytes, expected {nbytes}")
         out = np.empty(nbytes, dtype=np.uint8)
@@ -215,6 +221,11 @@ def _blosc_nbytes(data: Any) -> int:
     if len(view) < 16:
         raise ValueError("the blosc header is truncated")
     return int.from_bytes(view[4:8], "little")
+
+
+def _blosc_cbytes(data: Any) -> int:
+    """The compressed size a blosc (1.x) buffer declares (its header is checked already)."""
+    return int.from_bytes(memoryview(data).cast("B")[12:16], "little")
 
 
 _ZSTD_MAGIC = 0xFD2FB528

@@ -149,6 +149,9 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         try:
+            # Never allocate for more than the file holds: a hostile shard index may ask
+            # for 2**60 bytes (UCP-1.0-R094).
+            length = max(0, min(length, os.fstat(fd).st_size - offset))
             return _pread_all(fd, length, offset)
         finally:
             os.close(fd)
@@ -310,15 +313,25 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def open_store(location: str | os.PathLike[str] | Store, *, durable: bool = True) -> Store:
-    """A Store for a path (or an existing Store, returned as is)."""
+def open_store(
+    location: str | os.PathLike[str] | Store,
+    *,
+    durable: bool = True,
+    storage_options: Any = None,
+) -> Store:
+    """A Store for a path or URL (or an existing Store, returned as is).
+
+    A URL such as ``s3://bucket/prefix`` (any protocol fsspec knows, with its package
+    installed: s3fs for S3) gives an :class:`~ucpformat.storage_fsspec.FsspecStore`;
+    ``storage_options`` go to fsspec (credentials, ``client_kwargs``, ...).
+    """
     if isinstance(location, Store):
         return location
     text = os.fspath(location)
     if "://" in text and not text.startswith("file://"):
-        raise UnsafePathError(
-            f"no storage backend for {text!r}; local paths are supported", rule=None
-        )
+        from ucpformat.storage_fsspec import FsspecStore
+
+        return FsspecStore(text, storage_options=storage_options)
     if text.startswith("file://"):
         text = text[len("file://") :]
     return LocalStore(text, durable=durable)

@@ -26,6 +26,7 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_depth,
     loads,
     parse_array,
     parse_group,
@@ -114,12 +115,18 @@ def validate(
     deep: bool = False,
     progress: bool | Callable[[int], None] = False,
     workers: int = 4,
+    max_read_bytes: int | None = None,
 ) -> Report:
-    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report)."""
+    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report).
+
+    ``max_read_bytes`` bounds what a deep validation decodes at once (one stored object;
+    default: the physical memory, as for ``open``).
+    """
     store = open_store(path, durable=False)
     report = Report(store.location, deep=deep)
     try:
-        _validate(store, report, deep=deep, progress=progress, workers=workers)
+        _validate(store, report, deep=deep, progress=progress, workers=workers,
+                  max_read_bytes=max_read_bytes)
     except UCPError as exc:  # a problem that stops validation early
         report.add_error(exc, "/")
     return report
@@ -132,6 +139,7 @@ def _validate(
     deep: bool,
     progress: bool | Callable[[int], None],
     workers: int,
+    max_read_bytes: int | None = None,
 ) -> None:
     raw = store.get(ZARR_JSON)
     if raw is None:
@@ -143,6 +151,7 @@ def _validate(
         report.add("UCP-1.0-R051", "/", f"not a committed checkpoint: {why}")
         return
     doc = loads(raw, what=ZARR_JSON)
+    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (R096)
     for v in schemas.violations("root", doc):
         report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
     if not isinstance(doc, Mapping):
@@ -177,11 +186,13 @@ def _validate(
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
+    if manifest is not None:
+        _check_root_seal(doc, manifest, report)
     if deep:
         # Also when shallow checks failed: every file and every array that parsed is still
         # read, so one run reports all the damage.
         root = parse_group("", doc, root=True)
-        ckpt = Checkpoint(store, root, arrays, groups)
+        ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
         _deep(ckpt, manifest, report, progress=progress, workers=workers)
 
 
@@ -246,11 +257,43 @@ def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> N
             continue
         try:
             own = loads(raw, what=f"{path}/{ZARR_JSON}")
+            check_depth(own, what=f"{path}/{ZARR_JSON}")
         except UCPError as exc:
             report.add_error(exc, path)
             continue
-        if own != node:
+        if not json_equal(own, node):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of JSON values: ``1``, ``1.0`` and ``true`` are three different values."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:
+    """UCP-1.0-R045: the root's attributes equal the copy in the (digest-sealed) manifest."""
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, Mapping) or not isinstance(attrs.get("ucp"), Mapping):
+        return  # reported already (R002)
+    actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items() if k != "manifest"}}
+    sealed = manifest.get("root_attributes")
+    if sealed is None:
+        report.add("UCP-1.0-R045", ZARR_JSON,
+                   "the manifest holds no copy of the root's attributes (root_attributes)")
+    elif not json_equal(sealed, actual):
+        sealed_ucp = sealed.get("ucp") if isinstance(sealed, Mapping) else None
+        sealed_ucp = sealed_ucp if isinstance(sealed_ucp, Mapping) else {}
+        changed = sorted(
+            k for k in set(actual["ucp"]) | set(sealed_ucp)
+            if not json_equal(sealed_ucp.get(k), actual["ucp"].get(k))
+        )
+        report.add("UCP-1.0-R045", ZARR_JSON,
+                   "the root's attributes differ from the copy the manifest seals: the root "
+                   f"zarr.json is damaged (attributes.ucp members {changed or ['?']})")
 
 
 def _walk_ints(value: Any) -> Iterable[int]:
@@ -412,6 +455,7 @@ def _check_manifest(
                    "the manifest's SHA-256 differs from the one in the root")
     try:
         manifest = loads(raw, what=MANIFEST_KEY, rule="UCP-1.0-R042")
+        check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
         return None

@@ -180,8 +180,11 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
         )
     marker = _in_progress_marker()
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
-    # committed checkpoint intact or something every reader refuses.
-    store.put(IN_PROGRESS_KEY, [marker], atomic=True)
+    # committed checkpoint intact or something every reader refuses. The marker is not
+    # written atomically: a crash while writing it leaves a partial marker, which still
+    # marks the location as ours to retry into (an atomic write would leave a temporary
+    # file that a retry must refuse as foreign).
+    store.put(IN_PROGRESS_KEY, [marker])
     if committed:
         store.delete(ZARR_JSON)
     for key in list(store.list()):
@@ -235,18 +238,23 @@ def commit(
         store.put(f"{node.path}/{ZARR_JSON}", [body])
         files[f"{node.path}/{ZARR_JSON}"] = _describe(body, hash_algorithm)
         consolidated[node.path] = doc
+    ucp = dict(root_ucp)
+    ucp["version"] = FORMAT_VERSION
+    attributes = dict(root_attributes or {})
+    attributes["ucp"] = ucp
     manifest = {
         "hash_algorithm": hash_algorithm,
+        # A copy of the root's attributes (but the manifest reference): the manifest's
+        # digest in the root seals it, so damage to the root's own values is detectable
+        # (UCP-1.0-R045); everything else in the root is sealed by the node documents.
+        "root_attributes": attributes,
         "files": dict(sorted(files.items())),
     }
     manifest_body = dumps(manifest)
     store.put(MANIFEST_KEY, [manifest_body])
     store.flush()  # every byte before the commit is durable before the commit is written
-    ucp = dict(root_ucp)
-    ucp["version"] = FORMAT_VERSION
-    ucp["manifest"] = {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}
-    attributes = dict(root_attributes or {})
-    attributes["ucp"] = ucp
+    ucp = {**ucp, "manifest": {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}}
+    attributes = {**attributes, "ucp": ucp}
     root = {
         "zarr_format": 3,
         "node_type": "group",

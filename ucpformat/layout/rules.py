@@ -27,6 +27,7 @@ from ucpformat import schemas
 from ucpformat.errors import LayoutError
 from ucpformat.layout.semantics import PART_MAJOR, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords
+from ucpformat.metadata import MAX_DOCUMENT_DEPTH, json_depth
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "rules"
 CAPTURES = ("layer", "expert")
@@ -50,15 +51,49 @@ def _parse(expr: str) -> ast.Expression:
         return ast.parse(expr, mode="eval")
 
 
+#: Longest integer expression in a rule file.
+MAX_EXPRESSION_CHARS = 200
+_PLACEHOLDER = re.compile(r"\{([a-z]*)\}")
+
+
+def expand_captures(template: str, captures: Mapping[str, int], *, where: str) -> str:
+    """``template`` with ``{layer}`` and ``{expert}`` replaced; nothing else is a field.
+
+    (``str.format`` would accept attribute access and widths chosen by the rule file.)
+    """
+    def field(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in CAPTURES or name not in captures:
+            raise LayoutError(
+                f"tied_to {template!r} uses {{{name}}}, which the pattern does not capture",
+                rule="UCP-1.0-R120",
+                path=where,
+            )
+        return str(captures[name])
+
+    out = _PLACEHOLDER.sub(field, template)
+    if "{" in out or "}" in out:
+        raise LayoutError(f"tied_to {template!r} has a brace outside {{layer}}/{{expert}}",
+                          rule="UCP-1.0-R120", path=where)
+    return out
+
+
 def evaluate(expr: Any, params: Mapping[str, Any], *, where: str) -> Any:
     """An integer, or an integer expression over ``params`` (+ - * //, parentheses)."""
     if isinstance(expr, (bool, int)):
         return expr
     if not isinstance(expr, str):
         return expr
+    if len(expr) > MAX_EXPRESSION_CHARS:
+        # bounds the parser's recursion and the size of every number (UCP-1.0-R097)
+        raise LayoutError(
+            f"expression of {len(expr)} characters, over the limit of {MAX_EXPRESSION_CHARS}",
+            rule="UCP-1.0-R121",
+            path=where,
+        )
     try:
         tree = _parse(expr)
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise LayoutError(f"bad expression {expr!r}", rule="UCP-1.0-R121", path=where) from None
 
     def ev(node: ast.AST) -> int:
@@ -116,7 +151,9 @@ def _compile(pattern: str) -> re.Pattern[str]:
             out.append(r"[^.]+")
             i += 1
         elif pattern[i] == "{":
-            end = pattern.index("}", i)
+            end = pattern.find("}", i)
+            if end < 0:
+                raise LayoutError(f"unclosed {{ in pattern {pattern!r}", rule="UCP-1.0-R120")
             name = pattern[i + 1 : end]
             if name not in CAPTURES:
                 raise LayoutError(
@@ -127,7 +164,10 @@ def _compile(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(pattern[i]))
             i += 1
-    return re.compile("^" + "".join(out) + "$")
+    try:
+        return re.compile("^" + "".join(out) + "$")
+    except re.error as exc:  # e.g. a capture used twice
+        raise LayoutError(f"bad pattern {pattern!r}: {exc}", rule="UCP-1.0-R120") from None
 
 
 @dataclass(frozen=True)
@@ -166,6 +206,9 @@ class RuleSet:
 
     @staticmethod
     def from_json(doc: Any, *, source: str = "<rules>") -> RuleSet:
+        if json_depth(doc) > MAX_DOCUMENT_DEPTH:
+            raise LayoutError(f"the rule file nests deeper than {MAX_DOCUMENT_DEPTH} levels",
+                              rule="UCP-1.0-R096", path=source)
         problems = schemas.violations("rules", doc)
         if problems:
             first = problems[0]
@@ -204,6 +247,8 @@ class RuleSet:
             path = BUILTIN_DIR / f"{name_or_path}.json"
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
+        except (RecursionError, UnicodeDecodeError) as exc:  # hostile nesting or bytes
+            raise LayoutError(f"not JSON: {exc}", rule="UCP-1.0-R120", path=str(path)) from None
         except FileNotFoundError:
             known = sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
             raise LayoutError(
@@ -249,7 +294,7 @@ class RuleSet:
         )
         tied = None
         if rule.tied_to is not None:
-            tied = rule.tied_to.format(**caps)
+            tied = expand_captures(rule.tied_to, caps, where=name)
         return Resolved(name, layout, conv, tied, caps.get("layer"), caps.get("expert"))
 
     def vocab_size_hint(self, name: str, params: Mapping[str, Any]) -> int | None:
