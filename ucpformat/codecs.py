@@ -10,6 +10,7 @@ and the chunk it concerns.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,7 @@ class Compression:
         if self.name == "zstd":
             return numcodecs.Zstd(level=int(cfg.get("level", 0)), checksum=bool(cfg.get("checksum", False)))
         if self.name == "gzip":
-            return numcodecs.GZip(level=int(cfg.get("level", 5)))
+            return _ReproducibleGZip(int(cfg.get("level", 5)))
         shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(cfg.get("shuffle", "noshuffle"))]
         return numcodecs.Blosc(
             cname=str(cfg.get("cname", "zstd")),
@@ -102,6 +103,24 @@ class Compression:
             shuffle=shuffle,
             blocksize=int(cfg.get("blocksize", 0)),
         )
+
+
+class _ReproducibleGZip:
+    """gzip with a zero modification time in its header, so that equal chunks encode equally.
+
+    numcodecs' GZip stores the current time in every gzip header: the same state saved
+    twice gave different chunk bytes (and SHA-256 digests). Decoding is numcodecs'.
+    """
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self._decoder = numcodecs.GZip(level=level)
+
+    def encode(self, buf: Any) -> bytes:
+        return gzip.compress(memoryview(buf).cast("B"), compresslevel=self.level, mtime=0)
+
+    def decode(self, buf: Any) -> Any:
+        return self._decoder.decode(buf)
 
 
 class ChunkCodec:
