@@ -31,7 +31,8 @@ CHECKS: dict[str, CheckInfo] = {
     for c in (
         # reader suite
         CheckInfo("reader.capabilities", "the adapter describes itself", _r(203, 230)),
-        CheckInfo("reader.contract", "one case through the single-case command line", _r(231)),
+        CheckInfo("reader.contract", "one case through the single-case command line",
+                  _r(231, 235)),
         CheckInfo("reader.valid", "every valid case read bit for bit", _r(210, 211, 241)),
         CheckInfo("reader.invalid", "every invalid case of stage open or read refused",
                   _r(212, 213)),
@@ -62,8 +63,9 @@ CHECKS: dict[str, CheckInfo] = {
                   "a committed checkpoint at the destination is kept whole or replaced whole",
                   _r(53,)),
         # validator suite
+        CheckInfo("validator.capabilities", "the adapter describes itself", _r(203, 230)),
         CheckInfo("validator.cases", "every case judged as its expected.json says",
-                  _r(234, 250)),
+                  _r(234, 250, 251)),
         # claims
         CheckInfo("suite.claim", "which claim of conformance the results support",
                   _r(200, 201, 202, 204)),

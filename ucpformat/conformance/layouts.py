@@ -2,7 +2,7 @@
 
 A *target* (``config`` of a reader request, UCP-1.0-R215) asks a layout-aware reader for
 one rank's local tensor under tensor, pipeline and expert parallelism. A *source*
-(``content.source`` of a writer scenario, UCP-1.0-R225) says how a framework cut a
+(``content.source`` of a writer scenario, UCP-1.0-R222) says how a framework cut a
 tensor into the per-rank local tensors that a layout-aware writer consolidates: the
 Megatron-style tensor-parallel convention, or DTensor placements over a device mesh.
 """
@@ -161,7 +161,7 @@ def source_maps(
             out.append(dtensor_local_map(shape, mesh, placements, [int(c) for c in coords],
                                          tensor=tensor))
         return out
-    raise LayoutError(f"unknown source kind {kind!r}", rule="UCP-1.0-R225", tensor=tensor)
+    raise LayoutError(f"unknown source kind {kind!r}", rule="UCP-1.0-R222", tensor=tensor)
 
 
 __all__ = ["Target", "local_from_array", "local_from_checkpoint", "source_maps"]
