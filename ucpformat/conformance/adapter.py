@@ -132,4 +132,101 @@ def _write_json(workdir: Path, stem: str, doc: Mapping[str, Any]) -> Path:
     return Path(name)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Adapter", "Run"]
+
+
+
+class CallableAdapter(Adapter):
+    """An adapter made of Python callables, for implementations tested in process.
+
+    ``read(checkpoint, request) -> response``, ``write(scenario_json, out_dir)`` (raises
+    to refuse) and ``validate(checkpoint) -> result`` follow the command-line contract's
+    JSON documents; exceptions become exit status 1 with ``{"error": ...}``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        capabilities: Mapping[str, Any],
+        read: Callable[[Path, Mapping[str, Any]], Mapping[str, Any]] | None = None,
+        write: Callable[[Path, Path], None] | None = None,
+        validate: Callable[[Path], Mapping[str, Any]] | None = None,
+    ) -> None:
+        super().__init__([name])
+        self._caps = dict(capabilities)
+        self._read, self._write, self._validate = read, write, validate
+
+    def __str__(self) -> str:
+        return f"{self.command[0]} (in process)"
+
+    def _call(self, argv: list[str], fn: Callable[[], Any], *, refused: Callable[[Any], bool]
+              ) -> Run:
+        start = time.monotonic()
+        try:
+            doc = fn()
+            status = 1 if refused(doc) else 0
+        except Exception as exc:
+            error: dict[str, Any] = {"message": f"{type(exc).__name__}: {exc}"}
+            rule = getattr(exc, "rule", None)
+            if rule:
+                error["rule"] = rule
+            doc = {"error": error}
+            status = 1
+        return Run(argv, status, json.dumps(doc) if doc is not None else "", "",
+                   time.monotonic() - start)
+
+    def run(self, *args: str, file_size_limit: int | None = None,
+            timeout: float | None = None) -> Run:
+        raise NotImplementedError("an in-process adapter has no command line")
+
+    def capabilities(self) -> Run:
+        return Run([*self.command, "capabilities"], 0, json.dumps(self._caps), "", 0.0)
+
+    def read(self, checkpoint: Path, request: Mapping[str, Any], workdir: Path) -> Run:
+        if self._read is None:
+            raise NotImplementedError("no read callable")
+        fn = self._read
+        return self._call([*self.command, "read", str(checkpoint), "-"],
+                          lambda: fn(checkpoint, request),
+                          refused=lambda doc: _has_error(doc))
+
+    def read_batch(self, batch: Mapping[str, Any], workdir: Path, *,
+                   timeout: float | None = None) -> Run:
+        results = {}
+        for item in batch["cases"]:
+            run = self.read(Path(item["checkpoint"]), item["request"], workdir)
+            results[item["id"]] = run.json()
+        return Run([*self.command, "read-batch", "-"], 0, json.dumps({"results": results}), "",
+                   0.0)
+
+    def write(self, scenario: Path, out_dir: Path, *, file_size_limit: int | None = None
+              ) -> Run:
+        if self._write is None:
+            raise NotImplementedError("no write callable")
+        if file_size_limit is not None:
+            raise NotImplementedError("file size limits need an adapter command")
+        fn = self._write
+        return self._call([*self.command, "write", str(scenario), str(out_dir)],
+                          lambda: fn(scenario, out_dir), refused=lambda doc: False)
+
+    def validate(self, checkpoint: Path) -> Run:
+        if self._validate is None:
+            raise NotImplementedError("no validate callable")
+        fn = self._validate
+        return self._call([*self.command, "validate", str(checkpoint)],
+                          lambda: fn(checkpoint), refused=lambda doc: not doc.get("valid"))
+
+
+def _has_error(doc: Any) -> bool:
+    if not isinstance(doc, Mapping):
+        return True
+    if "error" in doc:
+        return True
+    for section in ("tensors", "targets"):
+        for entry in (doc.get(section) or {}).values():
+            if isinstance(entry, Mapping) and "error" in entry:
+                return True
+    return False
+
+
+__all__ = ["DEFAULT_TIMEOUT", "Adapter", "CallableAdapter", "Run"]
