@@ -39,5 +39,8 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
+conformance-cases: $(STAMP)
+	$(BIN)/python -m conformance.generate
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

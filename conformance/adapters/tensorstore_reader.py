@@ -139,7 +139,11 @@ def schema_dir() -> Path:
     env = os.environ.get("UCP_SCHEMAS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "schemas" / "1.0"
+    base = Path(__file__).resolve().parents[2]  # the repository, or an installed ucpformat
+    for candidate in (base / "schemas" / "1.0", base / "_schemas" / "1.0"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("the UCP 1.0 JSON Schemas are not found: set UCP_SCHEMAS")
 
 
 _VALIDATOR: Any = None
