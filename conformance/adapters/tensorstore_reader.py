@@ -60,6 +60,11 @@ TYPES: dict[str, tuple[int, str, float, bool]] = {
 }
 
 
+#: Data types to leave out, to try the suite's handling of readers that lack some
+#: (comma-separated names in $UCP_TS_WITHOUT); they are refused by name (R092).
+WITHOUT = {t for t in os.environ.get("UCP_TS_WITHOUT", "").split(",") if t}
+
+
 class Refused(Exception):
     """The checkpoint (or a tensor, or a target) breaks a requirement: refuse it."""
 
@@ -371,6 +376,9 @@ class Checkpoint:
         node = self.nodes.get(path)
         if node is None or node.get("node_type") != "array":
             raise Refused(None, f"no tensor {path!r}")
+        if node["data_type"] in WITHOUT:
+            raise Refused("UCP-1.0-R092", f"{path}: this reader does not implement the data "
+                                          f"type {node['data_type']}")
         shape = node["shape"]
         if selection is None:
             selection = [[0, n, 1] for n in shape]
@@ -585,7 +593,7 @@ def capabilities() -> dict[str, Any]:
         "name": "tensorstore-reader (conformance/adapters)",
         "version": "1.0",
         "roles": ["reader"],
-        "data_types": list(TYPES),
+        "data_types": [t for t in TYPES if t not in WITHOUT],
         "features": ["batch", "layout"],
     }
 

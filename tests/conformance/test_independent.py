@@ -58,3 +58,37 @@ def test_zarr_exporter() -> None:
         "passes ucpformat conformance 1.0, writer (layout-aware) (without bfloat16")
     notes = [f for r in report.results for f in r.findings if f.rule == "UCP-1.0-R203"]
     assert notes, "the left-out bfloat16 and float8 tensors are reported"
+
+
+def test_a_reader_without_some_data_types() -> None:
+    """Tensors of undeclared types are refused by name (R092): skipped, and the claim says so."""
+    reader = independent("tensorstore_reader.py")
+    assert reader.env is not None
+    reader.env["UCP_TS_WITHOUT"] = "float8_e8m0fnu,complex128"
+    report = reader_suite(reader, only=["valid/dtypes-*", "valid/basic", "invalid/missing-*"])
+    assert report.passed, report.render()
+    assert report.claim == ("passes ucpformat conformance 1.0, reader (layout-aware) "
+                            "(without complex128, float8_e8m0fnu)")
+    (unsupported,) = report.by_check("reader.unsupported-types")
+    assert unsupported.status == "pass" and "tensors refused by name" in str(unsupported.findings)
+
+
+def test_a_reader_that_misreads_an_undeclared_type_fails() -> None:
+    """Declaring a type unsupported is no licence to misread it (R092)."""
+    from typing import Any
+
+    from ucpformat.conformance.adapters import reference
+    from ucpformat.dtypes import NAMES
+    from ucpformat.testing import conformance as ucp
+
+    def read(checkpoint: Any, request: Any) -> Any:
+        response, _ = reference.read(checkpoint, request)
+        for entry in response["tensors"].values():
+            if entry.get("dtype") == "float16" and "sha256" in entry:
+                entry["sha256"] = "0" * 64
+        return response
+
+    adapter = ucp.in_process("misreads float16", read=read,
+                             data_types=[t for t in NAMES if t != "float16"])
+    report = reader_suite(adapter, only=["valid/dtypes-unsharded"])
+    assert "UCP-1.0-R092" in report.failed_rules(), report.render()

@@ -140,7 +140,7 @@ def reader_suite(
         work = Path(tmp)
         responses = _read_all(adapter, selected, work, layout_aware,
                               batch="batch" in _features(caps), timeout=timeout)
-        unsupported_seen: dict[str, list[str]] = {}
+        unsupported_seen: dict[str, dict[str, list[str]]] = {}
         for case in selected:
             run, response, problem = responses[case.name]
             if case.valid:
@@ -150,9 +150,9 @@ def reader_suite(
                     _judge_targets(report, case, response, problem, layout_aware)
             else:
                 _judge_invalid(report, case, run, response, problem)
-        _judge_unsupported(report, supported, unsupported_seen, selected)
+        _judge_unsupported(report, supported, unsupported_seen)
         if single:
-            _single_mode(report, adapter, all_cases, work)
+            _single_mode(report, adapter, all_cases, work, supported)
     report.claim = _reader_claim(report, supported, layout_aware)
     report.seconds = time.monotonic() - start
     return report
@@ -209,7 +209,7 @@ def _response_errors(response: Any) -> list[dict[str, Any]]:
 
 def _judge_valid(report: SuiteReport, case: Case, run: Run | None, response: Any,
                  problem: str | None, supported: set[str],
-                 unsupported_seen: dict[str, list[str]]) -> None:
+                 unsupported_seen: dict[str, dict[str, list[str]]]) -> None:
     result = report.add(Result("reader.valid", case.name,
                                _requirements("reader.valid",
                                              *case.expected.get("exercises", []))))
@@ -240,13 +240,16 @@ def _judge_valid(report: SuiteReport, case: Case, run: Run | None, response: Any
             result.error(R + "211", f"{path}: missing from the response")
             continue
         dtype = exp["dtype"]
+        seen = unsupported_seen.setdefault(dtype, {"refused": [], "misread": []}) if (
+            dtype not in supported) else None
         if "error" in entry:
-            if dtype not in supported:
-                unsupported_seen.setdefault(dtype, []).append(f"{case.name}:{path}")
+            if seen is not None:
+                seen["refused"].append(f"{case.name}:{path}")
                 skipped_here.append(f"{path} ({dtype})")
                 continue
             result.error(R + "211", f"{path}: refused: {_err_text(entry['error'])}")
             continue
+        errors_before = len(result.errors)
         if entry.get("dtype") != dtype:
             result.error(R + "211", f"{path}: data type {entry.get('dtype')!r}, expected "
                                     f"{dtype!r}")
@@ -262,6 +265,10 @@ def _judge_valid(report: SuiteReport, case: Case, run: Run | None, response: Any
             if have != sel["sha256"]:
                 result.error(R + "210", f"{path}: SHA-256 of slice {sel['slice']} is {have}, "
                                         f"expected {sel['sha256']}")
+        if seen is not None and len(result.errors) > errors_before:
+            seen["misread"].append(f"{case.name}:{path}")
+            result.error(R + "092", f"{path}: a tensor of {dtype}, which the reader declares "
+                                    "unsupported, was read wrongly instead of refused")
     if "values" in response:
         values = response["values"]
         for gpath, exp_values in case.expected.get("groups", {}).items():
@@ -353,7 +360,8 @@ def _judge_invalid(report: SuiteReport, case: Case, run: Run | None, response: A
 
 
 def _judge_unsupported(report: SuiteReport, supported: set[str],
-                       seen: dict[str, list[str]], cases: Sequence[Case]) -> None:
+                       seen: Mapping[str, Mapping[str, list[str]]]) -> None:
+    """R092 and R203: tensors of undeclared data types are refused, never misread."""
     unsupported = sorted(set(ALL_TYPES) - supported)
     result = report.add(Result("reader.unsupported-types", ", ".join(unsupported) or "none",
                                _requirements("reader.unsupported-types")))
@@ -361,23 +369,22 @@ def _judge_unsupported(report: SuiteReport, supported: set[str],
         result.skip("the reader supports every data type of Table 1")
         return
     for dtype in unsupported:
-        if dtype not in seen:
-            result.note(None, f"{dtype}: no tensor of it was refused or read")
-    valid_results = report.by_check("reader.valid")
-    misread = [e for r in valid_results for e in r.errors
-               if any(f"({t})" in e.message for t in unsupported)]
-    for finding in misread:
-        result.error(R + "092", finding.message)
+        entry = seen.get(dtype, {"refused": [], "misread": []})
+        for where in entry["misread"]:
+            result.error(R + "092", f"{where}: a {dtype} tensor was read wrongly, not refused")
+        result.note(None, f"{dtype}: {len(entry['refused'])} tensors refused by name")
     result.extra["unsupported"] = unsupported
 
 
-def _single_mode(report: SuiteReport, adapter: Adapter, cases: Sequence[Case], work: Path
-                 ) -> None:
+def _single_mode(report: SuiteReport, adapter: Adapter, cases: Sequence[Case], work: Path,
+                 supported: set[str]) -> None:
     """The single-case command line on one valid and one invalid case (R231 exit statuses)."""
     result = report.add(Result("reader.contract", "read CHECKPOINT REQUEST",
                                _requirements("reader.contract")))
     by_name = {c.name: c for c in cases}
-    for name, want in (("valid/basic", 0), ("invalid/missing-chunk", 1)):
+    readable = [c.name for c in cases if c.valid and c.data_types and c.data_types <= supported]
+    valid = "valid/basic" if "valid/basic" in readable else next(iter(readable), "")
+    for name, want in ((valid, 0), ("invalid/missing-chunk", 1)):
         case = by_name.get(name)
         if case is None:
             continue
