@@ -16,6 +16,8 @@ from ucpformat.conformance.runner import reader_suite, writer_suite
         ("padded_vocab_exporter.py", ["layout-tp2-group-major"], False, {"UCP-1.0-R113"}),
         ("root_first_exporter.py", ["basic", "many-tensors"], True,
          {"UCP-1.0-R050", "UCP-1.0-R054"}),
+        ("double_write_exporter.py", ["layout-dtensor"], False, {"UCP-1.0-R130"}),
+        ("no_coverage_exporter.py", ["coverage-gap"], False, {"UCP-1.0-R131"}),
     ],
 )
 def test_broken_exporter(script: str, only: list[str], faults: bool, rules: set[str]) -> None:

@@ -213,15 +213,20 @@ def validate(checkpoint: str | Path) -> dict[str, Any]:
     return _validate(checkpoint, deep=True).to_json()
 
 
-def validate_rules(rules_path: str | Path, apply_path: str | Path) -> dict[str, Any]:
-    """Validate a rule file (R120), its expressions (R121) and its coverage of names (R122)."""
+def validate_rules(rules_path: str | Path, apply_path: str | Path | None) -> dict[str, Any]:
+    """Validate a rule file (R120), its expressions (R121) and its coverage of names (R122).
+
+    ``apply_path`` (parameters and names to resolve) is optional: without it, only the
+    file itself is checked.
+    """
     from ucpformat.layout.rules import RuleSet
 
     errors: list[dict[str, Any]] = []
     try:
         rules = RuleSet.from_json(json.loads(Path(rules_path).read_text(encoding="utf-8")),
                                   source=str(rules_path))
-        apply = json.loads(Path(apply_path).read_text(encoding="utf-8"))
+        apply = ({} if apply_path is None
+                 else json.loads(Path(apply_path).read_text(encoding="utf-8")))
         for name in apply.get("names", []):
             try:
                 rules.resolve(name, apply.get("params", {}))
