@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,20 @@ def broken(script: str) -> Adapter:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _scratch_in_memory() -> Iterator[None]:
+    """The suites' scratch folders on tmpfs when there is one: adapters write (and fsync)
+    hundreds of small files, which costs seconds per scenario on some disks."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield
+        return
+    before = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="ucp-conformance-", dir=shm) as scratch:
+        tempfile.tempdir = scratch
+        try:
+            yield
+        finally:
+            tempfile.tempdir = before

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conformance.conftest import REPO, reference
 from ucpformat import schemas
+from ucpformat.conformance import command
 from ucpformat.conformance.runner import reader_suite, validator_suite, writer_suite
 
 
@@ -20,8 +21,8 @@ def test_reference_reader() -> None:
     assert {"reader.valid", "reader.invalid", "reader.layout", "reader.contract"} <= checks
 
 
-def test_reference_writer(tmp_path: Path) -> None:
-    report = writer_suite(reference(), keep=tmp_path)
+def test_reference_writer() -> None:
+    report = writer_suite(reference())
     assert report.passed, report.render()
     assert report.claim == "passes ucpformat conformance 1.0, writer (layout-aware)"
     ran = {(r.check, r.status) for r in report.results}
@@ -37,17 +38,18 @@ def test_reference_validator_through_its_command_line() -> None:
     assert len(report.by_check("validator.cases")) == 3
 
 
-def test_suite_command_line_reports(tmp_path: Path) -> None:
+def test_suite_command_line_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
     """ucp conformance reader --json --junit: a valid report and JUnit XML."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
     junit = tmp_path / "reader.xml"
-    cmd = [sys.executable, "-m", "ucpformat.conformance", "reader", "--json", "--junit",
-           str(junit), "--only", "valid/basic", "--only", "invalid/no-root", "--",
-           *reference().command]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False,
-                          env=reference().env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
-    doc = json.loads(proc.stdout)
+    status = command.main(["reader", "--json", "--junit", str(junit), "--only", "valid/basic",
+                           "--only", "invalid/no-root", "--", *reference().command])
+    out = capsys.readouterr().out
+    assert status == 0, out[-2000:]
+    doc = json.loads(out)
     assert not schemas.violations("conformance-report", doc)
     assert doc["passed"] and doc["suite"] == "reader"
     xml = junit.read_text(encoding="utf-8")
     assert xml.startswith("<?xml") and 'name="valid/basic"' in xml
+    assert command.main(["reader"]) == 2  # no adapter command
