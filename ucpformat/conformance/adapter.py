@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shlex
 import subprocess
 import tempfile
@@ -78,7 +77,9 @@ class Adapter:
         if file_size_limit is not None:
             limit = int(file_size_limit)
 
-            def preexec() -> None:  # runs in the child, before exec
+            def preexec() -> None:  # runs in the child, before exec (POSIX only)
+                import resource
+
                 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
         env = None if self.env is None else {**os.environ, **self.env}
