@@ -528,6 +528,9 @@ def _run_scenario(report: SuiteReport, adapter: Adapter, scenario: Scenario,
         result.skip("no tensor of a supported data type")
         return None
     out = work / scenario.name / "out"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)  # OUT_DIR is an empty folder (R233)
     with _timed(result), WriteCounter(out) as counter:
         run = adapter.write(scenario_file, out)
     if scenario.refuse:
