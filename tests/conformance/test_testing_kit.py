@@ -53,7 +53,7 @@ def test_in_process_reader_suite() -> None:
     report = ucp.reader_suite(adapter, only=["valid/layout", "valid/names", "invalid/no-root",
                                              "invalid/crc-chunk"])
     ucp.assert_passed(report)
-    assert report.claim == "passes ucpformat conformance 1.0, reader (layout-aware)"
+    assert report.claim is None  # a partial run supports no claim
 
 
 def test_in_process_writer_suite() -> None:

@@ -153,7 +153,7 @@ def reader_suite(
         _judge_unsupported(report, supported, unsupported_seen)
         if single:
             _single_mode(report, adapter, all_cases, work, supported)
-    report.claim = _reader_claim(report, supported, layout_aware)
+    report.claim = _reader_claim(report, supported, layout_aware, partial=bool(only))
     report.seconds = time.monotonic() - start
     return report
 
@@ -402,7 +402,14 @@ def _single_mode(report: SuiteReport, adapter: Adapter, cases: Sequence[Case], w
             result.error(R + "231", f"{name}: response: {message}")
 
 
-def _reader_claim(report: SuiteReport, supported: set[str], layout_aware: bool) -> str | None:
+def _ran(report: SuiteReport, *checks: str) -> bool:
+    """Some result of ``checks`` passed, and none failed or was skipped."""
+    results = [r for r in report.results if r.check in checks]
+    return bool(results) and all(r.status == "pass" for r in results)
+
+
+def _reader_claim(report: SuiteReport, supported: set[str], layout_aware: bool,
+                  partial: bool) -> str | None:
     result = report.add(Result("suite.claim", "reader", _requirements("suite.claim")))
     missing = [t for t in READER_MINIMUM_TYPES if t not in supported]
     if missing:
@@ -410,7 +417,10 @@ def _reader_claim(report: SuiteReport, supported: set[str], layout_aware: bool) 
     if not report.passed:
         result.note(None, "no claim: the suite failed")
         return None
-    layout = layout_aware and all(r.status == "pass" for r in report.by_check("reader.layout"))
+    if partial:
+        result.note(None, "no claim: only some cases ran (--only)")
+        return None
+    layout = layout_aware and _ran(report, "reader.layout")
     return _claim_text("reader", layout, sorted(set(ALL_TYPES) - supported))
 
 
@@ -466,7 +476,8 @@ def writer_suite(
                 outputs[scenario.name] = out
         if faults:
             _fault_checks(report, adapter, all_scenarios, outputs, supported, work)
-        _writer_claim(report, supported, features)
+        _writer_claim(report, supported, features,
+                      partial=bool(only) or not faults or isinstance(adapter, CallableAdapter))
     finally:
         if keep is None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -850,16 +861,20 @@ def _fault_run(result: Result, adapter: Adapter, scenario: Scenario, supported: 
         result.note(None, f"{what}; the writer still committed a complete checkpoint")
 
 
-def _writer_claim(report: SuiteReport, supported: set[str], features: set[str]) -> None:
+def _writer_claim(report: SuiteReport, supported: set[str], features: set[str],
+                  partial: bool) -> None:
     result = report.add(Result("suite.claim", "writer", _requirements("suite.claim")))
     missing = [t for t in WRITER_MINIMUM_TYPES if t not in supported]
     if missing:
         result.error(R + "202", f"a writer supports at least {', '.join(missing)}")
     if not report.passed:
+        result.note(None, "no claim: the suite failed")
         return
-    layout = {"layout"} <= features and all(
-        r.status == "pass" for r in report.results if r.check in ("writer.layout",
-                                                                  "writer.dtensor"))
+    if partial:
+        result.note(None, "no claim: only some scenarios or checks ran (--only, --no-faults)")
+        return
+    layout = {"layout", "dtensor"} <= features and _ran(report, "writer.layout",
+                                                        "writer.dtensor")
     report.claim = _claim_text("writer", layout, sorted(set(ALL_TYPES) - supported))
 
 
@@ -926,7 +941,7 @@ def validator_suite(
             status, doc = validate_fn(case)
         judge_validation(result, case, status, doc, strict=strict)
     report.seconds = time.monotonic() - start
-    if report.passed:
+    if report.passed and not only:
         report.claim = "passes ucpformat conformance 1.0, validator"
     return report
 
