@@ -47,7 +47,7 @@ from ucpformat.conformance.layouts import Target, local_from_array, source_maps
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.metadata import ArrayMeta, GroupMeta, dumps
+from ucpformat.metadata import ArrayMeta, GroupMeta
 from ucpformat.storage import LocalStore
 from ucpformat.writer import StoredObject, commit, object_coords, object_region, write_object
 
@@ -488,6 +488,11 @@ def request_for(arrays: Sequence[Arr]) -> dict[str, Any]:
 # -- damaging a checkpoint on purpose ---------------------------------------------------------
 
 
+def _json(doc: Any) -> bytes:
+    """The serialisation of every document Damage rewrites (independent of ucpformat's)."""
+    return json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
+
+
 class Damage:
     """Edit a committed checkpoint in place, keeping every other part consistent.
 
@@ -511,7 +516,14 @@ class Damage:
         return doc
 
     def write_root(self, doc: Mapping[str, Any]) -> None:
-        self.path("zarr.json").write_bytes(dumps(doc))
+        self.path("zarr.json").write_bytes(_json(doc))
+
+    def replace_in_root(self, old: str, new: str) -> None:
+        """A textual edit of the root (for what JSON values cannot express)."""
+        text = _json(self.root_doc()).decode("utf-8")
+        if old not in text:
+            raise AssertionError(f"{old!r} is not in the root zarr.json")
+        self.path("zarr.json").write_text(text.replace(old, new, 1), encoding="utf-8")
 
     def edit_root(self, fn: Callable[[dict[str, Any]], None]) -> None:
         doc = self.root_doc()
@@ -526,7 +538,7 @@ class Damage:
         return doc
 
     def write_manifest(self, doc: Mapping[str, Any], *, update_root: bool = True) -> None:
-        body = dumps(doc)
+        body = _json(doc)
         self.path("manifest.ucp.json").write_bytes(body)
         if update_root:
             def fix(ucp: dict[str, Any]) -> None:
@@ -571,7 +583,7 @@ class Damage:
     def set_node(self, path: str, doc: Mapping[str, Any], *, own: bool = True,
                  consolidated: bool = True) -> None:
         if own:
-            self.put(f"{path}/zarr.json", dumps(doc))
+            self.put(f"{path}/zarr.json", _json(doc))
         if consolidated:
             self.edit_root(lambda root: root["consolidated_metadata"]["metadata"].__setitem__(
                 path, dict(doc)))
@@ -930,7 +942,7 @@ def _warnings(dest: Path) -> dict[str, Any]:
     groups = [Group(("training",), {"step": 2**60, "seed": -(2**55),
                                     "nan": {"$ucp_float": "NaN"}})]
     write_reference(dest, arrays, groups)
-    (dest / "write-in-progress.ucp.json").write_bytes(dumps({"writer": "crashed-after-commit"}))
+    (dest / "write-in-progress.ucp.json").write_bytes(_json({"writer": "crashed-after-commit"}))
     return valid_expected(
         "Valid, with two SHOULD-level findings: an in-progress marker left next to a "
         "committed root (R056), integers beyond 2**53-1 in JSON values (R071).",
@@ -1225,7 +1237,7 @@ def _del(*path: str) -> Callable[[dict[str, Any]], None]:
          "root zarr.json.")
 def _(d: Damage) -> None:
     d.delete("zarr.json")
-    d.path("write-in-progress.ucp.json").write_bytes(dumps({"writer": "interrupted"}))
+    d.path("write-in-progress.ucp.json").write_bytes(_json({"writer": "interrupted"}))
 
 
 @invalid("no-root", "open", ["051"],
@@ -1237,16 +1249,13 @@ def _(d: Damage) -> None:
 @invalid("root-nan-token", "open", ["001"],
          "The root zarr.json holds the non-standard JSON token NaN.")
 def _(d: Damage) -> None:
-    text = d.read("zarr.json").decode("utf-8")
-    d.path("zarr.json").write_text(text.replace('"step": 3', '"step": NaN', 1), encoding="utf-8")
+    d.replace_in_root('"step": 3', '"step": NaN')
 
 
 @invalid("root-duplicate-member", "open", ["001"],
          "The root's attributes.ucp has the member version twice (JSON objects must not).")
 def _(d: Damage) -> None:
-    text = d.read("zarr.json").decode("utf-8")
-    text = text.replace('"version": "1.0"', '"version": "1.0",\n      "version": "2.0"', 1)
-    d.path("zarr.json").write_text(text, encoding="utf-8")
+    d.replace_in_root('"version": "1.0"', '"version": "1.0",\n      "version": "2.0"')
 
 
 @invalid("root-not-zarr-v3", "open", ["001"], "The root says zarr_format 2.")
