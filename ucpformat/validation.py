@@ -170,7 +170,7 @@ def _validate(
     manifest = _check_manifest(store, ucp, arrays, report)
     cm = doc.get("consolidated_metadata")
     listed_nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
-    _check_foreign_files(store, manifest, arrays,
+    _check_foreign_files(manifest, arrays,
                          set(listed_nodes) if isinstance(listed_nodes, Mapping) else set(), report)
     if deep and report.valid:
         root = parse_group("", doc)
@@ -526,24 +526,20 @@ def _check_conformance_extras(
 
 
 def _check_foreign_files(
-    store: Store,
     manifest: Mapping[str, Any] | None,
     arrays: Mapping[str, ArrayMeta],
     nodes: set[str],
     report: Report,
 ) -> None:
-    """R072: every file is a metadata document, the manifest, the marker or a stored object.
+    """R072: every file of the checkpoint (the manifest lists them, R042) is a metadata
+    document, the manifest, the marker or a stored object of an array.
 
-    ``nodes`` are the node paths of the consolidated metadata, parsed or not: the files of
-    an array whose metadata is broken are not judged again here.
+    Files the manifest does not list are not part of the checkpoint: R044 warns about
+    them. ``nodes`` are the node paths of the consolidated metadata, parsed or not: the
+    files of an array whose metadata is broken are not judged again here.
     """
     listed = set((manifest or {}).get("files", {}))
-    try:
-        present = set(store.list())
-    except UCPError as exc:
-        report.add_error(exc, "/")
-        return
-    for key in sorted(listed | present):
+    for key in sorted(listed):
         if key in (ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY):
             continue
         parent, _, leaf = key.rpartition("/")
