@@ -4,7 +4,8 @@ Each subcommand module has ``register(subparsers, parent)`` and sets ``run(args)
 as its default; ``main`` parses the arguments and returns the exit status.
 
 (Placeholder of the conformance branch: the ``cli`` branch brings inspect, validate, diff
-and demo; merging keeps its version of this file and adds ``conformance`` to COMMANDS.)
+and demo; merging keeps its version of this file and adds ``conformance`` (the module
+ucpformat/cli/conformance.py) to its imports and to COMMANDS.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from ucpformat._version import __version__
-from ucpformat.conformance import command as conformance
+from ucpformat.cli import conformance
 
 COMMANDS: tuple[ModuleType, ...] = (conformance,)
 
