@@ -60,5 +60,9 @@ fuzz: $(STAMP)
 	$(BIN)/python -m ucpformat.testing.fuzz_atheris --seed-corpus .fuzz-corpus
 	$(BIN)/python -m ucpformat.testing.fuzz_atheris -atheris_runs=$(FUZZ_RUNS) -timeout=20 .fuzz-corpus
 
+# Regenerate the committed conformance cases (deterministic: byte-identical output).
+conformance-cases: $(STAMP)
+	$(BIN)/python -m conformance.generate
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .fuzz-corpus

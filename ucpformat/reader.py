@@ -513,7 +513,7 @@ class Tensor:
             if data is None or len(data) != read.nbytes:
                 raise CorruptDataError(
                     f"chunk {label} is cut short: its shard is smaller than its index says",
-                    rule="UCP-1.0-R041",
+                    rule="UCP-1.0-R094",
                     tensor=self.path,
                 )
         chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
@@ -553,10 +553,13 @@ class Tensor:
             raise self._missing(f"chunk {label}")
         expected = payload + CRC_BYTES
         if got != expected:
+            # a shard whose index points past its end (R094), or a chunk of the wrong size
+            beyond = read.nbytes is not None and got < expected
             raise CorruptDataError(
                 f"chunk {label} holds {got - CRC_BYTES if got >= CRC_BYTES else got} bytes"
-                f"{' or more' if got > expected else ''}, expected {payload}",
-                rule="UCP-1.0-R041",
+                f"{' or more' if got > expected else ''}, expected {payload}"
+                f"{': its shard is smaller than its index says' if beyond else ''}",
+                rule="UCP-1.0-R094" if beyond else "UCP-1.0-R041",
                 tensor=self.path,
             )
         crc = crc32c(head)

@@ -33,6 +33,12 @@ def check_key(key: str) -> None:
             raise UnsafePathError(
                 f"storage key {key!r} has an unsafe component {part!r}", rule="UCP-1.0-R091"
             )
+        if len(part) > 255:  # no file system takes it (and no node name may be longer)
+            raise UnsafePathError(
+                f"storage key {key[:80]!r}... has a component of {len(part)} bytes; the limit "
+                "is 255",
+                rule="UCP-1.0-R012",
+            )
 
 
 class Store(ABC):

@@ -185,9 +185,14 @@ def _validate(
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
+    _check_conformance_extras(ucp, arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
+    cm = doc.get("consolidated_metadata")
+    listed_nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
+    _check_foreign_files(manifest, arrays,
+                         set(listed_nodes) if isinstance(listed_nodes, Mapping) else set(), report)
     if deep:
         # Also when shallow checks failed: every file and every array that parsed is still
         # read, so one run reports all the damage.
@@ -562,6 +567,99 @@ def _deep(
             if issue2:
                 report.add(issue2.rule, issue2.path, issue2.message)
         advance(total)
+
+
+def _listed_coords(meta: ArrayMeta, keys: Iterable[str]) -> list[tuple[int, ...]]:
+    """Grid coordinates of the stored objects of ``meta`` among ``keys``."""
+    out = []
+    prefix = f"{meta.path}/c"
+    for key in keys:
+        coords = _coords_of_key(meta, key, prefix)
+        if coords is not None:
+            out.append(coords)
+    return sorted(out)
+
+
+def _coords_of_key(meta: ArrayMeta, key: str, prefix: str) -> tuple[int, ...] | None:
+    """The grid coordinates named by a storage key, if it is a stored object of ``meta``."""
+    if key == prefix:
+        return () if not meta.shape else None
+    if not key.startswith(prefix + "/"):
+        return None
+    parts = key[len(prefix) + 1 :].split("/")
+    if len(parts) != len(meta.shape) or not all(p.isdigit() and (p == "0" or p[0] != "0")
+                                                 for p in parts):
+        return None
+    coords = tuple(int(p) for p in parts)
+    if any(c >= g for c, g in zip(coords, meta.object_grid, strict=True)):
+        return None
+    return coords
+
+
+def _check_conformance_extras(
+    ucp: Mapping[str, Any],
+    arrays: Mapping[str, ArrayMeta],
+    groups: Mapping[str, GroupMeta],
+    report: Report,
+) -> None:
+    """R061 (features a 1.0 reader lacks) and R080 (model/ holds its tensors directly)."""
+    from ucpformat.reader import UNDERSTOOD_FEATURES
+
+    must = ucp.get("must_understand", [])
+    if isinstance(must, list):
+        unknown = sorted({m for m in must if isinstance(m, str)} - UNDERSTOOD_FEATURES)
+        if unknown:
+            report.add("UCP-1.0-R061", "/",
+                       f"must_understand lists features this reader does not implement: {unknown}")
+    for path in [*arrays, *groups]:
+        parts = path.split("/")
+        if parts[0] == "model" and len(parts) > 2:
+            report.add("UCP-1.0-R080", path,
+                       "the tensors of model are its direct children, named by their "
+                       "fully-qualified names (model/<escaped name>), not nested groups")
+        if parts[0] == "model" and len(parts) == 2 and path in groups:
+            report.add("UCP-1.0-R080", path, "model holds arrays only, not groups")
+
+
+def _check_foreign_files(
+    manifest: Mapping[str, Any] | None,
+    arrays: Mapping[str, ArrayMeta],
+    nodes: set[str],
+    report: Report,
+) -> None:
+    """R072: every file of the checkpoint (the manifest lists them, R042) is a metadata
+    document, the manifest, the marker or a stored object of an array.
+
+    Files the manifest does not list are not part of the checkpoint: R044 warns about
+    them. ``nodes`` are the node paths of the consolidated metadata, parsed or not: the
+    files of an array whose metadata is broken are not judged again here.
+    """
+    listed = set((manifest or {}).get("files", {}))
+    for key in sorted(listed):
+        if key in (ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY):
+            continue
+        parent, _, leaf = key.rpartition("/")
+        if leaf == ZARR_JSON and parent in nodes:
+            continue
+        owner = _owner_of(key, nodes)
+        if owner is not None:
+            meta = arrays.get(owner)
+            if meta is None or _coords_of_key(meta, key, f"{owner}/c") is not None:
+                continue  # a stored object (or an array reported already)
+        report.add(
+            "UCP-1.0-R072", key,
+            "not a file this specification defines (a metadata document, the manifest, the "
+            "in-progress marker or a stored object of an array)",
+        )
+
+
+def _owner_of(key: str, nodes: set[str]) -> str | None:
+    """The node whose stored objects a key ``<node>/c/...`` would be (the deepest one)."""
+    parts = key.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] == "c" and "/".join(parts[:i]) in nodes:
+            return "/".join(parts[:i])
+    return None
 
 
 def main_json(report: Report) -> str:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -280,8 +281,25 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def producer() -> dict[str, Any]:
+def default_producer() -> dict[str, Any]:
     return {"name": "ucpformat", "version": __version__, "python": platform.python_version()}
+
+
+#: Former name of :func:`default_producer` (``save`` has a ``producer`` argument now).
+producer = default_producer
+
+_RFC3339 = re.compile(
+    r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
+)
+
+
+def _check_created(created: str) -> str:
+    if not isinstance(created, str) or not _RFC3339.match(created):
+        raise InvalidValueError(
+            f"created must be an RFC 3339 date-time such as 2026-01-01T00:00:00Z, got {created!r}",
+            rule="UCP-1.0-R002",
+        )
+    return created
 
 
 # -- planning a save from a nested mapping ------------------------------------------------
@@ -478,6 +496,8 @@ def save(
     durable: bool = True,
     progress: bool | ProgressCallback = False,
     array_attributes: ArrayAttributes | None = None,
+    created: str | None = None,
+    producer: Mapping[str, Any] | None = None,
 ) -> SaveResult:
     """Write ``state`` (a nested mapping of numpy arrays and JSON values) as a checkpoint.
 
@@ -485,6 +505,11 @@ def save(
     gives them; any other key is stored as an extension group. ``metadata`` is free-form
     JSON kept in the root (``attributes.ucp.metadata``). A failed save leaves nothing
     that opens as a checkpoint and never touches a committed one unless ``overwrite``.
+
+    ``created`` (an RFC 3339 date-time, default: now) and ``producer`` (an object with
+    ``name`` and ``version``, default: this library) are stored in the root as given,
+    so that a save of the same state can be byte-for-byte reproducible (the conformance
+    cases are generated this way).
     """
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
@@ -495,7 +520,12 @@ def save(
         shard_bytes=shard_bytes,
         array_attributes=array_attributes,
     )
-    root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+    root_ucp: dict[str, Any] = {
+        "producer": jsonvalues.encode(dict(producer), where="producer")
+        if producer is not None
+        else default_producer(),
+        "created": _now() if created is None else _check_created(created),
+    }
     if metadata is not None:
         root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
     if the_plan.root_values:
@@ -613,7 +643,7 @@ def adopt(
 
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
-    root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+    root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
     if metadata is not None:
         root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
     if values:
@@ -979,7 +1009,7 @@ class StreamingWriter:
             children.setdefault(parent, []).append(leaf)
         for parent, leaves in children.items():
             names.check_case_collisions(leaves, parent=parent)
-        root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+        root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
         if metadata is not None:
             root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
         if root_values:

@@ -1,8 +1,7 @@
-"""Harnesses that try to break ucpformat's guarantees, and report what they measured.
+"""Testing kit: the conformance suite for other projects, and the reliability harnesses.
 
-Each module runs on its own as ``python -m ucpformat.testing.<name> --trials N`` and prints
-its figures; the test suite runs each in a quick mode, ``make stress`` in a long one.
-
+- :mod:`~ucpformat.testing.conformance`: run the conformance suite (reader, writer,
+  checker) from a project's own tests, pytest or otherwise;
 - :mod:`~ucpformat.testing.faults`: writers killed at every step of a save (crash
   consistency of the commit protocol, UCP-1.0-R050 to R056, R132);
 - :mod:`~ucpformat.testing.corruption`: bytes, chunks, shard indexes and metadata files
@@ -12,7 +11,9 @@ its figures; the test suite runs each in a quick mode, ``make stress`` in a long
   counterpart;
 - :mod:`~ucpformat.testing.s3`: a local S3-compatible server (moto) on loopback.
 
-Everything here is for testing: the library never imports this package.
+Each harness runs on its own as ``python -m ucpformat.testing.<name> --trials N`` and
+prints its figures; the test suite runs each in a quick mode, ``make stress`` in a long
+one. The library itself never imports this package.
 """
 
 from ucpformat.testing.common import same_state, small_state
