@@ -6,15 +6,22 @@ STAMP  := $(VENV)/.installed-stamp
 # torch is pinned and installed first, so that nothing resolves an unpinned torch
 # (which would pull several GB of CUDA packages).
 TORCH_PIN ?= torch==2.13.0
+DEEPSPEED_PIN ?= deepspeed==0.19.8
+# megatron-core 0.17+ needs Python 3.12; its dependencies are all in torch's set
+MEGATRON_PIN ?= megatron-core==0.16.1
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test lint typecheck bench bench-quick stress clean conformance-cases
+.PHONY: install demo test lint typecheck bench bench-quick stress fuzz clean conformance-cases
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[dev,torch,bench]"
+	$(BIN)/python -m pip install -q -e ".[dev,torch,import,bench]"
+	# Real frameworks for the importer tests; flags pip extras cannot carry: no CUDA ops
+	# built, and the pinned torch kept (no build isolation).
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_PIN)"
+	$(BIN)/python -m pip install -q --no-deps "$(MEGATRON_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -43,5 +50,23 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
+# Long modes of the reliability harnesses (each prints its figures; see docs/reliability.md).
+stress: $(STAMP)
+	$(BIN)/python -m ucpformat.testing.faults --trials 300 --gloo-trials 20
+	$(BIN)/python -m ucpformat.testing.corruption --trials 2000
+	$(BIN)/python -m ucpformat.testing.hostile --examples 500
+
+# Coverage-guided fuzzing with atheris (not part of make test): FUZZ_RUNS inputs.
+FUZZ_RUNS ?= 20000
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[fuzz]"
+	mkdir -p .fuzz-corpus
+	$(BIN)/python -m ucpformat.testing.fuzz_atheris --seed-corpus .fuzz-corpus
+	$(BIN)/python -m ucpformat.testing.fuzz_atheris -atheris_runs=$(FUZZ_RUNS) -timeout=20 .fuzz-corpus
+
+# Regenerate the committed conformance cases (deterministic: byte-identical output).
+conformance-cases: $(STAMP)
+	$(BIN)/python -m conformance.generate
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .fuzz-corpus

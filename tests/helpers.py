@@ -147,5 +147,5 @@ def write_explicit(
     objects = writer.write_arrays(store, metas, hash_algorithm=hash_algorithm)
     writer.commit(store, arrays=[m for m, _ in metas],
                   groups=[GroupMeta(g) for g in sorted(groups)], objects=objects,
-                  root_ucp={"producer": writer.producer()}, hash_algorithm=hash_algorithm)
+                  root_ucp={"producer": writer.default_producer()}, hash_algorithm=hash_algorithm)
     return path

@@ -235,7 +235,7 @@ def test_bfloat16_hex_fill_value_is_bfloat16_bits(tmp_path: Path) -> None:
     writer.prepare_destination(store, overwrite=False)
     objects = [writer.write_object(store, meta, (0, 0), np.full((2, 3), 5, ml_dtypes.bfloat16))]
     writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
-                  root_ucp={"producer": writer.producer()})
+                  root_ucp={"producer": writer.default_producer()})
     assert read_json(tmp_path / "c" / "model" / "x" / "zarr.json")["fill_value"] == "0x3f80"
 
     expected = np.ones((4, 6), ml_dtypes.bfloat16)

@@ -81,7 +81,7 @@ def _unsharded_multichunk(
     writer.prepare_destination(store, overwrite=False)
     objects = writer.write_arrays(store, [(meta, arr)], hash_algorithm="sha256")
     writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
-                  root_ucp={"producer": writer.producer()})
+                  root_ucp={"producer": writer.default_producer()})
 
 
 @st.composite

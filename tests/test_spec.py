@@ -102,7 +102,8 @@ def _cited_in_repository() -> list[tuple[str, str]]:
     sources = [
         *sh.REPO.glob("ucpformat/**/*.py"),
         *sh.REPO.glob("schemas/**/*.json"),
-        *(p for p in sh.REPO.glob("conformance/**/*") if p.suffix in (".py", ".json", ".md")),
+        *(p for p in sh.REPO.glob("conformance/**/*")
+          if p.suffix in (".py", ".json", ".md") and p.is_file() and not p.is_symlink()),
     ]
     for path in sources:
         text = path.read_text(encoding="utf-8")

@@ -10,6 +10,7 @@ and the chunk it concerns.
 
 from __future__ import annotations
 
+import gzip
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class Compression:
                 level=int(cfg.get("level", 0)), checksum=bool(cfg.get("checksum", False))
             )
         if self.name == "gzip":
-            return numcodecs.GZip(level=int(cfg.get("level", 5)))
+            return _ReproducibleGZip(int(cfg.get("level", 5)))
         shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
         shuffle = shuffles[str(cfg.get("shuffle", "noshuffle"))]
         # Chunks are handed over as bytes: without the typesize, blosc would shuffle
@@ -133,6 +134,24 @@ class Compression:
             blocksize=int(cfg.get("blocksize", 0)),
             typesize=int(cfg["typesize"]) if "typesize" in cfg else None,
         )
+
+
+class _ReproducibleGZip:
+    """gzip with a zero modification time in its header, so that equal chunks encode equally.
+
+    numcodecs' GZip stores the current time in every gzip header: the same state saved
+    twice gave different chunk bytes (and SHA-256 digests). Decoding is numcodecs'.
+    """
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self._decoder = numcodecs.GZip(level=level)
+
+    def encode(self, buf: Any) -> bytes:
+        return gzip.compress(memoryview(buf).cast("B"), compresslevel=self.level, mtime=0)
+
+    def decode(self, buf: Any) -> Any:
+        return self._decoder.decode(buf)
 
 
 class ChunkCodec:
@@ -183,6 +202,13 @@ class ChunkCodec:
         if self._numcodec is not None and self.compression is not None:
             try:
                 payload = self._decompress(payload, nbytes)
+            except _SizeMismatch as exc:
+                raise CorruptDataError(
+                    f"chunk {chunk} is refused before decompressing ({self.compression.name}): "
+                    f"{exc}",
+                    rule="UCP-1.0-R093",
+                    tensor=tensor,
+                ) from exc
             except Exception as exc:
                 raise CorruptDataError(
                     f"chunk {chunk} cannot be decompressed ({self.compression.name}): {exc}",
@@ -191,8 +217,9 @@ class ChunkCodec:
                 ) from exc
         if len(payload) != nbytes:
             raise CorruptDataError(
-                f"chunk {chunk} holds {len(payload)} bytes, expected {nbytes}",
-                rule="UCP-1.0-R041",
+                f"chunk {chunk} holds {len(payload)} bytes"
+                f"{' once decompressed' if self.compression else ''}, expected {nbytes}",
+                rule="UCP-1.0-R093" if self.compression else "UCP-1.0-R041",
                 tensor=tensor,
             )
         return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))
@@ -200,19 +227,29 @@ class ChunkCodec:
     def _decompress(self, payload: memoryview, nbytes: int) -> memoryview:
         """Decompress into at most ``nbytes`` (plus one, to tell "too long"): a hostile chunk
         of a few KB that expands to gigabytes (a decompression bomb) is refused before it
-        is expanded (spec UCP-1.0-R090)."""
+        is expanded (spec UCP-1.0-R090, UCP-1.0-R093)."""
         assert self.compression is not None and self._numcodec is not None
         name = self.compression.name
         if name == "gzip":
             return memoryview(_gunzip(payload, nbytes))
         declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
+        if name == "blosc" and _blosc_cbytes(payload) != len(payload):
+            # c-blosc trusts this header field and would read past the buffer (R093)
+            raise _SizeMismatch(
+                f"its blosc header says {_blosc_cbytes(payload)} compressed bytes, it holds "
+                f"{len(payload)}"
+            )
         if declared is not None and declared != nbytes:
-            raise ValueError(f"it declares {declared} decompressed bytes, expected {nbytes}")
+            raise _SizeMismatch(f"it declares {declared} decompressed bytes, expected {nbytes}")
         out = np.empty(nbytes, dtype=np.uint8)
         # numcodecs refuses output that does not fit ``out``; a zstd frame of unknown size
         # must fill it exactly.
         self._numcodec.decode(payload, out=out)
         return out.data
+
+
+class _SizeMismatch(ValueError):
+    """Compressed data that declares, or would produce, another size than the chunk's."""
 
 
 def _gunzip(data: Any, limit: int) -> bytes:
@@ -223,7 +260,7 @@ def _gunzip(data: Any, limit: int) -> bytes:
         d = zlib.decompressobj(16 + zlib.MAX_WBITS)
         out += d.decompress(rest, limit + 1 - len(out))
         if len(out) > limit:
-            raise ValueError(f"it decompresses to more than the {limit} bytes expected")
+            raise _SizeMismatch(f"it decompresses to more than the {limit} bytes expected")
         if not d.eof:
             raise ValueError("the gzip stream is truncated")
         rest = d.unused_data
@@ -237,6 +274,11 @@ def _blosc_nbytes(data: Any) -> int:
     if len(view) < 16:
         raise ValueError("the blosc header is truncated")
     return int.from_bytes(view[4:8], "little")
+
+
+def _blosc_cbytes(data: Any) -> int:
+    """The compressed size a blosc (1.x) buffer declares (its header is checked already)."""
+    return int.from_bytes(memoryview(data).cast("B")[12:16], "little")
 
 
 _ZSTD_MAGIC = 0xFD2FB528

@@ -54,10 +54,10 @@ from ucpformat.writer import (
     StoredObject,
     _now,
     commit,
+    default_producer,
     default_workers,
     object_coords,
     prepare_destination,
-    producer,
     write_object,
     zero_bits,
 )
@@ -553,7 +553,7 @@ def save_distributed(
         try:
             all_objects = [StoredObject(k, n, h) for item in results for k, n, h in item["objects"]]
             root_ucp: dict[str, Any] = {
-                "producer": producer(),
+                "producer": default_producer(),
                 "created": _now(),
                 "saved_by": {"world_size": comm.world_size},
             }

@@ -567,6 +567,29 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
+#: below at most 8 levels of document structure); deeper documents are refused before
+#: anything walks them recursively (UCP-1.0-R096).
+MAX_DOCUMENT_DEPTH: Final = 80
+
+
+def json_depth(doc: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((v, depth + 1) for v in children)
+    return deepest
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a large metadata document is parsed.
@@ -594,6 +617,20 @@ def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
             )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"not valid JSON: {exc}", rule=rule, path=what) from None
+
+
+def check_depth(doc: Any, *, what: str) -> None:
+    """Refuse a document nested deeper than MAX_DOCUMENT_DEPTH (UCP-1.0-R096).
+
+    Validators call it before any recursive walk (schemas, comparisons); ``open`` does
+    not walk JSON values recursively before decoding them, which bounds its own depth
+    (R070), so it skips this walk over every node of the consolidated metadata.
+    """
+    if json_depth(doc) > MAX_DOCUMENT_DEPTH:
+        raise FormatError(
+            f"the document nests deeper than {MAX_DOCUMENT_DEPTH} levels", rule="UCP-1.0-R096",
+            path=what,
+        )
 
 
 def native_scalar(value: Any) -> Any:

@@ -47,10 +47,16 @@ from ucpformat.metadata import (
     parse_group,
     parse_version,
 )
+from ucpformat.schemas import DATE_TIME
 from ucpformat.storage import Store, open_store
 
 #: Root metadata larger than this is refused before parsing (hostile input).
 MAX_ROOT_METADATA_BYTES = 1 << 30
+#: Chunks (or stored objects) handed to the thread pool at a time.
+MAP_BATCH = 256
+#: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
+#: checks that the stored object is really that large.
+UNCHECKED_SCRATCH_BYTES = 1 << 20
 #: Features a 1.x reader understands (``attributes.ucp.must_understand``).
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
@@ -249,7 +255,12 @@ class Checkpoint:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers)
             pool = self._pool
-        return list(pool.map(fn, items))
+        # In batches: a failure stops the work early, and a region of millions of tiny
+        # chunks never holds millions of pending tasks at once.
+        out: list[Any] = []
+        for start in range(0, len(items), MAP_BATCH):
+            out.extend(pool.map(fn, items[start : start + MAP_BATCH]))
+        return out
 
     def close(self) -> None:
         if self._pool is not None:
@@ -364,8 +375,7 @@ class Tensor:
                 )
             if not out.flags.writeable:
                 raise SelectionError("out is read-only", tensor=self.path)
-            return out
-        if nbytes > self.checkpoint.max_read_bytes:
+        elif nbytes > self.checkpoint.max_read_bytes:
             raise ResourceLimitError(
                 f"reading region of shape {list(out_shape)} needs {nbytes} bytes, over the "
                 f"limit of {self.checkpoint.max_read_bytes} (read a smaller slice, or raise "
@@ -373,6 +383,17 @@ class Tensor:
                 rule="UCP-1.0-R090",
                 tensor=self.path,
             )
+        chunk_nbytes = math.prod(meta.chunk_shape) * meta.dtype.itemsize
+        if nbytes and chunk_nbytes > self.checkpoint.max_read_bytes:
+            raise ResourceLimitError(
+                f"its chunks of shape {list(meta.chunk_shape)} decode to {chunk_nbytes} bytes "
+                f"each, over the limit of {self.checkpoint.max_read_bytes} (raise "
+                "max_read_bytes to read it)",
+                rule="UCP-1.0-R090",
+                tensor=self.path,
+            )
+        if out is not None:
+            return out
         return np.empty(out_shape, dtype=meta.dtype.numpy)
 
     def _objects(self, starts: Sequence[int], stops: Sequence[int]) -> list[tuple[int, ...]]:
@@ -448,9 +469,14 @@ class Tensor:
             lo = max(req_lo[d], obj_lo[d]) - obj_lo[d]
             hi = min(req_hi[d], obj_lo[d] + meta.object_shape[d], meta.shape[d]) - obj_lo[d]
             local_ranges.append(range(lo // cs[d], -(-hi // cs[d])))
-        needed = list(itertools.product(*local_ranges))
         isize = index_nbytes(cps)
         raw_index = self.checkpoint._get_suffix(key, isize)
+        # (the shard's index, checked first, bounds the list below by the shard's size)
+        needed = (
+            list(itertools.product(*local_ranges))
+            if raw_index is None or len(raw_index) == isize
+            else []
+        )
         if raw_index is None:
             if meta.sparse:
                 for local in needed:
@@ -523,7 +549,7 @@ class Tensor:
             if data is None or len(data) != read.nbytes:
                 raise CorruptDataError(
                     f"chunk {label} is cut short: its shard is smaller than its index says",
-                    rule="UCP-1.0-R041",
+                    rule="UCP-1.0-R094",
                     tensor=self.path,
                 )
         chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
@@ -543,6 +569,16 @@ class Tensor:
         before = src[0][0] * row if meta.chunk_shape else 0
         middle = view.reshape(-1).view(np.uint8).data
         after = payload - before - len(middle)
+        if read.nbytes is None and before + after > UNCHECKED_SCRATCH_BYTES:
+            # Allocate scratch for the unwanted rows only once the object is that large
+            # (UCP-1.0-R094): metadata alone cannot make a reader allocate.
+            size = self.checkpoint.store.size(read.key)
+            if size is not None and size != payload + CRC_BYTES:
+                raise CorruptDataError(
+                    f"chunk {label} is {size} bytes, expected {payload + CRC_BYTES}",
+                    rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
         head = bytearray(before)
         tail = bytearray(after + CRC_BYTES + (1 if read.nbytes is None else 0))
         got = self.checkpoint._read_into(read.key, read.offset, [head, middle, tail])
@@ -553,10 +589,13 @@ class Tensor:
             raise self._missing(f"chunk {label}")
         expected = payload + CRC_BYTES
         if got != expected:
+            # a shard whose index points past its end (R094), or a chunk of the wrong size
+            beyond = read.nbytes is not None and got < expected
             raise CorruptDataError(
                 f"chunk {label} holds {got - CRC_BYTES if got >= CRC_BYTES else got} bytes"
-                f"{' or more' if got > expected else ''}, expected {payload}",
-                rule="UCP-1.0-R041",
+                f"{' or more' if got > expected else ''}, expected {payload}"
+                f"{': its shard is smaller than its index says' if beyond else ''}",
+                rule="UCP-1.0-R094" if beyond else "UCP-1.0-R041",
                 tensor=self.path,
             )
         self._verify(read, head, middle, tail, after)
@@ -597,6 +636,20 @@ class Tensor:
         cs = meta.chunk_shape
         payload = math.prod(cs) * meta.dtype.itemsize
         row = payload // cs[0] if cs else payload
+        key = run[0].key
+        end = run[-1].offset + (run[-1].nbytes or 0)
+        scratch_bytes = sum((r.nbytes or 0) for r in run)  # at most this much is not ``out``
+        if scratch_bytes > UNCHECKED_SCRATCH_BYTES:
+            # the shard's index gave these ranges: allocate for them only once the shard is
+            # known to hold them (UCP-1.0-R094)
+            size = self.checkpoint.store.size(key)
+            if size is not None and size < end:
+                raise CorruptDataError(
+                    f"chunk {self._chunk_label(run[-1].chunk, key)} is cut short: its shard "
+                    f"is {size} bytes, its index says it ends at {end}",
+                    rule="UCP-1.0-R094",
+                    tensor=self.path,
+                )
         buffers: list[Any] = []
         parts: list[tuple[_ChunkRead, Any, Any]] = []
         for read in run:
@@ -625,7 +678,7 @@ class Tensor:
                 raise CorruptDataError(
                     f"chunk {self._chunk_label(read.chunk, read.key)} is cut short: its "
                     "shard is smaller than its index says",
-                    rule="UCP-1.0-R041",
+                    rule="UCP-1.0-R094",
                     tensor=self.path,
                 )
             pos += read.nbytes
@@ -809,6 +862,7 @@ def parse_root(
 
     This is everything ``open`` checks before it returns; it reads nothing else.
     """
+    check_root_members(doc, where=where)
     root = parse_group("", doc, root=True)
     ucp = root.attributes.get("ucp")
     if not isinstance(ucp, Mapping):
@@ -853,8 +907,9 @@ def parse_root(
     ):
         raise FormatError("attributes.ucp.producer must be an object with string name and "
                           "version", rule="UCP-1.0-R002", path=where)
-    if not isinstance(ucp.get("created", ""), str):
-        raise FormatError("attributes.ucp.created must be a date-time string",
+    created = ucp.get("created", "2000-01-01T00:00:00Z")
+    if not isinstance(created, str) or not DATE_TIME.match(created):
+        raise FormatError("attributes.ucp.created must be an RFC 3339 date-time string",
                           rule="UCP-1.0-R002", path=where)
     for member in ("metadata", "values"):
         if member in ucp:
@@ -866,6 +921,28 @@ def parse_root(
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+ROOT_MEMBERS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
+CONSOLIDATED_MEMBERS = frozenset({"kind", "must_understand", "metadata"})
+
+
+def check_root_members(doc: Any, *, where: str) -> None:
+    """UCP-1.0-R057: the root and its consolidated metadata have only the members UCP
+    defines, so that no byte of the root can change unnoticed (R045, R055)."""
+    if not isinstance(doc, Mapping):
+        return  # parse_group reports it
+    extra = sorted(set(doc) - ROOT_MEMBERS)
+    cm = doc.get("consolidated_metadata")
+    if isinstance(cm, Mapping):
+        extra += sorted(f"consolidated_metadata.{k}" for k in set(cm) - CONSOLIDATED_MEMBERS)
+    if extra:
+        raise FormatError(
+            f"the root zarr.json has members UCP does not define: {extra[:5]} (damaged, or "
+            "not written by a UCP writer)",
+            rule="UCP-1.0-R057",
+            path=where,
+        )
 
 
 def parse_consolidated(

@@ -36,6 +36,12 @@ def check_key(key: str) -> None:
             raise UnsafePathError(
                 f"storage key {key!r} has an unsafe component {part!r}", rule="UCP-1.0-R091"
             )
+        if len(part) > 255:  # no file system takes it (and no node name may be longer)
+            raise UnsafePathError(
+                f"storage key {key[:80]!r}... has a component of {len(part)} bytes; the limit "
+                "is 255",
+                rule="UCP-1.0-R012",
+            )
 
 
 class Store(ABC):
@@ -185,6 +191,9 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         try:
+            # Never allocate for more than the file holds: a hostile shard index may ask
+            # for 2**60 bytes (UCP-1.0-R094).
+            length = max(0, min(length, os.fstat(fd).st_size - offset))
             return _pread_all(fd, length, offset)
         finally:
             os.close(fd)
@@ -209,21 +218,14 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         try:
-            views = [memoryview(b).cast("B") for b in buffers]
-            views = [v for v in views if len(v)]
+            views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
             total = 0
             while views:
                 n = os.preadv(fd, views[:1024], offset + total)
                 if n == 0:
                     break
                 total += n
-                while n and views:
-                    if n >= len(views[0]):
-                        n -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][n:]
-                        n = 0
+                _advance(views, n)
             return total
         finally:
             os.close(fd)
@@ -353,18 +355,22 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def _write_all(fd: int, buffers: Sequence[Any]) -> int:
     views = [memoryview(b).cast("B") for b in buffers]
     total = sum(len(v) for v in views)
     while views:
-        n = os.writev(fd, views[:1024])
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, os.writev(fd, views[:1024]))
     return total
 
 
@@ -431,15 +437,25 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def open_store(location: str | os.PathLike[str] | Store, *, durable: bool = True) -> Store:
-    """A Store for a path (or an existing Store, returned as is)."""
+def open_store(
+    location: str | os.PathLike[str] | Store,
+    *,
+    durable: bool = True,
+    storage_options: Any = None,
+) -> Store:
+    """A Store for a path or URL (or an existing Store, returned as is).
+
+    A URL such as ``s3://bucket/prefix`` (any protocol fsspec knows, with its package
+    installed: s3fs for S3) gives an :class:`~ucpformat.storage_fsspec.FsspecStore`;
+    ``storage_options`` go to fsspec (credentials, ``client_kwargs``, ...).
+    """
     if isinstance(location, Store):
         return location
     text = os.fspath(location)
     if "://" in text and not text.startswith("file://"):
-        raise UnsafePathError(
-            f"no storage backend for {text!r}; local paths are supported", rule=None
-        )
+        from ucpformat.storage_fsspec import FsspecStore
+
+        return FsspecStore(text, storage_options=storage_options)
     if text.startswith("file://"):
         text = text[len("file://") :]
     return LocalStore(text, durable=durable)

@@ -26,6 +26,7 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_depth,
     loads,
     parse_array,
     parse_group,
@@ -114,12 +115,18 @@ def validate(
     deep: bool = False,
     progress: bool | Callable[[int], None] = False,
     workers: int = 4,
+    max_read_bytes: int | None = None,
 ) -> Report:
-    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report)."""
+    """Check a checkpoint; never raises for a bad checkpoint (problems go in the report).
+
+    ``max_read_bytes`` bounds what a deep validation decodes at once (one stored object;
+    default: the physical memory, as for ``open``).
+    """
     store = open_store(path, durable=False)
     report = Report(store.location, deep=deep)
     try:
-        _validate(store, report, deep=deep, progress=progress, workers=workers)
+        _validate(store, report, deep=deep, progress=progress, workers=workers,
+                  max_read_bytes=max_read_bytes)
     except UCPError as exc:  # a problem that stops validation early
         report.add_error(exc, "/")
     return report
@@ -132,6 +139,7 @@ def _validate(
     deep: bool,
     progress: bool | Callable[[int], None],
     workers: int,
+    max_read_bytes: int | None = None,
 ) -> None:
     raw = store.get(ZARR_JSON)
     if raw is None:
@@ -143,6 +151,7 @@ def _validate(
         report.add("UCP-1.0-R051", "/", f"not a committed checkpoint: {why}")
         return
     doc = loads(raw, what=ZARR_JSON)
+    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (R096)
     for v in schemas.violations("root", doc):
         report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
     if not isinstance(doc, Mapping):
@@ -176,12 +185,19 @@ def _validate(
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
+    _check_conformance_extras(ucp, arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
+    if manifest is not None:
+        _check_root_seal(doc, manifest, report)
+    cm = doc.get("consolidated_metadata")
+    listed_nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
+    _check_foreign_files(manifest, arrays,
+                         set(listed_nodes) if isinstance(listed_nodes, Mapping) else set(), report)
     if deep:
         # Also when shallow checks failed: every file and every array that parsed is still
         # read, so one run reports all the damage.
         root = parse_group("", doc, root=True)
-        ckpt = Checkpoint(store, root, arrays, groups)
+        ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
         _deep(ckpt, manifest, report, progress=progress, workers=workers)
 
 
@@ -246,11 +262,43 @@ def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> N
             continue
         try:
             own = loads(raw, what=f"{path}/{ZARR_JSON}")
+            check_depth(own, what=f"{path}/{ZARR_JSON}")
         except UCPError as exc:
             report.add_error(exc, path)
             continue
-        if own != node:
+        if not json_equal(own, node):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of JSON values: ``1``, ``1.0`` and ``true`` are three different values."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:
+    """UCP-1.0-R045: the root's attributes equal the copy in the (digest-sealed) manifest."""
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, Mapping) or not isinstance(attrs.get("ucp"), Mapping):
+        return  # reported already (R002)
+    actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items() if k != "manifest"}}
+    sealed = manifest.get("root_attributes")
+    if sealed is None:
+        report.add("UCP-1.0-R045", ZARR_JSON,
+                   "the manifest holds no copy of the root's attributes (root_attributes)")
+    elif not json_equal(sealed, actual):
+        sealed_ucp = sealed.get("ucp") if isinstance(sealed, Mapping) else None
+        sealed_ucp = sealed_ucp if isinstance(sealed_ucp, Mapping) else {}
+        changed = sorted(
+            k for k in set(actual["ucp"]) | set(sealed_ucp)
+            if not json_equal(sealed_ucp.get(k), actual["ucp"].get(k))
+        )
+        report.add("UCP-1.0-R045", ZARR_JSON,
+                   "the root's attributes differ from the copy the manifest seals: the root "
+                   f"zarr.json is damaged (attributes.ucp members {changed or ['?']})")
 
 
 def _walk_ints(value: Any) -> Iterable[int]:
@@ -412,6 +460,7 @@ def _check_manifest(
                    "the manifest's SHA-256 differs from the one in the root")
     try:
         manifest = loads(raw, what=MANIFEST_KEY, rule="UCP-1.0-R042")
+        check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
         return None
@@ -518,6 +567,99 @@ def _deep(
             if issue2:
                 report.add(issue2.rule, issue2.path, issue2.message)
         advance(total)
+
+
+def _listed_coords(meta: ArrayMeta, keys: Iterable[str]) -> list[tuple[int, ...]]:
+    """Grid coordinates of the stored objects of ``meta`` among ``keys``."""
+    out = []
+    prefix = f"{meta.path}/c"
+    for key in keys:
+        coords = _coords_of_key(meta, key, prefix)
+        if coords is not None:
+            out.append(coords)
+    return sorted(out)
+
+
+def _coords_of_key(meta: ArrayMeta, key: str, prefix: str) -> tuple[int, ...] | None:
+    """The grid coordinates named by a storage key, if it is a stored object of ``meta``."""
+    if key == prefix:
+        return () if not meta.shape else None
+    if not key.startswith(prefix + "/"):
+        return None
+    parts = key[len(prefix) + 1 :].split("/")
+    if len(parts) != len(meta.shape) or not all(p.isdigit() and (p == "0" or p[0] != "0")
+                                                 for p in parts):
+        return None
+    coords = tuple(int(p) for p in parts)
+    if any(c >= g for c, g in zip(coords, meta.object_grid, strict=True)):
+        return None
+    return coords
+
+
+def _check_conformance_extras(
+    ucp: Mapping[str, Any],
+    arrays: Mapping[str, ArrayMeta],
+    groups: Mapping[str, GroupMeta],
+    report: Report,
+) -> None:
+    """R061 (features a 1.0 reader lacks) and R080 (model/ holds its tensors directly)."""
+    from ucpformat.reader import UNDERSTOOD_FEATURES
+
+    must = ucp.get("must_understand", [])
+    if isinstance(must, list):
+        unknown = sorted({m for m in must if isinstance(m, str)} - UNDERSTOOD_FEATURES)
+        if unknown:
+            report.add("UCP-1.0-R061", "/",
+                       f"must_understand lists features this reader does not implement: {unknown}")
+    for path in [*arrays, *groups]:
+        parts = path.split("/")
+        if parts[0] == "model" and len(parts) > 2:
+            report.add("UCP-1.0-R080", path,
+                       "the tensors of model are its direct children, named by their "
+                       "fully-qualified names (model/<escaped name>), not nested groups")
+        if parts[0] == "model" and len(parts) == 2 and path in groups:
+            report.add("UCP-1.0-R080", path, "model holds arrays only, not groups")
+
+
+def _check_foreign_files(
+    manifest: Mapping[str, Any] | None,
+    arrays: Mapping[str, ArrayMeta],
+    nodes: set[str],
+    report: Report,
+) -> None:
+    """R072: every file of the checkpoint (the manifest lists them, R042) is a metadata
+    document, the manifest, the marker or a stored object of an array.
+
+    Files the manifest does not list are not part of the checkpoint: R044 warns about
+    them. ``nodes`` are the node paths of the consolidated metadata, parsed or not: the
+    files of an array whose metadata is broken are not judged again here.
+    """
+    listed = set((manifest or {}).get("files", {}))
+    for key in sorted(listed):
+        if key in (ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY):
+            continue
+        parent, _, leaf = key.rpartition("/")
+        if leaf == ZARR_JSON and parent in nodes:
+            continue
+        owner = _owner_of(key, nodes)
+        if owner is not None:
+            meta = arrays.get(owner)
+            if meta is None or _coords_of_key(meta, key, f"{owner}/c") is not None:
+                continue  # a stored object (or an array reported already)
+        report.add(
+            "UCP-1.0-R072", key,
+            "not a file this specification defines (a metadata document, the manifest, the "
+            "in-progress marker or a stored object of an array)",
+        )
+
+
+def _owner_of(key: str, nodes: set[str]) -> str | None:
+    """The node whose stored objects a key ``<node>/c/...`` would be (the deepest one)."""
+    parts = key.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] == "c" and "/".join(parts[:i]) in nodes:
+            return "/".join(parts[:i])
+    return None
 
 
 def main_json(report: Report) -> str:

@@ -18,7 +18,9 @@ import json
 import math
 import os
 import platform
+import re
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -179,8 +181,11 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
         )
     marker = _in_progress_marker()
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
-    # committed checkpoint intact or something every reader refuses.
-    store.put(IN_PROGRESS_KEY, [marker], atomic=True)
+    # committed checkpoint intact or something every reader refuses. The marker is not
+    # written atomically: a crash while writing it leaves a partial marker, which still
+    # marks the location as ours to retry into (an atomic write would leave a temporary
+    # file that a retry must refuse as foreign).
+    store.put(IN_PROGRESS_KEY, [marker])
     if committed:
         store.delete(ZARR_JSON)
     store.delete_keys([key for key in store.list() if key != IN_PROGRESS_KEY])
@@ -237,18 +242,23 @@ def commit(
     with ThreadPoolExecutor(min(8, max(1, len(bodies)))) as pool:
         for _ in pool.map(lambda kb: store.put(kb[0], [kb[1]]), bodies):
             pass
+    ucp = dict(root_ucp)
+    ucp["version"] = FORMAT_VERSION
+    attributes = dict(root_attributes or {})
+    attributes["ucp"] = ucp
     manifest = {
         "hash_algorithm": hash_algorithm,
+        # A copy of the root's attributes (but the manifest reference): the manifest's
+        # digest in the root seals it, so damage to the root's own values is detectable
+        # (UCP-1.0-R045); everything else in the root is sealed by the node documents.
+        "root_attributes": attributes,
         "files": dict(sorted(files.items())),
     }
     manifest_body = dumps(manifest, compact=True)
     store.put(MANIFEST_KEY, [manifest_body])
     store.flush()  # every byte before the commit is durable before the commit is written
-    ucp = dict(root_ucp)
-    ucp["version"] = FORMAT_VERSION
-    ucp["manifest"] = {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}
-    attributes = dict(root_attributes or {})
-    attributes["ucp"] = ucp
+    ucp = {**ucp, "manifest": {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}}
+    attributes = {**attributes, "ucp": ucp}
     root = {
         "zarr_format": 3,
         "node_type": "group",
@@ -274,8 +284,25 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def producer() -> dict[str, Any]:
+def default_producer() -> dict[str, Any]:
     return {"name": "ucpformat", "version": __version__, "python": platform.python_version()}
+
+
+#: Former name of :func:`default_producer` (``save`` has a ``producer`` argument now).
+producer = default_producer
+
+_RFC3339 = re.compile(
+    r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
+)
+
+
+def _check_created(created: str) -> str:
+    if not isinstance(created, str) or not _RFC3339.match(created):
+        raise InvalidValueError(
+            f"created must be an RFC 3339 date-time such as 2026-01-01T00:00:00Z, got {created!r}",
+            rule="UCP-1.0-R002",
+        )
+    return created
 
 
 # -- planning a save from a nested mapping ------------------------------------------------
@@ -472,6 +499,8 @@ def save(
     durable: bool = True,
     progress: bool | ProgressCallback = False,
     array_attributes: ArrayAttributes | None = None,
+    created: str | None = None,
+    producer: Mapping[str, Any] | None = None,
 ) -> SaveResult:
     """Write ``state`` (a nested mapping of numpy arrays and JSON values) as a checkpoint.
 
@@ -479,6 +508,11 @@ def save(
     gives them; any other key is stored as an extension group. ``metadata`` is free-form
     JSON kept in the root (``attributes.ucp.metadata``). A failed save leaves nothing
     that opens as a checkpoint and never touches a committed one unless ``overwrite``.
+
+    ``created`` (an RFC 3339 date-time, default: now) and ``producer`` (an object with
+    ``name`` and ``version``, default: this library) are stored in the root as given,
+    so that a save of the same state can be byte-for-byte reproducible (the conformance
+    cases are generated this way).
     """
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
@@ -489,7 +523,12 @@ def save(
         shard_bytes=shard_bytes,
         array_attributes=array_attributes,
     )
-    root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+    root_ucp: dict[str, Any] = {
+        "producer": jsonvalues.encode(dict(producer), where="producer")
+        if producer is not None
+        else default_producer(),
+        "created": _now() if created is None else _check_created(created),
+    }
     if metadata is not None:
         root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
     if the_plan.root_values:
@@ -607,7 +646,7 @@ def adopt(
 
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
-    root_ucp: dict[str, Any] = {"producer": producer(), "created": _now()}
+    root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
     if metadata is not None:
         root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
     if values:
@@ -720,3 +759,284 @@ def adopt(
             hash_algorithm=hash_algorithm,
         )
     return SaveResult(store.location, len(ordered), sum(m.nbytes for m in ordered), len(objects))
+
+# -- streaming: declare every array first, then give each tensor's data ------------------
+
+
+class StreamingWriter:
+    """Write a checkpoint tensor by tensor, holding only what the caller hands over.
+
+    Every array is declared up front (path, shape, data type, attributes), so the
+    metadata is known before any data exists; then each tensor's data is given with
+    :meth:`write` (the whole tensor) or :meth:`write_object` (one stored object, for
+    tensors too large to hold at once), in any order and from any number of threads.
+    :meth:`commit` refuses unless every stored object of every declared array was
+    written exactly once; a writer that is never committed leaves a directory every
+    reader refuses (the in-progress marker), as a failed :func:`save` does::
+
+        with StreamingWriter("ckpt") as w:
+            w.declare("model/fc.weight", (4096, 4096), "bfloat16")
+            w.group("optimizer", values={"type": "torch.optim.AdamW"})
+            w.write("model/fc.weight", array)
+            w.commit(root_values={"step": 10})
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Store,
+        *,
+        overwrite: bool = False,
+        compression: str | Mapping[str, Any] | None = None,
+        hash_algorithm: str | None = "sha256",
+        chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
+        shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
+        durable: bool = True,
+    ) -> None:
+        if hash_algorithm not in (None, *HASH_ALGORITHMS):
+            raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
+        self.store = open_store(path, durable=durable)
+        self.compression = compression
+        self.hash_algorithm = hash_algorithm
+        self.chunk_bytes = chunk_bytes
+        self.shard_bytes = shard_bytes
+        self._arrays: dict[str, ArrayMeta] = {}
+        self._pending: dict[str, set[tuple[int, ...]]] = {}
+        self._groups: dict[str, dict[str, Any]] = {}
+        self._objects: list[StoredObject] = []
+        self._lock = threading.Lock()
+        self._committed = False
+        prepare_destination(self.store, overwrite=overwrite)
+
+    @property
+    def location(self) -> str:
+        return self.store.location
+
+    @property
+    def arrays(self) -> dict[str, ArrayMeta]:
+        """The declared arrays, by node path."""
+        return dict(self._arrays)
+
+    # -- declaring -------------------------------------------------------------------
+
+    def declare(
+        self,
+        path: str,
+        shape: Sequence[int],
+        dtype: str | dtypes.DataType | np.dtype[Any],
+        *,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> ArrayMeta:
+        """Declare the array at node ``path`` (escaped names joined by ``/``)."""
+        if self._committed:
+            raise WriteError("this checkpoint is already committed", path=self.location)
+        parts = names.split_path(path, where=path)
+        if len(parts) < 1:
+            raise InvalidValueError("an array needs a name", path=path)
+        if path.split("/")[0].endswith(RESERVED_ROOT_SUFFIX):
+            raise InvalidValueError(
+                f"top-level names ending in {RESERVED_ROOT_SUFFIX!r} are reserved",
+                rule="UCP-1.0-R004", path=path,
+            )
+        if isinstance(dtype, dtypes.DataType):
+            dt = dtype
+        elif isinstance(dtype, str):
+            dt = dtypes.by_name(dtype, tensor=path)
+        else:
+            dt = dtypes.from_numpy(np.dtype(dtype), tensor=path)
+        dims = tuple(int(s) for s in shape)
+        if any(s < 0 for s in dims):
+            raise InvalidValueError(f"shape {list(dims)} has a negative size", path=path)
+        encoded_attrs = jsonvalues.encode(dict(attributes or {}), where=f"{path} attributes")
+        ucp = encoded_attrs.get("ucp", {})
+        ch = chunking.choose(
+            dims, dt.itemsize, chunk_bytes=self.chunk_bytes, shard_bytes=self.shard_bytes,
+            split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
+        )
+        meta = ArrayMeta(
+            path=path,
+            shape=dims,
+            dtype=dt,
+            chunk_shape=ch.chunk_shape,
+            shard_shape=ch.shard_shape,
+            compression=Compression.parse(self.compression, dt),
+            fill_value=zero_bits(dt),
+            attributes=encoded_attrs,
+        )
+        # Write nothing a reader would refuse (a bad attribute, a chunking bug): check first.
+        parse_array(path, json.loads(dumps(meta.to_zarr_json())))
+        with self._lock:
+            if path in self._arrays:
+                raise InvalidValueError("this array is already declared", path=path)
+            if path in self._groups:
+                raise InvalidValueError("a group of this name is already declared", path=path)
+            self._arrays[path] = meta
+            self._pending[path] = set(object_coords(meta))
+        return meta
+
+    def group(
+        self,
+        path: str,
+        *,
+        values: Mapping[str, Any] | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Declare the group at ``path`` with JSON ``values`` and other ``attributes.ucp`` members.
+
+        Parent groups of declared arrays and groups exist without being declared; calling
+        this again for the same group merges the members.
+        """
+        names.check_path(path, where=path)
+        if not path:
+            raise InvalidValueError("the root's values are given to commit()", path=path)
+        ucp: dict[str, Any] = {}
+        if attributes:
+            ucp.update(jsonvalues.encode(dict(attributes), where=f"{path} attributes"))
+        if values:
+            ucp["values"] = jsonvalues.encode(dict(values), where=f"{path} values")
+        with self._lock:
+            if path in self._arrays:
+                raise InvalidValueError("an array of this name is already declared", path=path)
+            target = self._groups.setdefault(path, {})
+            if "values" in ucp and "values" in target:
+                merged = dict(target["values"])
+                merged.update(ucp.pop("values"))
+                target["values"] = merged
+            target.update(ucp)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def _meta(self, path: str) -> ArrayMeta:
+        meta = self._arrays.get(path)
+        if meta is None:
+            raise InvalidValueError("no array of this name was declared", path=path)
+        return meta
+
+    def _checked(self, meta: ArrayMeta, data: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        arr = np.asarray(data)
+        got = dtypes.from_numpy(arr.dtype, tensor=meta.path)
+        if got is not meta.dtype:
+            raise InvalidValueError(
+                f"data of type {got.name} given for an array declared {meta.dtype.name} "
+                "(convert explicitly; writers never cast)",
+                path=meta.path,
+            )
+        return arr.astype(meta.dtype.numpy, copy=False)
+
+    def object_regions(self, path: str) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """(grid coordinates, region) of every stored object of a declared array."""
+        meta = self._meta(path)
+        return [(c, object_region(meta, c)) for c in object_coords(meta)]
+
+    def write_object(self, path: str, coords: Sequence[int], data: np.ndarray[Any, Any]) -> int:
+        """Write one stored object; ``data`` is that object's region of the tensor."""
+        meta = self._meta(path)
+        key = tuple(int(c) for c in coords)
+        with self._lock:
+            pending = self._pending[path]
+            if key not in pending:
+                raise WriteError(
+                    f"stored object {list(key)} was already written or is outside the grid "
+                    "(one writer per stored object)",
+                    rule="UCP-1.0-R130", tensor=path,
+                )
+            pending.discard(key)
+        try:
+            obj = write_object(self.store, meta, key, self._checked(meta, data),
+                               hash_algorithm=self.hash_algorithm)
+        except BaseException:
+            with self._lock:
+                self._pending[path].add(key)
+            raise
+        with self._lock:
+            self._objects.append(obj)
+        return obj.nbytes
+
+    def write(self, path: str, data: np.ndarray[Any, Any]) -> int:
+        """Write a whole declared tensor; returns the bytes stored."""
+        meta = self._meta(path)
+        arr = self._checked(meta, data)
+        if tuple(arr.shape) != meta.shape:
+            raise InvalidValueError(
+                f"data of shape {list(arr.shape)} given for an array declared "
+                f"{list(meta.shape)}",
+                path=path,
+            )
+        total = 0
+        for coords in object_coords(meta):
+            try:
+                total += self.write_object(path, coords, arr[object_region(meta, coords)])
+            except OSError as exc:
+                raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
+                                 path=self.location) from exc
+        return total
+
+    def missing(self) -> dict[str, int]:
+        """Declared arrays with stored objects not yet written (path -> count)."""
+        with self._lock:
+            return {p: len(s) for p, s in self._pending.items() if s}
+
+    # -- commit ------------------------------------------------------------------------
+
+    def commit(
+        self,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        root_values: Mapping[str, Any] | None = None,
+        root_attributes: Mapping[str, Any] | None = None,
+    ) -> SaveResult:
+        """Write the metadata and, last, the root: refused while any object is missing."""
+        if self._committed:
+            raise WriteError("this checkpoint is already committed", path=self.location)
+        missing = self.missing()
+        if missing:
+            listed = ", ".join(f"{p} ({n})" for p, n in sorted(missing.items())[:5])
+            raise WriteError(
+                f"{len(missing)} declared arrays are not completely written: {listed}; "
+                "nothing was committed",
+                rule="UCP-1.0-R031", path=self.location,
+            )
+        groups: dict[str, GroupMeta] = {}
+        for path in [*self._arrays, *self._groups]:
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                gp = "/".join(parts[:i])
+                if gp in self._arrays:
+                    raise InvalidValueError(f"{gp!r} is an array and the parent of {path!r}",
+                                            path=path)
+                groups.setdefault(gp, GroupMeta(gp, {}))
+        for gp, ucp in self._groups.items():
+            groups[gp] = GroupMeta(gp, {"ucp": dict(ucp)} if ucp else {})
+        children: dict[str, list[str]] = {}
+        for path in [*self._arrays, *groups]:
+            parent, _, leaf = path.rpartition("/")
+            children.setdefault(parent, []).append(leaf)
+        for parent, leaves in children.items():
+            names.check_case_collisions(leaves, parent=parent)
+        root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
+        if metadata is not None:
+            root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
+        if root_values:
+            root_ucp["values"] = jsonvalues.encode(dict(root_values), where="values")
+        commit(
+            self.store,
+            arrays=list(self._arrays.values()),
+            groups=list(groups.values()),
+            objects=self._objects,
+            root_ucp=root_ucp,
+            root_attributes=root_attributes,
+            hash_algorithm=self.hash_algorithm,
+        )
+        self._committed = True
+        return SaveResult(
+            self.store.location,
+            len(self._arrays),
+            sum(m.nbytes for m in self._arrays.values()),
+            len(self._objects),
+        )
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Not committed: the in-progress marker stays, and every reader refuses the directory.
+        return None

@@ -9,6 +9,7 @@ stderr and an exit status (0 ok, 1 invalid or different, 2 could not run)::
     ucp diff A B [--json] [--atol X] [--rtol X] [--all]
     ucp tour [--dir DIR]
     ucp demo [--out DIR] [--quick]
+    ucp conformance check|reader|writer ...
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from ucpformat._version import __version__
-from ucpformat.cli import demo, diff, inspect, tour, validate
+from ucpformat.cli import conformance, convert, demo, diff, export, inspect, tour, validate
 from ucpformat.cli.common import ERROR, FOUND, CommandError
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -31,7 +32,9 @@ from ucpformat.errors import (
 
 #: The subcommands, in the order ``ucp --help`` lists them. The demo is one module, so
 #: that a fuller demo can replace it without touching anything else.
-COMMANDS: tuple[ModuleType, ...] = (inspect, validate, diff, tour, demo)
+COMMANDS: tuple[ModuleType, ...] = (
+    inspect, validate, diff, conformance, convert, export, tour, demo
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -13,9 +13,11 @@ local tensors. Spec chapter "Layout semantics", UCP-1.0-R120 and up.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import operator
 import re
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,7 @@ from ucpformat import schemas
 from ucpformat.errors import LayoutError
 from ucpformat.layout.semantics import PART_MAJOR, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords
+from ucpformat.metadata import MAX_DOCUMENT_DEPTH, json_depth
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "rules"
 CAPTURES = ("layer", "expert")
@@ -37,15 +40,60 @@ _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
 }
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(expr: str) -> ast.Expression:
+    # CPython 3.11's parser is not thread-safe ("AST constructor recursion depth
+    # mismatch" when ranks resolve rules on threads): parse each expression once, alone
+    with _PARSE_LOCK:
+        return ast.parse(expr, mode="eval")
+
+
+#: Longest integer expression in a rule file.
+MAX_EXPRESSION_CHARS = 200
+_PLACEHOLDER = re.compile(r"\{([a-z]*)\}")
+
+
+def expand_captures(template: str, captures: Mapping[str, int], *, where: str) -> str:
+    """``template`` with ``{layer}`` and ``{expert}`` replaced; nothing else is a field.
+
+    (``str.format`` would accept attribute access and widths chosen by the rule file.)
+    """
+    def field(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in CAPTURES or name not in captures:
+            raise LayoutError(
+                f"tied_to {template!r} uses {{{name}}}, which the pattern does not capture",
+                rule="UCP-1.0-R120",
+                path=where,
+            )
+        return str(captures[name])
+
+    out = _PLACEHOLDER.sub(field, template)
+    if "{" in out or "}" in out:
+        raise LayoutError(f"tied_to {template!r} has a brace outside {{layer}}/{{expert}}",
+                          rule="UCP-1.0-R120", path=where)
+    return out
+
+
 def evaluate(expr: Any, params: Mapping[str, Any], *, where: str) -> Any:
     """An integer, or an integer expression over ``params`` (+ - * //, parentheses)."""
     if isinstance(expr, (bool, int)):
         return expr
     if not isinstance(expr, str):
         return expr
+    if len(expr) > MAX_EXPRESSION_CHARS:
+        # bounds the parser's recursion and the size of every number (UCP-1.0-R097)
+        raise LayoutError(
+            f"expression of {len(expr)} characters, over the limit of {MAX_EXPRESSION_CHARS}",
+            rule="UCP-1.0-R121",
+            path=where,
+        )
     try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
+        tree = _parse(expr)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise LayoutError(f"bad expression {expr!r}", rule="UCP-1.0-R121", path=where) from None
 
     def ev(node: ast.AST) -> int:
@@ -103,7 +151,9 @@ def _compile(pattern: str) -> re.Pattern[str]:
             out.append(r"[^.]+")
             i += 1
         elif pattern[i] == "{":
-            end = pattern.index("}", i)
+            end = pattern.find("}", i)
+            if end < 0:
+                raise LayoutError(f"unclosed {{ in pattern {pattern!r}", rule="UCP-1.0-R120")
             name = pattern[i + 1 : end]
             if name not in CAPTURES:
                 raise LayoutError(
@@ -114,7 +164,10 @@ def _compile(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(pattern[i]))
             i += 1
-    return re.compile("^" + "".join(out) + "$")
+    try:
+        return re.compile("^" + "".join(out) + "$")
+    except re.error as exc:  # e.g. a capture used twice
+        raise LayoutError(f"bad pattern {pattern!r}: {exc}", rule="UCP-1.0-R120") from None
 
 
 @dataclass(frozen=True)
@@ -153,6 +206,9 @@ class RuleSet:
 
     @staticmethod
     def from_json(doc: Any, *, source: str = "<rules>") -> RuleSet:
+        if json_depth(doc) > MAX_DOCUMENT_DEPTH:
+            raise LayoutError(f"the rule file nests deeper than {MAX_DOCUMENT_DEPTH} levels",
+                              rule="UCP-1.0-R096", path=source)
         problems = schemas.violations("rules", doc)
         if problems:
             first = problems[0]
@@ -191,6 +247,8 @@ class RuleSet:
             path = BUILTIN_DIR / f"{name_or_path}.json"
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
+        except (RecursionError, UnicodeDecodeError) as exc:  # hostile nesting or bytes
+            raise LayoutError(f"not JSON: {exc}", rule="UCP-1.0-R120", path=str(path)) from None
         except FileNotFoundError:
             known = sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
             raise LayoutError(
@@ -236,7 +294,7 @@ class RuleSet:
         )
         tied = None
         if rule.tied_to is not None:
-            tied = rule.tied_to.format(**caps)
+            tied = expand_captures(rule.tied_to, caps, where=name)
         return Resolved(name, layout, conv, tied, caps.get("layer"), caps.get("expert"))
 
     def vocab_size_hint(self, name: str, params: Mapping[str, Any]) -> int | None:
@@ -267,7 +325,7 @@ class RuleSet:
         expert_local = self.conventions.get("expert_numbering", "global") == "rank-local"
         new = dict(caps)
         if "layer" in caps and layer_local:
-            start = cfg.stage_layers(coords.pp).start
+            start = 0 if cfg.pp == 1 else cfg.stage_layers(coords.pp).start
             new["layer"] = caps["layer"] + direction * start
         if "expert" in caps and expert_local:
             if cfg.num_experts is None:

@@ -130,6 +130,8 @@ class ParallelConfig:
         return (self.num_layers // self.pp,) * self.pp
 
     def stage_of_layer(self, layer: int) -> int:
+        if self.pp == 1 and self.num_layers is None:
+            return 0  # one stage holds every layer; the model's depth is not needed
         for stage in range(self.pp):
             if layer in self.stage_layers(stage):
                 return stage

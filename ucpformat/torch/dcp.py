@@ -110,11 +110,11 @@ from ucpformat.writer import (
     StoredObject,
     _now,
     commit,
+    default_producer,
     default_workers,
     object_coords,
     object_region,
     prepare_destination,
-    producer,
     write_object,
     zero_bits,
 )
@@ -558,7 +558,7 @@ class UCPWriter(StorageWriter):
             for g in sorted(groups)
         ]
         root_ucp: dict[str, Any] = {
-            "producer": producer(),
+            "producer": default_producer(),
             "created": _now(),
             "saved_by": {"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
             RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()},

@@ -85,6 +85,7 @@ from ucpformat.torch.state import (
     _values,
     like,
     qualified_name,
+    saved_param_groups,
     tied_aliases,
     to_json,
     unwrap,
@@ -545,20 +546,7 @@ def _plan_optimizer(
                                    "to load the rest anyway", path=ckpt.location)
         plan.missing_optimizer = current
         return None
-    saved: dict[str, Any] = ckpt.values("optimizer")
-    saved_type = saved.get("type")
-    if strict and saved_type != qualified_name(optimizer):
-        raise LoadError(
-            f"the checkpoint holds the state of a {saved_type!r} optimizer, not of a "
-            f"{qualified_name(optimizer)!r}; pass strict=False to load it anyway",
-            path="optimizer",
-        )
-    saved_groups = saved.get("param_groups", [])
-    if not isinstance(saved_groups, list) or not all(
-        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in saved_groups
-    ):
-        raise LoadError("optimizer param_groups is missing or malformed",
-                        rule="UCP-1.0-R081", path="optimizer")
+    saved_groups = saved_param_groups(ckpt, optimizer, strict=strict)
     group_of = {str(f): gi for gi, g in enumerate(saved_groups) for f in g["params"]}
     current_set = set(current)
     plan.missing_optimizer = [f for f in current if f not in group_of]

@@ -577,19 +577,12 @@ class _ArrayRef:
     path: str
 
 
-def _plan_optimizer(
-    ckpt: Checkpoint,
-    optimizer: torch.optim.Optimizer,
-    model: torch.nn.Module | None,
-    strict: bool,
-) -> _OptimizerPlan:
-    if "optimizer" not in ckpt.groups:
-        if strict:
-            raise KeyMismatchError("the checkpoint has no optimizer group; pass strict=False "
-                                   "to load the rest anyway", path=ckpt.location)
-        everything = [f for group in optimizer_fqns(optimizer, model) for f in group]
-        return _OptimizerPlan(None, everything, [])
-    saved = ckpt.values("optimizer")
+
+def saved_param_groups(
+    ckpt: Checkpoint, optimizer: torch.optim.Optimizer, *, strict: bool
+) -> list[Mapping[str, Any]]:
+    """The param groups of a checkpoint's optimizer, checked (its type too when ``strict``)."""
+    saved: dict[str, Any] = ckpt.values("optimizer")
     saved_type = saved.get("type")
     if strict and saved_type != qualified_name(optimizer):
         raise LoadError(
@@ -603,6 +596,21 @@ def _plan_optimizer(
     ):
         raise LoadError("optimizer param_groups is missing or malformed",
                         rule="UCP-1.0-R081", path="optimizer")
+    return saved_groups
+
+def _plan_optimizer(
+    ckpt: Checkpoint,
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None,
+    strict: bool,
+) -> _OptimizerPlan:
+    if "optimizer" not in ckpt.groups:
+        if strict:
+            raise KeyMismatchError("the checkpoint has no optimizer group; pass strict=False "
+                                   "to load the rest anyway", path=ckpt.location)
+        everything = [f for group in optimizer_fqns(optimizer, model) for f in group]
+        return _OptimizerPlan(None, everything, [])
+    saved_groups = saved_param_groups(ckpt, optimizer, strict=strict)
     group_of: dict[str, int] = {}
     for gi, g in enumerate(saved_groups):
         for fqn in g["params"]:

@@ -1,0 +1,1 @@
+"""Deliberately broken adapters: the suite must catch each, naming the requirement."""

@@ -1,0 +1,78 @@
+"""ucpformat.testing.conformance: the suite from another project's tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ucpformat
+from ucpformat.conformance import contents
+from ucpformat.conformance.adapters import reference
+from ucpformat.errors import UCPError
+from ucpformat.testing import conformance as ucp
+
+
+def _read(checkpoint: Path, path: str, selection: Any) -> Any:
+    with ucpformat.open(checkpoint) as ckpt:
+        tensor = ckpt[path]
+        if selection is None:
+            return tensor.read()
+        return contents.select(tensor.read(), selection)
+
+
+def test_check() -> None:
+    valid = ucp.check(ucp.cases("valid")[0].directory)
+    assert valid.extra["valid"] and valid.status == "pass"
+    case = next(c for c in ucp.cases("invalid") if c.name == "invalid/missing-chunk")
+    invalid = ucp.check(case.checkpoint)
+    assert not invalid.extra["valid"] and "UCP-1.0-R031" in invalid.failed_rules()
+
+
+@pytest.mark.parametrize("case", ucp.case_params("valid")[:4])
+def test_assert_reads(case: Any) -> None:
+    ucp.assert_reads(case, _read)
+
+
+@pytest.mark.parametrize("case", ucp.case_params("invalid", stages=["read"])[:4])
+def test_assert_refuses(case: Any) -> None:
+    exc = ucp.assert_refuses(case, _read)
+    assert isinstance(exc, UCPError)
+
+
+def test_assert_reads_catches_a_wrong_reader() -> None:
+    case = next(c for c in ucp.cases("valid") if c.name == "valid/basic")
+    with pytest.raises(AssertionError, match=r"UCP-1\.0-R210"):
+        ucp.assert_reads(case, lambda ckpt, path, sel: _read(ckpt, path, sel).T.copy(order="F"))
+
+
+def test_in_process_reader_suite() -> None:
+    adapter = ucp.in_process("reference", read=lambda ckpt, req: reference.read(ckpt, req)[0],
+                             features=["layout"])
+    report = ucp.reader_suite(adapter, only=["valid/layout", "valid/names", "invalid/no-root",
+                                             "invalid/crc-chunk"])
+    ucp.assert_passed(report)
+    assert report.claim is None  # a partial run supports no claim
+
+
+def test_in_process_writer_suite() -> None:
+    adapter = ucp.in_process("reference", write=reference.write,
+                             features=["layout", "dtensor"])
+    report = ucp.writer_suite(adapter, only=["basic", "coverage-gap"])
+    ucp.assert_passed(report)
+    skipped = {r.check for r in report.results if r.status == "skip"}
+    assert {"writer.fault-data", "writer.fault-root"} <= skipped
+
+
+def test_assert_passed_names_requirements() -> None:
+    def wrong(ckpt: Path, req: Any) -> Any:
+        response, _ = reference.read(ckpt, req)
+        for entry in response.get("tensors", {}).values():
+            if "sha256" in entry:
+                entry["sha256"] = "0" * 64
+        return response
+
+    report = ucp.reader_suite(ucp.in_process("wrong", read=wrong), only=["valid/basic"])
+    with pytest.raises(AssertionError, match=r"UCP-1\.0-R210"):
+        ucp.assert_passed(report)

@@ -1,0 +1,206 @@
+"""safetensors <-> UCP, against files written by the safetensors library and Hugging Face."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ucpformat
+from tests.importers.conftest import assert_same
+from ucpformat import exporters, importers
+from ucpformat.errors import FormatError, UnsupportedDtypeError
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.uint16, torch.uint32, torch.uint64, torch.complex64,
+]
+
+
+def _tensors() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {}
+    for i, dt in enumerate(DTYPES):
+        raw = torch.randint(0, 256, (5, 3 + i), dtype=torch.uint8, generator=g)
+        width = torch.empty((), dtype=dt).element_size()
+        raw = torch.randint(0, 256, (5, (3 + i) * width), dtype=torch.uint8, generator=g)
+        out[f"layer.{i}.{str(dt).removeprefix('torch.')}"] = raw.view(dt)  # every bit pattern
+    out["scalar"] = torch.tensor(3.5)
+    out["empty"] = torch.zeros((0, 4), dtype=torch.bfloat16)
+    bf = torch.tensor([1.0, -0.0, float("inf"), float("nan")], dtype=torch.bfloat16)
+    out["bf16.special"] = bf
+    return out
+
+
+@pytest.fixture(scope="module")
+def library_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    tensors = _tensors()
+    path = tmp_path_factory.mktemp("st") / "model.safetensors"
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    return path, tensors
+
+
+def test_detect(library_file: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = library_file
+    assert importers.detect(path) == "safetensors"
+    assert importers.detect(path.parent) == "safetensors"
+
+
+def test_every_dtype_bit_exact_and_file_identical(
+    tmp_path: Path, library_file: tuple[Path, dict[str, Any]]
+) -> None:
+    path, tensors = library_file
+    result = importers.convert(path, tmp_path / "ckpt", durable=False)
+    assert result.tensors == len(tensors)
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    for name, want in tensors.items():
+        got = ckpt.tensor("model", name).read()
+        assert_same(got, want, name)
+    assert ckpt.tensor("model", "layer.10.float8_e4m3fn").meta.dtype.name == "float8_e4m3fn"
+    assert ckpt.tensor("model", "layer.3.bfloat16").meta.dtype.name == "bfloat16"
+    assert ucpformat.validate(tmp_path / "ckpt", deep=True).valid
+    # back: the library's own layout, byte for byte
+    out = tmp_path / "back.safetensors"
+    exporters.export(tmp_path / "ckpt", out, to="safetensors")
+    assert out.read_bytes() == path.read_bytes()
+    loaded = st.load_file(str(out))
+    for name, want in tensors.items():
+        assert_same(loaded[name], want, name)
+
+
+def test_sharded_huggingface_directory(tmp_path: Path) -> None:
+    hub = pytest.importorskip("huggingface_hub")
+    tensors = {k: v for k, v in _tensors().items() if v.numel()}
+    src = tmp_path / "hf"
+    src.mkdir()
+    hub.save_torch_state_dict(tensors, src, max_shard_size=200)
+    assert (src / "model.safetensors.index.json").is_file()
+    assert len(list(src.glob("*.safetensors"))) > 2
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    for name, want in tensors.items():
+        assert_same(ckpt.tensor("model", name).read(), want, name)
+    # export sharded again; the safetensors library reads every shard
+    exporters.export(tmp_path / "ckpt", tmp_path / "out", to="safetensors", max_shard_size=200)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in
+                                                  tensors.values())
+    for name, want in tensors.items():
+        got = st.load_file(str(tmp_path / "out" / index["weight_map"][name]))[name]
+        assert_same(got, want, name)
+    # and the exported directory imports to the same checkpoint
+    importers.convert(tmp_path / "out", tmp_path / "again", durable=False)
+    again = ucpformat.open(tmp_path / "again")
+    assert again.keys() == ckpt.keys()
+
+
+def _write_raw(
+    path: Path, header: dict[str, Any], data: bytes, *, length: int | None = None
+) -> None:
+    body = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body) if length is None else length) + body + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "length", "error", "needle"),
+    [
+        ({"w": {"dtype": "F32", "shape": [1 << 40, 1 << 40], "data_offsets": [0, 16]}},
+         bytes(16), None, FormatError, "needs"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 50]}},
+         bytes(16), None, FormatError, "outside"),
+        ({"w": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}},
+         bytes(2), None, UnsupportedDtypeError, "F4"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+         bytes(16), 1 << 40, FormatError, "impossible"),
+        ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}},
+         bytes(16), None, FormatError, "shape"),
+    ],
+)
+def test_hostile_headers_are_refused_before_anything_is_written(
+    tmp_path: Path, header: dict[str, Any], data: bytes, length: int | None,
+    error: type[Exception], needle: str,
+) -> None:
+    src = tmp_path / "bad.safetensors"
+    _write_raw(src, header, data, length=length)
+    with pytest.raises(error, match=needle):
+        importers.convert(src, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_layout_semantics_inferred_from_a_llama_config(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "llama")
+    result = importers.convert(tmp_path / "llama", tmp_path / "ckpt", durable=False)
+    assert any("llama" in n for n in result.notes)
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    q = ckpt.tensor("model", "model.layers.1.self_attn.q_proj.weight")
+    assert q.attributes["layout"] == {"tp": {"dim": 0}, "layer": 1}
+    assert q.meta.dtype.name == "bfloat16"
+    o = ckpt.tensor("model", "model.layers.0.self_attn.o_proj.weight")
+    assert o.attributes["layout"] == {"tp": {"dim": 1}, "layer": 0}
+    emb = ckpt.tensor("model", "model.embed_tokens.weight")
+    assert emb.attributes["layout"] == {"tp": {"dim": 0}, "vocab": {"dim": 0}}
+    assert ucpformat.validate(tmp_path / "ckpt", deep=True).valid
+    for name, want in model.state_dict().items():
+        assert_same(ckpt.tensor("model", name).read(), want, name)
+
+
+def test_an_explicit_rule_file_that_does_not_fit_is_refused(
+    tmp_path: Path, library_file: tuple[Path, dict[str, Any]]
+) -> None:
+    path, _ = library_file
+    with pytest.raises(ucpformat.errors.LayoutError, match="no rule"):
+        importers.convert(path, tmp_path / "ckpt", rules="llama", rule_params={"vocab_size": 8})
+
+
+@pytest.mark.slow
+def test_minilm_round_trip_bit_exact_and_same_outputs(tmp_path: Path, minilm_dir: Path) -> None:
+    """A real published model: import, load from UCP, export, load with transformers."""
+    transformers = pytest.importorskip("transformers")
+    src = minilm_dir / "model.safetensors"
+    importers.convert(minilm_dir, tmp_path / "ckpt", durable=False)
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    assert len(ckpt) == 104
+    reference = st.load_file(str(src))
+    for name, want in reference.items():
+        assert_same(ckpt.tensor("model", name).read(), want, name)
+    exporters.export(tmp_path / "ckpt", tmp_path / "out", to="safetensors")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == src.read_bytes()
+
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    batch = tok(["universal checkpoints", "zarr v3 shards, bit for bit"], padding=True,
+                return_tensors="pt")
+    original = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    with torch.no_grad():
+        want = original(**batch).last_hidden_state
+    # a fresh model given the UCP tensors
+    fresh = transformers.AutoModel.from_config(original.config).eval()
+    from ucpformat.importers._torch import from_numpy
+
+    state = {t.name: from_numpy(t.read()) for t in ckpt.tensors("model")}
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert missing == []
+    assert set(unexpected) <= {"embeddings.position_ids"}
+    with torch.no_grad():
+        got = fresh(**batch).last_hidden_state
+    assert torch.equal(got, want)
+    # the exported directory (weights + config.json) loads with transformers
+    exported = transformers.AutoModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert torch.equal(exported(**batch).last_hidden_state, want)
+    assert np.isfinite(want.numpy()).all()

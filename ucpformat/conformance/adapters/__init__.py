@@ -1,0 +1,1 @@
+"""Adapters of the conformance suite built on ucpformat (the reference)."""

@@ -1,0 +1,21 @@
+"""Testing kit: the conformance suite for other projects, and the reliability harnesses.
+
+- :mod:`~ucpformat.testing.conformance`: run the conformance suite (reader, writer,
+  checker) from a project's own tests, pytest or otherwise;
+- :mod:`~ucpformat.testing.faults`: writers killed at every step of a save (crash
+  consistency of the commit protocol, UCP-1.0-R050 to R056, R132);
+- :mod:`~ucpformat.testing.corruption`: bytes, chunks, shard indexes and metadata files
+  damaged at random (R041 to R043, R055);
+- :mod:`~ucpformat.testing.hostile`: malformed and hostile metadata and data against the
+  readers (R090 to R099); :mod:`~ucpformat.testing.fuzz_atheris` is its coverage-guided
+  counterpart;
+- :mod:`~ucpformat.testing.s3`: a local S3-compatible server (moto) on loopback.
+
+Each harness runs on its own as ``python -m ucpformat.testing.<name> --trials N`` and
+prints its figures; the test suite runs each in a quick mode, ``make stress`` in a long
+one. The library itself never imports this package.
+"""
+
+from ucpformat.testing.common import same_state, small_state
+
+__all__ = ["same_state", "small_state"]

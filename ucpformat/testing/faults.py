@@ -1,0 +1,748 @@
+"""Crash consistency, measured: writers killed at every step of a save.
+
+A :class:`FaultyStore` wraps a real store and kills its process with SIGKILL at the Nth
+storage operation, either before the operation, half-way through a write (the first
+half of the bytes reach storage: a torn write) or just after it. A dry run of the same
+save records the sequence of operations, so trials can aim at each phase of a save:
+``prepare`` (in-progress marker, un-commit, clearing), ``data`` (stored objects),
+``metadata`` (node ``zarr.json`` files), ``manifest``, ``flush``, ``commit`` (the root
+``zarr.json``) and ``cleanup`` (removing the marker). Other trials kill the writer with
+SIGKILL after a random delay instead.
+
+Each trial starts from a committed checkpoint A and runs a save of state B in a child
+process, which is killed:
+
+- ``new``: B goes to a fresh location, A lies elsewhere;
+- ``overwrite``: B replaces A in place (``overwrite=True``);
+- ``threads``: B is a collective save of two ranks (``ThreadGroup``) to a fresh location;
+- ``gloo``: B is a collective save of two processes over ``torch.distributed`` (gloo), and
+  only one rank is killed; the other must fail, not hang, and nothing is committed.
+
+Afterwards the harness checks that (1) A still loads bit for bit; (2) the interrupted
+location either is refused by ``open`` and by ``validate`` with an error naming a
+requirement (UCP-1.0-R051 for an uncommitted one), or - killed after its commit - loads B
+bit for bit (or, for ``overwrite`` killed before the un-commit, A); never anything else;
+(3) ``open`` and ``validate`` agree; (4) the same save, retried, succeeds and loads B bit
+for bit. A *lost checkpoint* is a failure of (1) or (2).
+
+Run ``python -m ucpformat.testing.faults --trials 300`` (``make stress``); the test suite
+runs a quick mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ucpformat import dtypes, names
+from ucpformat.comm import Communicator, run_threads
+from ucpformat.distributed import Fragment, TensorSpec, save_distributed
+from ucpformat.errors import CheckpointExistsError, UCPError
+from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
+from ucpformat.reader import open_checkpoint
+from ucpformat.storage import LocalStore, Store
+from ucpformat.testing.common import SMALL_CHUNKING, differences, print_figures, small_state
+from ucpformat.validation import validate
+from ucpformat.writer import save
+
+MODES = ("before", "torn", "after")
+PHASES = ("prepare", "data", "metadata", "manifest", "flush", "commit", "cleanup")
+SCENARIOS = ("new", "overwrite", "threads")
+_DATA_KEY = re.compile(r"(^|/)c(/[0-9]+)*$")
+
+
+# -- the fault-injecting store ---------------------------------------------------------------
+
+
+class OpCounter:
+    """Counts operations across threads, and across stores that share it."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            n = self._n
+            self._n += 1
+            return n
+
+
+class FaultyStore(Store):
+    """A store that kills its process at the ``kill_at``-th mutating operation.
+
+    Mutating operations are ``put``, ``delete``, ``delete_all`` and ``flush``, counted
+    from 0 across threads. ``mode`` is ``before`` (the operation never happens),
+    ``torn`` (a ``put`` writes the first half of its bytes, to the key itself or, for an
+    atomic put, to a temporary name beside it, as a crash during the write would; other
+    operations behave as ``before``) or ``after`` (the operation completes). ``delay``
+    seconds are slept before each operation (for kills at random times). ``trace``
+    collects ``(operation, key)`` of every operation; stores given the same ``counter``
+    count together (a manager opens one store per location).
+    """
+
+    def __init__(
+        self,
+        inner: Store,
+        *,
+        kill_at: int | None = None,
+        mode: str = "before",
+        delay: float = 0.0,
+        trace: list[tuple[str, str]] | None = None,
+        counter: OpCounter | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.inner = inner
+        self.location = inner.location
+        self.kill_at = kill_at
+        self.mode = mode
+        self.delay = delay
+        self.trace = trace if trace is not None else []
+        self.counter = counter if counter is not None else OpCounter()
+
+    def _tick(self, op: str, key: str) -> bool:
+        """Count an operation; True if the process must die at this one."""
+        if self.delay:
+            time.sleep(self.delay)
+        n = self.counter.next()
+        self.trace.append((op, key))
+        return n == self.kill_at
+
+    @staticmethod
+    def die() -> None:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # pragma: no cover - the signal is not deliverable
+
+    # reads pass through
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, offset, length)
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        return self.inner.get_suffix(key, length)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        return self.inner.read_into(key, offset, buffers)
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    # writes count
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        if self._tick("put", key):
+            if self.mode == "torn":
+                data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+                target = f"{key}.tmp-{uuid.uuid4().hex}" if atomic else key
+                self.inner.put(target, [data[: len(data) // 2]])
+            elif self.mode == "after":
+                self.inner.put(key, buffers, atomic=atomic)
+            self.die()
+        return self.inner.put(key, buffers, atomic=atomic)
+
+    def delete(self, key: str) -> None:
+        if self._tick("delete", key):
+            if self.mode == "after":
+                self.inner.delete(key)
+            self.die()
+        self.inner.delete(key)
+
+    def delete_all(self) -> None:
+        if self._tick("delete_all", ""):
+            if self.mode == "after":
+                self.inner.delete_all()
+            self.die()
+        self.inner.delete_all()
+
+    def flush(self) -> None:
+        if self._tick("flush", ""):
+            if self.mode == "after":
+                self.inner.flush()
+            self.die()
+        self.inner.flush()
+
+
+def phase_of(ops: Sequence[tuple[str, str]], index: int) -> str:
+    """The phase of a save that operation ``index`` of a dry run's trace belongs to."""
+    op, key = ops[index]
+    if op == "put" and _DATA_KEY.search(key):
+        return "data"
+    if op == "put" and key == ZARR_JSON:
+        return "commit"
+    if op == "put" and key == MANIFEST_KEY:
+        return "manifest"
+    if op == "put" and key.endswith("/" + ZARR_JSON):
+        return "metadata"
+    if op == "delete" and key == IN_PROGRESS_KEY:
+        return "cleanup"
+    before_data = not any(
+        o == "put" and (_DATA_KEY.search(k) or k.endswith(ZARR_JSON)) for o, k in ops[:index]
+    )
+    if before_data:
+        return "prepare"
+    return "flush" if op == "flush" else "data"
+
+
+# -- what the trials save ------------------------------------------------------------------
+
+
+def _arrays(
+    tree: Mapping[str, Any], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, np.ndarray | np.generic):
+            yield (*prefix, key), np.asarray(value)
+        elif isinstance(value, Mapping):
+            yield from _arrays(value, (*prefix, key))
+
+
+@dataclass
+class DistributedParts:
+    """A state cut into the fragments of ``world_size`` ranks (rows split where possible)."""
+
+    specs: list[TensorSpec]
+    fragments: list[list[Fragment]]
+    group_attributes: dict[str, dict[str, Any]]
+    expected: dict[str, Any]
+
+
+def distributed_parts(seed: int, world_size: int) -> DistributedParts:
+    state = small_state(seed)
+    specs: list[TensorSpec] = []
+    fragments: list[list[Fragment]] = [[] for _ in range(world_size)]
+    expected: dict[str, Any] = {}
+    for logical, arr in _arrays(state):
+        path = names.path_of(*logical)
+        dt = dtypes.from_numpy(arr.dtype)
+        specs.append(TensorSpec(path, tuple(arr.shape), dt.name))
+        node = expected
+        for part in logical[:-1]:
+            node = node.setdefault(part, {})
+        node[logical[-1]] = arr
+        if arr.ndim and arr.shape[0] >= world_size:
+            cuts = np.linspace(0, arr.shape[0], world_size + 1).astype(int)
+            for r in range(world_size):
+                a, b = int(cuts[r]), int(cuts[r + 1])
+                box = ((a, b), *((0, n) for n in arr.shape[1:]))
+                fragments[r].append(Fragment(path, box, np.ascontiguousarray(arr[a:b])))
+        else:
+            box = tuple((0, n) for n in arr.shape)
+            fragments[0].append(Fragment(path, box, np.ascontiguousarray(arr)))
+    group_attributes = {"training": {"values": {"step": seed}}}
+    expected.setdefault("training", {})["step"] = seed
+    expected.setdefault("optimizer", {})
+    expected["optimizer"].setdefault("state", {})
+    return DistributedParts(specs, fragments, group_attributes, expected)
+
+
+def distributed_save(
+    store: Store, comm: Communicator, parts: DistributedParts, *, overwrite: bool = False
+) -> None:
+    save_distributed(
+        store,
+        comm,
+        specs=parts.specs,
+        fragments=parts.fragments[comm.rank],
+        group_attributes=parts.group_attributes,
+        overwrite=overwrite,
+        min_shard_bytes=1,
+        workers=2,
+        **SMALL_CHUNKING,
+    )
+
+
+def expected_state(scenario: str, seed: int) -> Any:
+    if scenario in ("threads", "gloo"):
+        return distributed_parts(seed, 2).expected
+    return small_state(seed)
+
+
+def run_save(scenario: str, store: Store, seed: int, *, durable: bool) -> None:
+    """The save a trial interrupts (in the child) and retries (in the parent)."""
+    if scenario in ("new", "overwrite"):
+        save(
+            store,
+            small_state(seed),
+            overwrite=scenario == "overwrite",
+            workers=2,
+            durable=durable,
+            compression="zstd" if seed % 2 else None,
+            hash_algorithm="sha256" if seed % 3 == 0 else None,
+            **SMALL_CHUNKING,
+        )
+    elif scenario == "threads":
+        parts = distributed_parts(seed, 2)
+        run_threads(2, lambda comm: distributed_save(store, comm, parts))
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+
+
+# -- one trial -------------------------------------------------------------------------------
+
+
+@dataclass
+class Trial:
+    scenario: str
+    kind: str  # "op" (kill at an operation) or "time" (SIGKILL after a delay)
+    phase: str
+    mode: str
+    kill_at: int | None = None
+    delay: float = 0.0  # seconds slept before each storage operation
+    kill_after: float = 0.0  # "time" trials: SIGKILL this many seconds after the start
+    victim: int = 0
+    cli: bool = False  # also check with ``ucp validate`` in a subprocess
+    # outcome
+    killed: bool = False
+    outcome: str = ""  # refused | committed | old-intact | (failure kinds)
+    problems: list[str] = field(default_factory=list)
+    lost: bool = False
+    retried: bool = False
+
+
+def _check_refusal(location: str) -> tuple[str | None, str]:
+    """(rule, message) of open's refusal, or (None, '') if it opened."""
+    try:
+        with open_checkpoint(location):
+            return None, ""
+    except UCPError as exc:
+        return exc.rule or "", str(exc)
+
+
+def check_after_crash(
+    trial: Trial, target: Path, previous: Path | None, seed_a: int, seed_b: int
+) -> None:
+    """Every check of a trial but the retry; fills ``trial.outcome``/``problems``/``lost``."""
+    state_a = small_state(seed_a)
+    if previous is not None:
+        diffs = _diffs(previous, state_a)
+        if diffs:
+            trial.lost = True
+            trial.problems.append(f"the previous checkpoint changed: {diffs[:3]}")
+    new = expected_state(trial.scenario, seed_b)
+    rule, message = _check_refusal(str(target))
+    report = validate(target)
+    if rule is None:
+        got_new = _diffs(target, new) == []
+        got_old = trial.scenario == "overwrite" and _diffs(target, state_a) == []
+        trial.outcome = "committed" if got_new else "old-intact" if got_old else "WRONG-DATA"
+        if trial.outcome == "WRONG-DATA":
+            trial.lost = True
+            trial.problems.append("the interrupted location opens with data that is neither "
+                                  "the old nor the new state")
+        if not report.valid:
+            trial.problems.append(f"open accepts it but validate refuses: {report.errors[:2]}")
+    else:
+        trial.outcome = "refused"
+        if not rule:
+            trial.problems.append(f"refused without a requirement id: {message}")
+        if "R051" not in rule:
+            trial.problems.append(f"refused, but not as an incomplete checkpoint: {message}")
+        if report.valid:
+            trial.problems.append("open refuses it but validate finds it valid")
+        elif "UCP-1.0-R051" not in report.rules():
+            trial.problems.append(f"validate refuses it without R051: {report.errors[:2]}")
+
+
+def cli_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ucpformat.cli") is not None
+
+
+def check_cli(trial: Trial, target: Path) -> None:
+    """``ucp validate`` (when the CLI exists) agrees: exit 0 for a committed checkpoint,
+    1 (invalid, naming R051) or 2 (nothing there) for an interrupted one."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ucpformat.cli", "validate", "--json", str(target)],
+        capture_output=True, text=True, timeout=120,
+    )
+    if trial.outcome == "refused":
+        if proc.returncode == 1 and "UCP-1.0-R051" not in proc.stdout:
+            trial.problems.append(f"ucp validate refuses without R051: {proc.stdout[:200]}")
+        elif proc.returncode not in (1, 2):
+            trial.problems.append(f"ucp validate exits {proc.returncode} on an interrupted save")
+    elif proc.returncode != 0:
+        trial.problems.append(f"ucp validate exits {proc.returncode} on a committed checkpoint")
+
+
+def _diffs(location: Path, expected: Any) -> list[str]:
+    try:
+        with open_checkpoint(location) as ckpt:
+            return differences(ckpt.to_dict(), expected)
+    except UCPError as exc:
+        return [f"refused: {exc}"]
+
+
+def retry_and_check(trial: Trial, target: Path, seed_b: int, *, durable: bool) -> None:
+    """The interrupted save, run again to completion, must succeed and load bit for bit.
+
+    A save killed after its commit needs no retry; then the same call must refuse to
+    overwrite the committed checkpoint (UCP-1.0-R053), which the harness checks too.
+    """
+    committed = trial.outcome == "committed"
+    trial.retried = not committed
+    try:
+        if trial.scenario == "gloo":
+            run_threads(
+                2,
+                lambda comm: distributed_save(
+                    LocalStore(target), comm, distributed_parts(seed_b, 2)
+                ),
+            )
+        else:
+            run_save(trial.scenario, LocalStore(target, durable=durable), seed_b, durable=durable)
+    except CheckpointExistsError as exc:
+        if not committed:
+            trial.problems.append(f"the retried save failed: {exc}")
+    except UCPError as exc:
+        if not (committed and "R053" in str(exc)):
+            trial.problems.append(f"the retried save failed: {exc}")
+    else:
+        if committed and trial.scenario != "overwrite":
+            trial.problems.append("a save onto a committed checkpoint did not refuse (R053)")
+    diffs = _diffs(target, expected_state(trial.scenario, seed_b))
+    if diffs:
+        trial.problems.append(f"the retried save does not load back: {diffs[:3]}")
+    report = validate(target, deep=True)
+    if not report.valid:
+        trial.problems.append(f"the retried save is invalid: {report.errors[:2]}")
+
+
+def run_fork_trial(
+    trial: Trial, workdir: Path, previous: Path, seed_a: int, seed_b: int, *, durable: bool
+) -> None:
+    """Run one trial whose writer is a forked child of this process."""
+    target = workdir / f"target-{uuid.uuid4().hex[:8]}"
+    if trial.scenario == "overwrite":
+        shutil.copytree(previous, target)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the writer
+        code = 0
+        try:
+            store = FaultyStore(
+                LocalStore(target, durable=durable),
+                kill_at=trial.kill_at if trial.kind == "op" else None,
+                mode=trial.mode,
+                delay=trial.delay,
+            )
+            run_save(trial.scenario, store, seed_b, durable=durable)
+        except BaseException:
+            code = 3
+        os._exit(code)
+    if trial.kind == "time":
+        time.sleep(trial.kill_after)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    trial.killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0:
+        trial.problems.append(f"the writer failed by itself (exit {os.WEXITSTATUS(status)})")
+    check_after_crash(trial, target, previous, seed_a, seed_b)
+    if trial.cli:
+        check_cli(trial, target)
+    retry_and_check(trial, target, seed_b, durable=durable)
+    shutil.rmtree(target, ignore_errors=True)
+
+
+# -- torch.distributed (gloo) trials ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gloo_worker(args: argparse.Namespace) -> int:
+    """One rank of a gloo trial (run as ``python -m ucpformat.testing.faults --worker``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ucpformat.testing.gloo import communicator
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    comm = communicator()
+    store: Store = LocalStore(args.target, durable=args.durable)
+    if args.rank == args.victim:
+        store = FaultyStore(store, kill_at=args.kill_at, mode=args.mode)
+    code = 0
+    try:
+        distributed_save(store, comm, distributed_parts(args.seed, 2))
+        comm.barrier()
+    except BaseException as exc:  # the survivor of a killed rank ends up here
+        print(f"rank {args.rank}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        code = 3
+    sys.stdout.flush()
+    os._exit(code)  # never run gloo's shutdown (see DESIGN.md: aborts at exit)
+
+
+def gloo_ops(seed: int) -> list[list[tuple[str, str]]]:
+    """Per-rank operation traces of the gloo trials' save (dry run with threads)."""
+    traces: list[list[tuple[str, str]]] = [[], []]
+    parts = distributed_parts(seed, 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_threads(
+            2,
+            lambda comm: distributed_save(
+                FaultyStore(LocalStore(Path(tmp) / "dry", durable=False), trace=traces[comm.rank]),
+                comm,
+                parts,
+            ),
+        )
+    return traces
+
+
+def run_gloo_trial(
+    trial: Trial, workdir: Path, previous: Path, seed_a: int, seed_b: int, *, durable: bool,
+    timeout: float = 60.0,
+) -> None:
+    target = workdir / f"gloo-{uuid.uuid4().hex[:8]}"
+    port = _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "ucpformat.testing.faults", "--worker",
+                "--rank", str(r), "--port", str(port), "--target", str(target),
+                "--victim", str(trial.victim), "--kill-at", str(trial.kill_at),
+                "--mode", trial.mode, "--seed", str(seed_b),
+                *(["--durable"] if durable else []),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for r, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            trial.problems.append(f"rank {r} hung after rank {trial.victim} was killed")
+        outputs.append(out.decode(errors="replace"))
+    victim = procs[trial.victim]
+    trial.killed = victim.returncode == -signal.SIGKILL
+    if not trial.killed:
+        trial.problems.append(f"rank {trial.victim} was not killed: {outputs[trial.victim][-300:]}")
+    check_after_crash(trial, target, previous, seed_a, seed_b)
+    retry_and_check(trial, target, seed_b, durable=durable)
+    shutil.rmtree(target, ignore_errors=True)
+
+
+# -- planning and running trials -------------------------------------------------------------
+
+
+def dry_run(
+    scenario: str, seed_a: int, seed_b: int, workdir: Path
+) -> tuple[list[tuple[str, str]], float]:
+    """The operations of one scenario's save, and how long it takes."""
+    trace: list[tuple[str, str]] = []
+    target = workdir / f"dry-{scenario}"
+    if scenario == "overwrite":
+        save(target, small_state(seed_a), **SMALL_CHUNKING)
+    start = time.perf_counter()
+    run_save(scenario, FaultyStore(LocalStore(target, durable=False), trace=trace), seed_b,
+             durable=False)
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(target, ignore_errors=True)
+    return trace, elapsed
+
+
+def plan_trials(
+    n: int,
+    rng: random.Random,
+    traces: Mapping[str, tuple[list[tuple[str, str]], float]],
+    *,
+    time_share: float,
+    delay: float = 0.002,
+) -> list[Trial]:
+    """``n`` trials: every phase of every scenario in turn, a share of random-time kills."""
+    by_phase: dict[tuple[str, str], list[int]] = {}
+    for scenario, (ops, _) in traces.items():
+        for i in range(len(ops)):
+            by_phase.setdefault((scenario, phase_of(ops, i)), []).append(i)
+    cells = sorted(by_phase)
+    trials = []
+    n_time = round(n * time_share)
+    for k in range(n - n_time):
+        scenario, phase = cells[k % len(cells)]
+        where = by_phase[(scenario, phase)]
+        visit = k // len(cells)
+        # the first and the last operation of each phase first, then random ones
+        index = where[0] if visit == 0 else where[-1] if visit == 1 else rng.choice(where)
+        trials.append(
+            Trial(scenario, "op", phase, MODES[(visit + k) % len(MODES)], kill_at=index)
+        )
+    for k in range(n_time):
+        scenario = SCENARIOS[k % len(SCENARIOS)]
+        ops, elapsed = traces[scenario]
+        # the child sleeps ``delay`` before each operation; kill anywhere in the save
+        total = elapsed + len(ops) * delay + 0.3  # + start-up of the forked writer
+        trials.append(Trial(scenario, "time", "random", "before", delay=delay,
+                            kill_after=rng.uniform(0.0, 1.1 * total)))
+    rng.shuffle(trials)
+    return trials
+
+
+def plan_gloo_trials(n: int, rng: random.Random, seed_b: int) -> list[Trial]:
+    traces = gloo_ops(seed_b)
+    cells = [
+        (victim, phase, i)
+        for victim, ops in enumerate(traces)
+        for i in range(len(ops))
+        for phase in [phase_of(ops, i)]
+    ]
+    phases = sorted({(v, p) for v, p, _ in cells})
+    trials = []
+    for k in range(n):
+        victim, phase = phases[k % len(phases)]
+        index = rng.choice([i for v, p, i in cells if v == victim and p == phase])
+        trials.append(Trial("gloo", "op", phase, MODES[(k // len(phases)) % len(MODES)],
+                            kill_at=index, victim=victim))
+    return trials
+
+
+@dataclass
+class Figures:
+    trials: int = 0
+    killed: int = 0
+    lost: int = 0
+    problems: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    phases: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, trial: Trial) -> None:
+        self.trials += 1
+        self.killed += trial.killed
+        self.lost += trial.lost
+        self.outcomes[trial.outcome] += 1
+        self.phases[f"{trial.scenario}/{trial.phase}"] += 1
+        if trial.problems:
+            self.problems += 1
+            self.failures.append(
+                f"{trial.scenario} {trial.kind} phase={trial.phase} mode={trial.mode} "
+                f"kill_at={trial.kill_at} victim={trial.victim}: {'; '.join(trial.problems)}"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "trials": self.trials,
+            "writers killed": self.killed,
+            "checkpoints lost": self.lost,
+            "trials with any failed check": self.problems,
+            "outcomes": dict(sorted(self.outcomes.items())),
+            "trials per scenario/phase": dict(sorted(self.phases.items())),
+        }
+
+
+def run(
+    trials: int,
+    *,
+    gloo_trials: int = 0,
+    cli_every: int = 0,
+    seed: int = 0,
+    durable: bool = False,
+    workdir: Path | None = None,
+    time_share: float = 0.2,
+    progress: bool = False,
+) -> Figures:
+    """Run the trials; ``durable`` makes every write fsync'd (slower, same outcomes)."""
+    rng = random.Random(seed)
+    seed_a, seed_b = 2 * seed + 1, 2 * seed + 2
+    figures = Figures()
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        root = Path(tmp)
+        previous = root / "previous"
+        save(previous, small_state(seed_a), **SMALL_CHUNKING)
+        traces = {s: dry_run(s, seed_a, seed_b, root) for s in SCENARIOS}
+        plan = plan_trials(trials, rng, traces, time_share=time_share)
+        if gloo_trials:
+            plan += plan_gloo_trials(gloo_trials, rng, seed_b)
+        use_cli = cli_every > 0 and cli_available()
+        for i, trial in enumerate(plan):
+            trial.cli = use_cli and i % cli_every == 0
+            if trial.scenario == "gloo":
+                run_gloo_trial(trial, root, previous, seed_a, seed_b, durable=durable)
+            else:
+                run_fork_trial(trial, root, previous, seed_a, seed_b, durable=durable)
+            figures.add(trial)
+            if progress and (i + 1) % 25 == 0:
+                print(f"  {i + 1}/{len(plan)} trials, {figures.lost} lost", flush=True)
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ucpformat.testing.faults",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=300, help="single-process trials")
+    parser.add_argument("--gloo-trials", type=int, default=0,
+                        help="trials of a two-process torch.distributed (gloo) save")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cli-every", type=int, default=10,
+                        help="check every Nth trial with `ucp validate` too, where the CLI "
+                        "exists (0: never)")
+    parser.add_argument("--durable", action="store_true", help="fsync every write")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    # worker mode (internal)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--target", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--victim", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="before", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return gloo_worker(args)
+    start = time.perf_counter()
+    figures = run(args.trials, gloo_trials=args.gloo_trials, seed=args.seed,
+                  cli_every=args.cli_every, durable=args.durable, progress=not args.json)
+    out = figures.as_dict()
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    print_figures("crash consistency (ucpformat.testing.faults)", out, as_json=args.json)
+    for line in figures.failures[:20]:
+        print("FAILED:", line)
+    return 0 if figures.lost == 0 and figures.problems == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
