@@ -58,8 +58,8 @@ class Compression:
         (``lz4``, ``zstd``, ...), a level, a shuffle (``shuffle``, ``bitshuffle``,
         ``noshuffle``): ``"blosc:lz4:5"``. Blosc defaults to zstd level 3 with byte-shuffle
         (bit-shuffle for 1-byte types); its ``typesize`` is the data type's item size, also
-        where a codec dict leaves it out (as zarr-python fills it in), so that shuffling
-        moves whole elements' bytes.
+        where a codec dict that shuffles leaves it out (as zarr-python fills it in), so
+        that shuffling moves whole elements' bytes.
         """
         if spec is None or isinstance(spec, Compression):
             return spec
@@ -96,8 +96,13 @@ class Compression:
                 rule="UCP-1.0-R024",
             )
         parsed = Compression.from_json(spec)
-        if parsed.name == "blosc" and "typesize" not in parsed.configuration:
-            parsed = Compression("blosc", {**parsed.configuration, "typesize": dtype.itemsize})
+        cfg = parsed.configuration
+        if (
+            parsed.name == "blosc"
+            and "typesize" not in cfg
+            and cfg.get("shuffle", "noshuffle") != "noshuffle"
+        ):
+            parsed = Compression("blosc", {**cfg, "typesize": dtype.itemsize})
         return parsed
 
     @staticmethod

@@ -234,7 +234,7 @@ def commit(
     bodies: list[tuple[str, bytes]] = []
     for node in sorted(nodes, key=lambda n: n.path):
         doc = node.to_zarr_json()
-        body = dumps(doc, compact=True)
+        body = dumps(doc)
         bodies.append((f"{node.path}/{ZARR_JSON}", body))
         files[f"{node.path}/{ZARR_JSON}"] = _describe(body, hash_algorithm)
         consolidated[node.path] = doc
@@ -254,7 +254,7 @@ def commit(
         "root_attributes": attributes,
         "files": dict(sorted(files.items())),
     }
-    manifest_body = dumps(manifest, compact=True)
+    manifest_body = dumps(manifest)
     store.put(MANIFEST_KEY, [manifest_body])
     store.flush()  # every byte before the commit is durable before the commit is written
     ucp = {**ucp, "manifest": {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}}
