@@ -96,13 +96,13 @@ class Compression:
                 rule="UCP-1.0-R024",
             )
         parsed = Compression.from_json(spec)
-        cfg = parsed.configuration
+        given = parsed.configuration
         if (
             parsed.name == "blosc"
-            and "typesize" not in cfg
-            and cfg.get("shuffle", "noshuffle") != "noshuffle"
+            and "typesize" not in given
+            and given.get("shuffle", "noshuffle") != "noshuffle"
         ):
-            parsed = Compression("blosc", {**cfg, "typesize": dtype.itemsize})
+            parsed = Compression("blosc", {**given, "typesize": dtype.itemsize})
         return parsed
 
     @staticmethod
