@@ -199,7 +199,8 @@ def test_blosc_shuffles_with_the_declared_typesize(tmp_path: Path) -> None:
 # -- whole states ------------------------------------------------------------------------
 
 SPECIAL_NAMES = ["a/b", "..", ".", "...", "__x", "_y", "語彙", "x" * 200, "%2E", "a b", "ß", "~",
-                 "c", "W", "é" * 20, "zarr.json", "ZARR.json", "-", "0"]
+                 "c", "W", "é" * 20, "zarr.json", "ZARR.json", "-", "0",
+                 "$ucp_float"]
 RESERVED_GROUPS = ("model", "optimizer", "training")
 
 
@@ -277,6 +278,18 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _names_json_value(state: dict[str, Any], key: str) -> bool:
+    """True if some mapping of ``state`` has a JSON value (not a node) named ``key``."""
+    for k, v in state.items():
+        if isinstance(v, dict) and _names_json_value(v, key):
+            return True
+        if k == key and not isinstance(v, np.ndarray | np.generic | dict):
+            return True
+        if k == key and isinstance(v, dict) and not writer._has_array(v):
+            return True
+    return False
+
+
 def ucpformat_bits(a: np.ndarray[Any, Any]) -> tuple[Any, ...]:
     return (a.dtype.str, a.shape, a.tobytes())
 
@@ -285,9 +298,29 @@ def ucpformat_bits(a: np.ndarray[Any, Any]) -> tuple[Any, ...]:
 @given(state=states)
 def test_nested_states_round_trip_through_to_dict(state: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        ucpformat.save(Path(tmp) / "c", state, durable=False, workers=2)
+        try:
+            ucpformat.save(Path(tmp) / "c", state, durable=False, workers=2)
+        except ucpformat.errors.InvalidValueError as exc:
+            # a JSON value named $ucp_float would make its group's values a reserved object
+            assert exc.rule == "UCP-1.0-R070" and "$ucp_float" in str(exc), exc
+            assert _names_json_value(state, "$ucp_float"), state
+            event("refused: JSON value named $ucp_float")
+            return
         back = ucpformat.open(Path(tmp) / "c").to_dict()
     assert _same(back, state), (back, state)
+
+
+def test_json_value_named_like_the_float_tag_is_refused(tmp_path: Path) -> None:
+    for state in ({"$ucp_float": {}}, {"training": {"x": {"$ucp_float": "NaN"}}},
+                  {"a": np.zeros(2), "$ucp_float": 1}):
+        with pytest.raises(ucpformat.errors.InvalidValueError, match=r"\$ucp_float") as info:
+            ucpformat.save(tmp_path / "c", state, durable=False)
+        assert info.value.rule == "UCP-1.0-R070"
+        assert not (tmp_path / "c").exists()
+    # as a node name (a group or an array) it is an ordinary name
+    ucpformat.save(tmp_path / "d", {"$ucp_float": {"w": np.ones(2)}}, durable=False)
+    back = ucpformat.open(tmp_path / "d").to_dict()
+    assert back["$ucp_float"]["w"].tolist() == [1.0, 1.0]
 
 
 def test_special_names_and_values_round_trip(tmp_path: Path) -> None:
@@ -304,3 +337,12 @@ def test_special_names_and_values_round_trip(tmp_path: Path) -> None:
     assert (tmp_path / "c" / "model" / "%2E%2E" / "zarr.json").is_file()
     assert (tmp_path / "c" / "model" / "a%2Fb").is_dir()
     assert ckpt.tensor("model", "__x").path == "model/%5F_x"
+
+
+@pytest.mark.parametrize("tag", [{}, [], 1, None, "nan"])
+def test_malformed_float_tag_in_a_checkpoint_is_a_format_error(tag: Any) -> None:
+    from ucpformat import jsonvalues
+
+    with pytest.raises(ucpformat.errors.FormatError, match="malformed non-finite float") as info:
+        jsonvalues.decode({"$ucp_float": tag}, where="values")
+    assert info.value.rule == "UCP-1.0-R070"

@@ -101,7 +101,7 @@ def decode(value: Any, *, where: str, depth: int = 0) -> Any:
     if isinstance(value, Mapping):
         if FLOAT_TAG in value:
             tag = value.get(FLOAT_TAG)
-            if len(value) != 1 or tag not in _SPECIAL:
+            if len(value) != 1 or not isinstance(tag, str) or tag not in _SPECIAL:
                 raise FormatError(
                     f"malformed non-finite float {dict(value)!r}", rule="UCP-1.0-R070", path=where
                 )

@@ -421,6 +421,12 @@ def plan(
                         "(ucpformat.torch does this for torch tensors)",
                         path=where,
                     )
+                if key == jsonvalues.FLOAT_TAG:
+                    raise InvalidValueError(
+                        f"the key {jsonvalues.FLOAT_TAG!r} is reserved for non-finite floats",
+                        rule="UCP-1.0-R070",
+                        path=where,
+                    )
                 group_values[key] = jsonvalues.encode(value, where=where)
         names.check_case_collisions(node_names, parent=prefix)
 
