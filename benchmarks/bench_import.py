@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -137,34 +139,6 @@ def make_sources(work: Path, hidden: int, layers: int) -> dict[str, Path]:
 # -- one measured conversion per process ----------------------------------------------------
 
 
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> int:
-    """Reset the peak RSS to the current RSS (Linux: clear_refs 5); returns the RSS in KiB.
-
-    ``ru_maxrss`` is not used: it survives exec, so a child would inherit its parent's peak.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status_kb("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def _peak_kb() -> int:
-    return _status_kb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def child(tool: str, src: str, dst: str) -> dict[str, Any]:
     """Run one conversion here; return time and memory (called in a fresh process)."""
     import torch  # noqa: F401 - every tool needs it; imported before the baseline
@@ -176,7 +150,7 @@ def child(tool: str, src: str, dst: str) -> dict[str, Any]:
         import deepspeed  # noqa: F401
     from ucpformat import exporters, importers
 
-    base = _reset_peak()
+    base = common.reset_peak_rss() // 1024
     start = time.perf_counter()
     if tool == "ucp convert":
         options = {"allow_pickle": True} if importers.detect(src) == "dcp" else {}
@@ -202,7 +176,8 @@ def child(tool: str, src: str, dst: str) -> dict[str, Any]:
         raise ValueError(tool)
     seconds = time.perf_counter() - start
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"seconds": seconds, "peak_kb": _peak_kb(), "base_kb": base, "children_kb": children}
+    return {"seconds": seconds, "peak_kb": common.peak_rss_bytes() // 1024, "base_kb": base,
+            "children_kb": children}
 
 
 def _tree_bytes(path: Path) -> int:

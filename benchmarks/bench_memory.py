@@ -5,7 +5,7 @@ resident set (the baseline), then:
 
 * **save**: makes the synthetic state (filled in place: the process then holds exactly
   the state) and saves it; the peak is the most memory the process ever held
-  (``ru_maxrss``) less the baseline, and what the save added is that less the state;
+  (``VmHWM``) less the baseline, and what the save added is that less the state;
 * **load**: loads a checkpoint the method saved before (in another process) and keeps
   the result; the peak less the baseline includes the loaded state.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -42,10 +41,6 @@ LABELS = {
 }
 
 
-def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
     """Run in a fresh process: one save or load; memory figures in bytes."""
     warnings.filterwarnings("ignore")
@@ -57,8 +52,7 @@ def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
     from ucpformat.torch.async_save import AsyncSaver
 
     saver = AsyncSaver() if method == "ucpformat async" else None
-    base = common.rss_bytes()
-    base_peak = _maxrss()
+    base = common.reset_peak_rss()
     defs = list(synthetic.tensors(size_mib))
     nbytes = sum(d.nbytes for d in defs)
     largest = max(d.nbytes for d in defs)
@@ -98,7 +92,7 @@ def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
             result = common.buffer_module(empty)
             ucpt.load(path, model=result)
         del result
-    peak = max(_maxrss(), base_peak) - base
+    peak = common.peak_rss_bytes() - base
     return {"peak": peak, "nbytes": nbytes, "largest": largest, "held": held}
 
 
@@ -168,7 +162,8 @@ def tables(m: dict[str, Any], size_mib: float) -> list[Table]:
     t.notes += [
         f"state {nbytes / mib:,.0f} MiB, largest tensor {largest / mib:,.0f} MiB: target "
         f"peak ≤ {limit / mib:,.0f} MiB (the state + its largest tensor)",
-        "peak: ru_maxrss less the resident set after imports; a save's peak includes the "
+        "peak: the process's peak resident set (VmHWM, reset after imports) less its "
+        "resident set after imports; a save's peak includes the "
         "state it saves, a load's the state it loads",
         synthetic.describe(size_mib),
     ]

@@ -137,6 +137,35 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM`` of ``/proc/self/status``), in bytes.
+
+    Not ``ru_maxrss``: Linux keeps that across ``fork`` and ``execve``, so a child of a
+    large parent (the benchmark runner) would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> int:
+    """Start the peak resident set over from the current one (Linux ``clear_refs`` 5), so
+    that what imports held for a moment does not count; the current one, in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:  # pragma: no cover - not Linux, or not permitted
+        pass
+    return rss_bytes()
+
+
 def io_read_chars() -> int:
     """Bytes this process has read through read/pread syscalls (``/proc/self/io``
     ``rchar``): counts page-cache hits too, so it measures what a loader asks for."""

@@ -106,6 +106,22 @@ def test_memory_benchmark_runs_in_fresh_processes(tmp_path: Path) -> None:
 
 @pytest.mark.torch
 @pytest.mark.slow
+def test_memory_benchmark_does_not_inherit_the_parents_peak(tmp_path: Path) -> None:
+    """A child's peak is its own, however much its parent holds (ru_maxrss is not)."""
+    import numpy as np
+
+    from benchmarks import bench_memory
+
+    held = np.ones(640 * 2**20, dtype=np.uint8)  # 640 MiB, touched, in the parent
+    (table,) = bench_memory.run(quick=True, size_mib=1, directory=tmp_path)
+    assert held[-1] == 1
+    for op in ("save", "load"):
+        for method, peak in table.data[op].items():
+            assert 0 < peak < 256 * 2**20, (op, method, peak)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_distributed_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import bench_distributed
