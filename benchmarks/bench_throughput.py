@@ -275,6 +275,6 @@ def tables(m: dict[str, Any]) -> list[Table]:
 def run(quick: bool = False, *, size_mib: float | None = None, repeats: int | None = None,
         directory: Path | None = None) -> list[Table]:
     size = size_mib if size_mib is not None else (QUICK_SIZE_MIB if quick else DEFAULT_SIZE_MIB)
-    reps = repeats if repeats is not None else (1 if quick else 5)
+    reps = repeats if repeats is not None else (1 if quick else 7)
     with tempfile.TemporaryDirectory(prefix="ucp-bench-tp-", dir=directory) as tmp:
         return tables(measure(size, reps, Path(tmp)))
