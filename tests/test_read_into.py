@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import ucpformat
+from tests.helpers import flip_byte
 from ucpformat.distributed import read_local
-from ucpformat.errors import LayoutError, SelectionError
+from ucpformat.errors import ChecksumError, LayoutError, SelectionError
 from ucpformat.layout.boxes import LocalMap, Piece
 from ucpformat.layout.dtensor import Shard, StridedShard, dtensor_local_map
+from ucpformat.reader import Region
+from ucpformat.storage import LocalStore
 
 
 @pytest.fixture
@@ -57,3 +62,34 @@ def test_read_local_into_out(ckpt: ucpformat.Checkpoint) -> None:
     with pytest.raises(LayoutError):
         read_local(ckpt, "model/w", lm, out=np.empty((1, 1), np.float32))
 
+
+
+class _SlowStore(LocalStore):
+    """Reads of ``slow`` keys take a while (a slow disk or object store)."""
+
+    def __init__(self, root: Path, slow: str) -> None:
+        super().__init__(root, durable=False)
+        self.slow = slow
+
+    def read_into(self, key: str, offset: int, buffers: Any) -> int | None:
+        if key.startswith(self.slow):
+            time.sleep(0.3)
+        return super().read_into(key, offset, buffers)
+
+
+def test_a_failed_read_leaves_no_write_behind(tmp_path: Path) -> None:
+    """When one chunk of a batch fails, the call returns (raises) only once no other chunk
+    is still being written into the caller's memory: a caller that then loads another
+    checkpoint into the same tensors (the previous one, after a damaged newest) must not
+    have them overwritten behind its back by the failed read."""
+    a = np.arange(64, dtype=np.float32)
+    ucpformat.save(tmp_path / "c", {"model": {"a": a, "b": a + 1}}, durable=False)
+    flip_byte(tmp_path / "c" / "model" / "a" / "c" / "0", 3)
+    ckpt = ucpformat.open_checkpoint(_SlowStore(tmp_path / "c", "model/b/"))
+    out_a, out_b = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    with pytest.raises(ChecksumError):
+        ckpt.read_regions([Region("model/a", [0], [64], out_a),
+                           Region("model/b", [0], [64], out_b)])
+    seen = out_b.copy()
+    time.sleep(0.6)
+    assert np.array_equal(out_b, seen), "out was written after read_regions had raised"

@@ -14,7 +14,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,9 +257,14 @@ class Checkpoint:
             pool = self._pool
         # In batches: a failure stops the work early, and a region of millions of tiny
         # chunks never holds millions of pending tasks at once.
+        # A failure is raised only once every task of its batch has ended: the tasks write
+        # into the caller's arrays (a live tensor's memory), which must not change after
+        # the caller has seen the error.
         out: list[Any] = []
         for start in range(0, len(items), MAP_BATCH):
-            out.extend(pool.map(fn, items[start : start + MAP_BATCH]))
+            futures = [pool.submit(fn, item) for item in items[start : start + MAP_BATCH]]
+            wait(futures)
+            out.extend(f.result() for f in futures)
         return out
 
     def close(self) -> None:
