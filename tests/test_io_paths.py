@@ -221,3 +221,17 @@ def test_blosc_options_and_typesize() -> None:
     assert d is not None and d.configuration["typesize"] == 2
     with pytest.raises(errors.UnsupportedFeatureError):
         Compression.parse("blosc:snappy", f32)
+
+
+def test_a_store_saves_again_after_its_directory_was_removed(tmp_path: Path) -> None:
+    """A LocalStore remembers the directories it has made (one makedirs per directory);
+    a directory removed since, e.g. a checkpoint location deleted by a
+    CheckpointManager's rotation or by hand, is made again on the next save."""
+    import shutil
+
+    store = LocalStore(tmp_path / "c", durable=False)
+    w = np.arange(10, dtype=np.float32)
+    ucpformat.save(store, {"model": {"w": w}})
+    shutil.rmtree(tmp_path / "c")
+    ucpformat.save(store, {"model": {"w": w + 1}})
+    assert np.array_equal(ucpformat.open(tmp_path / "c")["model/w"].read(), w + 1)

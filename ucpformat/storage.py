@@ -257,7 +257,15 @@ class LocalStore(Store):
             os.makedirs(directory, exist_ok=True)
             self._made_dirs.add(directory)
         target = f"{path}.tmp-{uuid.uuid4().hex}" if atomic else path
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            fd = os.open(target, flags, 0o644)
+        except FileNotFoundError:
+            # a directory made earlier was removed since (the location deleted and saved
+            # to again through this store): make it again
+            self._made_dirs.discard(directory)
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(target, flags, 0o644)
         try:
             try:
                 written = _write_all(fd, buffers)
