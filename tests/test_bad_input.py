@@ -495,6 +495,33 @@ def test_symlink_out_of_the_checkpoint_is_refused(sharded: Path, tmp_path: Path)
     assert_refused(exc, errors.UnsafePathError, 91, "zarr.json")
 
 
+def test_symlink_planted_after_a_read_is_refused_by_the_open_checkpoint(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """The store remembers which paths it has checked (UCP-1.0-R091) so that reading
+    many chunks of a shard checks its path once; a file replaced since, here by a link
+    out of the checkpoint, is checked again by a checkpoint that is still open."""
+    ckpt = ucpformat.open(sharded)
+    assert_bits_equal(ckpt["model/b"].read(), np.arange(5, dtype=np.int32))
+    assert ckpt["model/w"][0].shape == (11,)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    chunk = sharded / "model" / "b" / "c" / "0"
+    shutil.copy(chunk, outside / "0")
+    chunk.unlink()
+    chunk.symlink_to(outside / "0")
+    with pytest.raises(errors.UnsafePathError) as exc:
+        ckpt["model/b"].read()
+    assert_refused(exc, errors.UnsafePathError, 91, "model/b/c/0", "outside the checkpoint")
+    shards = sharded / "model" / "w" / "c"
+    shutil.copytree(shards, outside / "c")
+    shutil.rmtree(shards)
+    shards.symlink_to(outside / "c", target_is_directory=True)
+    with pytest.raises(errors.UnsafePathError) as exc:
+        ckpt["model/w"][0]
+    assert_refused(exc, errors.UnsafePathError, 91, "model/w/c/0/0")
+
+
 def test_symlink_inside_the_checkpoint_is_followed(sharded: Path) -> None:
     chunk = sharded / "model" / "b" / "c" / "0"
     os.replace(chunk, sharded / "model" / "b" / "elsewhere")

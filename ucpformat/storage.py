@@ -141,17 +141,15 @@ class LocalStore(Store):
         self._dirty_dirs: set[str] = set()
         self._unsynced: list[str] = []
         self._made_dirs: set[str] = set()
-        self._readable: dict[str, str] = {}  # key -> path, checked (reads of a committed,
-        # immutable checkpoint repeat keys: one realpath per key, not one per chunk)
+        # key -> (path, device, inode) of the file its path check found (reads of a
+        # committed, immutable checkpoint repeat keys: one realpath per key, not one per
+        # chunk; a file replaced since, e.g. by a link, is checked again: see _open)
+        self._readable: dict[str, tuple[str, int, int]] = {}
         self._lock = threading.Lock()
 
     # -- paths ------------------------------------------------------------------------
 
     def _path(self, key: str, *, for_read: bool) -> str:
-        if for_read:
-            known = self._readable.get(key)
-            if known is not None:
-                return known
         check_key(key)
         path = os.path.join(self.location, *key.split("/"))
         if for_read and os.path.lexists(path):
@@ -166,29 +164,49 @@ class LocalStore(Store):
                 raise UnsafePathError(
                     f"{key!r} is not a regular file", rule="UCP-1.0-R091", path=self.location
                 )
+            try:
+                st = os.stat(real)
+            except FileNotFoundError:
+                return path
             if len(self._readable) >= 1 << 16:
                 self._readable.clear()
-            self._readable[key] = path
+            self._readable[key] = (path, st.st_dev, st.st_ino)
         return path
 
     def _forget(self, key: str) -> None:
         self._readable.pop(key, None)
 
+    def _open(self, key: str) -> int | None:
+        """A descriptor of the object's file, or None if it is absent. A key's path is
+        checked (UCP-1.0-R091) on its first read; later reads reuse the check while the
+        file opened is the one it found (same device and inode): a path whose file was
+        replaced since (by a link out of the checkpoint, say) is checked again."""
+        known = self._readable.get(key)
+        path = known[0] if known is not None else self._path(key, for_read=True)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        if known is not None:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != known[1:]:
+                os.close(fd)
+                self._forget(key)
+                return self._open(key)
+        return fd
+
     # -- reads ------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes | None:
-        path = self._path(key, for_read=True)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
+        fd = self._open(key)
+        if fd is None:
             return None
+        with open(fd, "rb") as f:
+            return f.read()
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        path = self._path(key, for_read=True)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = self._open(key)
+        if fd is None:
             return None
         try:
             # Never allocate for more than the file holds: a hostile shard index may ask
@@ -199,10 +217,8 @@ class LocalStore(Store):
             os.close(fd)
 
     def get_suffix(self, key: str, length: int) -> bytes | None:
-        path = self._path(key, for_read=True)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = self._open(key)
+        if fd is None:
             return None
         try:
             size = os.fstat(fd).st_size
@@ -212,10 +228,8 @@ class LocalStore(Store):
             os.close(fd)
 
     def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        path = self._path(key, for_read=True)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = self._open(key)
+        if fd is None:
             return None
         try:
             views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
@@ -231,11 +245,16 @@ class LocalStore(Store):
             os.close(fd)
 
     def size(self, key: str) -> int | None:
-        path = self._path(key, for_read=True)
+        known = self._readable.get(key)
+        path = known[0] if known is not None else self._path(key, for_read=True)
         try:
-            return os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError:
             return None
+        if known is not None and (st.st_dev, st.st_ino) != known[1:]:
+            self._forget(key)  # replaced since its check: check it again
+            return self.size(key)
+        return st.st_size
 
     def list(self, prefix: str = "") -> Iterator[str]:
         base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
