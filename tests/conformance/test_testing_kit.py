@@ -76,3 +76,25 @@ def test_assert_passed_names_requirements() -> None:
     report = ucp.reader_suite(ucp.in_process("wrong", read=wrong), only=["valid/basic"])
     with pytest.raises(AssertionError, match=r"UCP-1\.0-R210"):
         ucp.assert_passed(report)
+
+
+def test_an_in_process_adapter_without_an_operation_answers_like_a_command_without_it(
+    tmp_path: Path,
+) -> None:
+    """Status 2 with the reason on stderr, as a command lacking the subcommand would."""
+    from ucpformat.conformance.adapter import CallableAdapter
+
+    adapter = CallableAdapter("partial", capabilities={"reader": False})
+    runs = {
+        "read": adapter.read(tmp_path / "c", {"tensors": []}, tmp_path),
+        "write": adapter.write(tmp_path / "s.json", tmp_path / "out"),
+        "validate": adapter.validate(tmp_path / "c"),
+        "validate-rules": adapter.validate_rules(tmp_path / "r.json", tmp_path / "a.json"),
+    }
+    for operation, run in runs.items():
+        assert run.returncode == 2, operation
+        assert "partial" in run.stderr and run.stdout == "", (operation, run.stderr)
+        assert operation in run.argv, run.argv
+    limited = CallableAdapter("w", capabilities={}, write=lambda scenario, out: None)
+    run = limited.write(tmp_path / "s.json", tmp_path / "out", file_size_limit=1024)
+    assert run.returncode == 2 and "file size limits" in run.stderr

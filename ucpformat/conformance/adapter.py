@@ -178,16 +178,22 @@ class CallableAdapter(Adapter):
 
     def run(self, *args: str, file_size_limit: int | None = None,
             timeout: float | None = None) -> Run:
-        raise NotImplementedError("an in-process adapter has no command line")
+        return self._unavailable([*self.command, *args],
+                                 "an in-process adapter has no command line")
+
+    def _unavailable(self, argv: list[str], why: str) -> Run:
+        """What a command without this operation does: exit status 2, the reason on stderr."""
+        return Run(argv, 2, "", f"{self}: {why}", 0.0)
 
     def capabilities(self) -> Run:
         return Run([*self.command, "capabilities"], 0, json.dumps(self._caps), "", 0.0)
 
     def read(self, checkpoint: Path, request: Mapping[str, Any], workdir: Path) -> Run:
+        argv = [*self.command, "read", str(checkpoint), "-"]
         if self._read is None:
-            raise NotImplementedError("no read callable")
+            return self._unavailable(argv, "no read callable was given")
         fn = self._read
-        return self._call([*self.command, "read", str(checkpoint), "-"],
+        return self._call(argv,
                           lambda: fn(checkpoint, request),
                           refused=lambda doc: _has_error(doc))
 
@@ -202,19 +208,21 @@ class CallableAdapter(Adapter):
 
     def write(self, scenario: Path, out_dir: Path, *, file_size_limit: int | None = None
               ) -> Run:
+        argv = [*self.command, "write", str(scenario), str(out_dir)]
         if self._write is None:
-            raise NotImplementedError("no write callable")
+            return self._unavailable(argv, "no write callable was given")
         if file_size_limit is not None:
-            raise NotImplementedError("file size limits need an adapter command")
+            return self._unavailable(argv, "file size limits need an adapter command")
         fn = self._write
-        return self._call([*self.command, "write", str(scenario), str(out_dir)],
+        return self._call(argv,
                           lambda: fn(scenario, out_dir), refused=lambda doc: False)
 
     def validate(self, checkpoint: Path) -> Run:
+        argv = [*self.command, "validate", str(checkpoint)]
         if self._validate is None:
-            raise NotImplementedError("no validate callable")
+            return self._unavailable(argv, "no validate callable was given")
         fn = self._validate
-        return self._call([*self.command, "validate", str(checkpoint)],
+        return self._call(argv,
                           lambda: fn(checkpoint), refused=lambda doc: not doc.get("valid"))
 
 
