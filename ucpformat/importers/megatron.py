@@ -65,7 +65,8 @@ MEGATRON_STAND_INS: Final[dict[str, Any]] = {
 
 
 def iteration_dir(path: Path, iteration: str | None = None) -> Path:
-    """The directory of one saved iteration (``iter_XXXXXXX`` or ``release``)."""
+    """The directory of one saved iteration: ``iter_`` and the iteration in seven digits
+    (``iter_0000100``), or ``release``."""
     if iteration is not None:
         name = iteration if not iteration.isdigit() else f"iter_{int(iteration):07d}"
         found = path / name
