@@ -531,17 +531,11 @@ class Tensor:
             return
         src, dst = ov
         cs = meta.chunk_shape
-        payload = math.prod(cs) * meta.dtype.itemsize
-        if (
-            meta.compression is None
-            and all(src[d] == (0, cs[d]) for d in range(1, len(cs)))
-            and (read.nbytes is None or read.nbytes == payload + CRC_BYTES)
-        ):
-            rows: tuple[Any, ...] = (*(slice(a, b) for a, b in dst), Ellipsis)
-            view = out[rows]
-            if view.flags.c_contiguous:
-                self._read_rows_into(read, src, view, payload, label)
-                return
+        view = self._direct(read, src, dst, out)
+        if view is not None:
+            payload = math.prod(cs) * meta.dtype.itemsize
+            self._read_rows_into(read, src, view, payload, label)
+            return
         if read.nbytes is None:
             data = self.checkpoint._get(read.key)
             if data is None:
@@ -614,7 +608,7 @@ class Tensor:
         """
         meta = self.meta
         cs = meta.chunk_shape
-        if meta.compression is not None or not cs:
+        if meta.compression is not None:
             return None
         if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
             return None

@@ -313,25 +313,26 @@ class LocalStore(Store):
         return written
 
     def delete(self, key: str) -> None:
+        directory = self._unlink(key)
+        if directory is not None and self.durable:
+            _fsync_dir(directory)
+
+    def delete_keys(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            directory = self._unlink(key)
+            if directory is not None:
+                with self._lock:
+                    self._dirty_dirs.add(directory)
+
+    def _unlink(self, key: str) -> str | None:
+        """Remove the file of ``key``; its directory, or None if there was no file."""
         path = self._path(key, for_read=False)
         self._forget(key)
         try:
             os.unlink(path)
         except FileNotFoundError:
-            return
-        if self.durable:
-            _fsync_dir(os.path.dirname(path))
-
-    def delete_keys(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            path = self._path(key, for_read=False)
-            self._forget(key)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-            with self._lock:
-                self._dirty_dirs.add(os.path.dirname(path))
+            return None
+        return os.path.dirname(path)
 
     def delete_all(self) -> None:
         self._readable.clear()
