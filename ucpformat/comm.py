@@ -9,7 +9,7 @@ of one process (tests, simulations, single-host tools).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -124,11 +124,20 @@ def run_threads(world_size: int, fn: Callable[[ThreadGroup], T]) -> list[T]:
         return results
 
 
-def all_ok(comm: Communicator, error: BaseException | None) -> list[str]:
-    """Collective: every rank's error message ("" for success)."""
-    return [
-        str(e) for e in comm.allgather("" if error is None else f"{type(error).__name__}: {error}")
-    ]
+def error_report(error: BaseException | None) -> str:
+    """What a rank tells the others of its failure: "" for none."""
+    return "" if error is None else f"{type(error).__name__}: {error}"
 
 
-__all__ = ["Communicator", "SingleProcess", "ThreadGroup", "all_ok", "run_threads"]
+def failed_ranks(reports: Sequence[str]) -> list[tuple[int, str]]:
+    """(rank, report) of every rank whose gathered :func:`error_report` is not empty."""
+    return [(rank, report) for rank, report in enumerate(reports) if report]
+
+
+def gather_failures(comm: Communicator, error: BaseException | None) -> list[tuple[int, str]]:
+    """Collective: (rank, report) of every rank that failed (``error`` is this rank's)."""
+    return failed_ranks(comm.allgather(error_report(error)))
+
+
+__all__ = ["Communicator", "SingleProcess", "ThreadGroup", "error_report", "failed_ranks",
+           "gather_failures", "run_threads"]

@@ -34,7 +34,7 @@ import numpy as np
 
 from ucpformat import chunking, dtypes, jsonvalues, names
 from ucpformat.codecs import Compression
-from ucpformat.comm import Communicator
+from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
 from ucpformat.errors import LayoutError, UCPError, WriteError
 from ucpformat.layout.boxes import (
     Box,
@@ -411,8 +411,8 @@ def save_distributed(
         }
     except BaseException as exc:  # reported collectively below
         error = exc
-    gathered = comm.allgather({"desc": local_desc, "error": "" if error is None else repr(error)})
-    _raise_if_failed(gathered, "describing fragments", error)
+    gathered = comm.allgather({"desc": local_desc, "error": error_report(error)})
+    _raise_if_failed(failed_ranks([g["error"] for g in gathered]), "describing fragments", error)
 
     specs_by_path: dict[str, TensorSpec] = {}
     boxes: dict[str, list[tuple[int, Box]]] = {}
@@ -453,11 +453,7 @@ def save_distributed(
             prepare_destination(store, overwrite=overwrite)
         except BaseException as exc:
             prep_error = exc
-    _raise_if_failed(
-        comm.allgather({"error": "" if prep_error is None else repr(prep_error)}),
-        "preparing the destination",
-        prep_error,
-    )
+    _raise_if_failed(gather_failures(comm, prep_error), "preparing the destination", prep_error)
 
     # exchange boundary cells
     transfers = plan.transfers()
@@ -542,11 +538,11 @@ def save_distributed(
         write_error = exc
     results = comm.allgather(
         {
-            "error": "" if write_error is None else repr(write_error),
+            "error": error_report(write_error),
             "objects": [[o.key, o.nbytes, o.sha256] for o in objects],
         }
     )
-    _raise_if_failed(results, "writing shards", write_error)
+    _raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", write_error)
 
     commit_error: BaseException | None = None
     if rank == 0:
@@ -571,11 +567,7 @@ def save_distributed(
             )
         except BaseException as exc:
             commit_error = exc
-    _raise_if_failed(
-        comm.allgather({"error": "" if commit_error is None else repr(commit_error)}),
-        "committing",
-        commit_error,
-    )
+    _raise_if_failed(gather_failures(comm, commit_error), "committing", commit_error)
     return DistributedSaveResult(
         store.location,
         len(plan.tensors),
@@ -619,9 +611,9 @@ def merge_group_attributes(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, d
 
 
 def _raise_if_failed(
-    items: Sequence[Mapping[str, Any]], stage: str, own: BaseException | None
+    failed: Sequence[tuple[int, str]], stage: str, own: BaseException | None
 ) -> None:
-    failed = [(r, it["error"]) for r, it in enumerate(items) if it.get("error")]
+    """Raise on every rank if any failed: this rank's own UCPError, else one naming them."""
     if not failed:
         return
     if own is not None and isinstance(own, UCPError):

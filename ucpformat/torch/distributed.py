@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ucpformat import names
-from ucpformat.comm import Communicator
+from ucpformat.comm import Communicator, gather_failures
 from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
 from ucpformat.distributed import save_distributed as _core_save_distributed
 from ucpformat.errors import (
@@ -658,8 +658,7 @@ def _read_all(ckpt: Checkpoint, reads: Sequence[_Read]) -> None:
 
 def _agree(comm: Communicator, error: BaseException | None, stage: str) -> None:
     """Collective: raise on every rank if any rank failed (its own error where it has one)."""
-    reports = comm.allgather("" if error is None else f"{type(error).__name__}: {error}")
-    failed = [(r, e) for r, e in enumerate(reports) if e]
+    failed = gather_failures(comm, error)
     if not failed:
         return
     if error is not None:
