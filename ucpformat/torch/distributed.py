@@ -78,9 +78,10 @@ from ucpformat.torch.state import (
     Stateful,
     _ArrayRef,
     _children,
-    _listing,
     _opened,
     _optimizer_entries,
+    _refuse_model_mismatch,
+    _refuse_optimizer_mismatch,
     _to_torch,
     _values,
     like,
@@ -502,17 +503,9 @@ def _plan_model(
     values = _values(ckpt, "model")
     plan.missing = [k for k in msd if k not in stored and k not in values]
     plan.unexpected = [k for k in [*stored, *values] if k not in msd]
-    if strict and (plan.missing or plan.unexpected):
-        parts = []
-        if plan.missing:
-            parts.append(f"missing from the checkpoint: {_listing(plan.missing)}")
-        if plan.unexpected:
-            parts.append(f"not in the model: {_listing(plan.unexpected)}")
-        raise KeyMismatchError(
-            "the checkpoint's model tensors differ from the model's state dict ("
-            + "; ".join(parts) + "); pass strict=False to load the common ones",
-            path=ckpt.location,
-        )
+    if strict:
+        _refuse_model_mismatch(plan.missing, plan.unexpected,
+                               state_dict="the model's state dict", path=ckpt.location)
     for fqn, current in msd.items():
         if fqn in values:
             msd[fqn] = like(current, values[fqn])
@@ -551,18 +544,8 @@ def _plan_optimizer(
     current_set = set(current)
     plan.missing_optimizer = [f for f in current if f not in group_of]
     plan.unexpected_optimizer = [f for f in group_of if f not in current_set]
-    if strict and (plan.missing_optimizer or plan.unexpected_optimizer):
-        parts = []
-        if plan.missing_optimizer:
-            parts.append(f"the checkpoint has no param group for "
-                         f"{_listing(plan.missing_optimizer)}")
-        if plan.unexpected_optimizer:
-            parts.append(f"the optimizer does not hold {_listing(plan.unexpected_optimizer)}")
-        raise KeyMismatchError(
-            "the optimizer's parameters differ from the checkpoint's ("
-            + "; ".join(parts) + "); pass strict=False to load the common ones",
-            path="optimizer",
-        )
+    if strict:
+        _refuse_optimizer_mismatch(plan.missing_optimizer, plan.unexpected_optimizer)
     entries = _optimizer_entries(ckpt)
     params = _param_tensors(model)
     groups: list[dict[str, Any]] = []

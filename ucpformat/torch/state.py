@@ -445,6 +445,37 @@ def _listing(keys: Sequence[str]) -> str:
     return shown + more
 
 
+def _refuse_mismatch(
+    summary: str,
+    missing: tuple[str, Sequence[str]],
+    unexpected: tuple[str, Sequence[str]],
+    *,
+    path: str,
+) -> None:
+    """Raise KeyMismatchError if anything is missing or unexpected: ``summary``, then each
+    non-empty (prefix, keys) listed."""
+    parts = [prefix + _listing(keys) for prefix, keys in (missing, unexpected) if keys]
+    if parts:
+        raise KeyMismatchError(
+            f"{summary} ({'; '.join(parts)}); pass strict=False to load the common ones",
+            path=path,
+        )
+
+
+def _refuse_model_mismatch(
+    missing: Sequence[str], unexpected: Sequence[str], *, state_dict: str, path: str
+) -> None:
+    _refuse_mismatch(f"the checkpoint's model tensors differ from {state_dict}",
+                     ("missing from the checkpoint: ", missing),
+                     ("not in the model: ", unexpected), path=path)
+
+
+def _refuse_optimizer_mismatch(missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    _refuse_mismatch("the optimizer's parameters differ from the checkpoint's",
+                     ("the checkpoint has no param group for ", missing),
+                     ("the optimizer does not hold ", unexpected), path="optimizer")
+
+
 def _children(ckpt: Checkpoint, group: str) -> dict[str, str]:
     """Logical name -> node path of the arrays directly in ``group``."""
     start = group + "/"
@@ -488,17 +519,9 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
     sd = model.state_dict()
     missing = [k for k in sd if k not in stored and k not in values]
     unexpected = [k for k in [*stored, *values] if k not in sd]
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {_listing(missing)}")
-        if unexpected:
-            parts.append(f"not in the model: {_listing(unexpected)}")
-        raise KeyMismatchError(
-            "the checkpoint's model tensors differ from model.state_dict() ("
-            + "; ".join(parts) + "); pass strict=False to load the common ones",
-            path=ckpt.location,
-        )
+    if strict:
+        _refuse_model_mismatch(missing, unexpected, state_dict="model.state_dict()",
+                               path=ckpt.location)
     live = _live_tensors(model)
     copied: set[tuple[str, int]] = set()  # a tied tensor is read and copied once
     plan = _ModelPlan([], {}, {}, missing, unexpected)
@@ -620,17 +643,8 @@ def _plan_optimizer(
     current_set = set(current)
     missing = [f for f in current if f not in group_of]
     unexpected = [f for f in group_of if f not in current_set]
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"the checkpoint has no param group for {_listing(missing)}")
-        if unexpected:
-            parts.append(f"the optimizer does not hold {_listing(unexpected)}")
-        raise KeyMismatchError(
-            "the optimizer's parameters differ from the checkpoint's ("
-            + "; ".join(parts) + "); pass strict=False to load the common ones",
-            path="optimizer",
-        )
+    if strict:
+        _refuse_optimizer_mismatch(missing, unexpected)
     current_sd = optimizer.state_dict()
     entries = _optimizer_entries(ckpt)
     groups: list[dict[str, Any]] = []
