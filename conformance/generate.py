@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat import dtypes, names
-from ucpformat.codecs import EMPTY, ChunkCodec, Compression, encode_index
+from ucpformat.codecs import ChunkCodec, Compression
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_array, source_maps
 from ucpformat.errors import LayoutError
@@ -49,7 +49,15 @@ from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout
 from ucpformat.metadata import ArrayMeta, GroupMeta
 from ucpformat.storage import LocalStore
-from ucpformat.writer import StoredObject, commit, object_coords, object_region, write_object
+from ucpformat.writer import (
+    StoredObject,
+    commit,
+    encode_object,
+    object_coords,
+    object_region,
+    pack_shard,
+    write_object,
+)
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_ID = "https://ucpformat.org/schemas/1.0/conformance-expected.schema.json"
@@ -158,55 +166,27 @@ def _sparse_object(meta: ArrayMeta, coords: tuple[int, ...], a: Arr) -> list[Any
     assert a.present is not None
     if meta.shard_shape is None:
         return codec.encode(a.present[coords])
+    present = a.present
     cps = meta.chunks_per_shard
-    index = np.full((*cps, 2), EMPTY, dtype="<u8")
-    buffers: list[Any] = []
-    offset = 0
-    for local in itertools.product(*(range(n) for n in cps)):
-        glob = tuple(c * n + i for c, n, i in zip(coords, cps, local, strict=True))
-        if glob not in a.present:
-            continue
-        parts = codec.encode(a.present[glob])
-        size = sum(memoryview(p).nbytes for p in parts)
-        index[local] = (offset, size)
-        offset += size
-        buffers.extend(parts)
-    buffers.append(encode_index(index))
-    return buffers
+    locals_present = (
+        (local, tuple(c * n + i for c, n, i in zip(coords, cps, local, strict=True)))
+        for local in itertools.product(*(range(n) for n in cps))
+    )
+    return pack_shard(cps, ((local, codec.encode(present[glob]))
+                            for local, glob in locals_present if glob in present))
 
 
 def _garbage_object(meta: ArrayMeta, coords: tuple[int, ...], data: np.ndarray[Any, Any],
                     seed: int) -> list[Any]:
     """Like the writer's encoding, but chunk elements outside the array are not fill (R034)."""
-    codec = ChunkCodec(meta.dtype, meta.compression)
     cs = meta.chunk_shape
-    region = object_region(meta, coords)
-    expected = tuple(s.stop - s.start for s in region)
 
     def padded(block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         out = contents.generate(meta.dtype.name, cs, seed)
         out[tuple(slice(0, n) for n in block.shape)] = block
         return out
 
-    if meta.shard_shape is None:
-        return codec.encode(padded(data))
-    cps = meta.chunks_per_shard
-    index = np.full((*cps, 2), EMPTY, dtype="<u8")
-    buffers: list[Any] = []
-    offset = 0
-    for local in itertools.product(*(range(n) for n in cps)):
-        lo = [i * c for i, c in zip(local, cs, strict=True)]
-        if any(low >= n for low, n in zip(lo, expected, strict=True)):
-            continue
-        block = data[tuple(slice(low, min(low + c, n)) for low, c, n in zip(lo, cs, expected,
-                                                                            strict=True))]
-        parts = codec.encode(padded(block))
-        size = sum(memoryview(p).nbytes for p in parts)
-        index[local] = (offset, size)
-        offset += size
-        buffers.extend(parts)
-    buffers.append(encode_index(index))
-    return buffers
+    return encode_object(meta, coords, data, pad=padded)
 
 
 def parent_groups(arrays: Iterable[Arr], groups: Iterable[Group]) -> list[Group]:

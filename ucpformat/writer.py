@@ -21,7 +21,7 @@ import platform
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,8 +89,21 @@ def _padded(block: np.ndarray[Any, Any], shape: Sequence[int], fill: Any) -> np.
     return out
 
 
-def encode_object(meta: ArrayMeta, coords: Sequence[int], data: np.ndarray[Any, Any]) -> list[Any]:
-    """Buffers of the stored object at ``coords``, given ``data`` = that object's region."""
+def encode_object(
+    meta: ArrayMeta,
+    coords: Sequence[int],
+    data: np.ndarray[Any, Any],
+    *,
+    pad: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None = None,
+) -> list[Any]:
+    """Buffers of the stored object at ``coords``, given ``data`` = that object's region.
+
+    ``pad`` makes a whole chunk of an edge chunk's block (default: the fill value beyond
+    the array, R034).
+    """
+    if pad is None:
+        def pad(block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            return _padded(block, meta.chunk_shape, meta.fill_value)
     region = _region_of(meta, coords)
     expected = tuple(b - a for a, b in region)
     if tuple(data.shape) != expected:
@@ -100,24 +113,35 @@ def encode_object(meta: ArrayMeta, coords: Sequence[int], data: np.ndarray[Any, 
         )
     codec = meta.codec
     if meta.shard_shape is None:
-        return codec.encode(_padded(data, meta.chunk_shape, meta.fill_value))
-    cps = meta.chunks_per_shard
-    index = np.full((*cps, 2), EMPTY, dtype="<u8")
+        return codec.encode(pad(data))
+
+    def chunks() -> Iterator[tuple[tuple[int, ...], list[Any]]]:
+        for local in itertools.product(*(range(n) for n in meta.chunks_per_shard)):
+            lo = [i * c for i, c in zip(local, meta.chunk_shape, strict=True)]
+            if any(low >= n for low, n in zip(lo, expected, strict=True)):
+                continue  # wholly outside the array: not stored (zarr semantics)
+            if math.prod(meta.chunk_shape) == 0:
+                continue
+            block = data[
+                tuple(
+                    slice(low, min(low + c, n))
+                    for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True)
+                )
+            ]
+            yield local, codec.encode(pad(block))
+
+    return pack_shard(meta.chunks_per_shard, chunks())
+
+
+def pack_shard(
+    chunks_per_shard: Sequence[int], chunks: Iterable[tuple[tuple[int, ...], list[Any]]]
+) -> list[Any]:
+    """A shard's buffers: each encoded chunk (its coordinates in the shard, its buffers),
+    back to back in the order given, then the index; chunks not given are absent."""
+    index = np.full((*chunks_per_shard, 2), EMPTY, dtype="<u8")
     buffers: list[Any] = []
     offset = 0
-    for local in itertools.product(*(range(n) for n in cps)):
-        lo = [i * c for i, c in zip(local, meta.chunk_shape, strict=True)]
-        if any(low >= n for low, n in zip(lo, expected, strict=True)):
-            continue  # wholly outside the array: not stored (zarr semantics)
-        if math.prod(meta.chunk_shape) == 0:
-            continue
-        block = data[
-            tuple(
-                slice(low, min(low + c, n))
-                for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True)
-            )
-        ]
-        parts = codec.encode(_padded(block, meta.chunk_shape, meta.fill_value))
+    for local, parts in chunks:
         size = sum(memoryview(p).nbytes for p in parts)
         index[local] = (offset, size)
         offset += size
