@@ -25,8 +25,9 @@ step  name        who                           what
                                                 replaced stays committed).
 3     exchange    collective                    :func:`exchange`: each rank sends owners the
                                                 cells of their objects that it holds, and
-                                                receives those its own objects lack.
-4     agree       collective                    :func:`agree`: did any rank fail so far?
+                                                every rank its status (failed or not).
+4     agree       every rank, from what the     :func:`raise_if_failed`: did any rank fail
+                  exchange told it              so far? If so, every rank raises.
 5     un-commit   coordinator, then collective  :func:`uncommit`: delete the root of the
                                                 checkpoint being replaced, clear the
                                                 location.
@@ -45,11 +46,10 @@ Steps 3 to 5 are :func:`exchange_and_prepare`, which the DCP plugin's ``write_da
 How does a distributed save fail?
 
 * **No rank waits forever for a peer that failed.** A rank that fails keeps taking part
-  in every collective up to the next agreement (steps 1, 4, 5, 6 and 7 end with one):
-  the sizes of the exchange follow from the plan, so a rank whose values could not be
-  read sends zeros of the planned sizes (nothing, if it could not even plan: its peers
-  see the wrong size and say so), and it raises only once the agreement has told every
-  rank. Every rank then raises: its own error if it failed with a
+  in every collective up to the next agreement (steps 1, 3, 5, 6 and 7 are one each): a
+  rank whose values could not be read, or that could not even plan, still takes part in
+  the exchange, sending its failure report instead of cells, and it raises only once
+  every rank knows. Every rank then raises: its own error if it failed with a
   :class:`~ucpformat.errors.UCPError`, else a :class:`~ucpformat.errors.WriteError`
   naming the ranks that failed and why. (A rank that dies rather than raising is the
   communicator's to detect: torch.distributed's timeout or its closed connection.)
@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -165,13 +166,13 @@ class FragmentList:
         return [(frag.box, frag.view()) for frag in self._by_path.get(path, ())]
 
 
-# -- step 4 (and the end of every collective step): agreement --------------------------------
+# -- agreement: the end of every collective step ----------------------------------------------
 
 
 def agree(comm: Communicator, error: BaseException | None, step: str) -> None:
     """Collective: raise on every rank if any rank failed (``error``: this rank's failure).
 
-    ``step`` says what the ranks were doing ("exchanging boundary cells").
+    ``step`` says what the ranks were doing ("preparing the destination").
     """
     raise_if_failed(gather_failures(comm, error), step, error)
 
@@ -179,8 +180,9 @@ def agree(comm: Communicator, error: BaseException | None, step: str) -> None:
 def raise_if_failed(
     failed: Sequence[tuple[int, str]], step: str, own: BaseException | None
 ) -> None:
-    """Raise if ``failed`` (gathered (rank, report) pairs) is not empty: this rank's own
-    error if it is a UCPError, else a WriteError naming the ranks that failed."""
+    """Raise if ``failed`` ((rank, report) of every rank that failed, as every rank
+    learned them) is not empty: this rank's own error if it is a UCPError, else a
+    WriteError naming the ranks that failed."""
     if not failed:
         return
     if own is not None and isinstance(own, UCPError):
@@ -191,16 +193,21 @@ def raise_if_failed(
     ) from own
 
 
-# -- step 3: the exchange --------------------------------------------------------------------
+# -- steps 3 and 4: the exchange, which is also an agreement ----------------------------------
+
+#: After the cells a rank sends another: the length of its failure report, which precedes
+#: it (a rank that failed sends its report alone, no cells).
+_TRAILER = struct.Struct("<I")
 
 
 @dataclass
 class Exchanged:
-    """What :func:`exchange` leaves a rank: the cells it received, and its failure."""
+    """What :func:`exchange` leaves a rank."""
 
-    inbox: Inbox = field(default_factory=dict)
+    inbox: Inbox = field(default_factory=dict)  # the cells it received
     received_bytes: int = 0
-    error: BaseException | None = None
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (rank, report), all ranks
+    error: BaseException | None = None  # this rank's own failure, before or in the exchange
 
 
 def exchange(
@@ -209,34 +216,61 @@ def exchange(
     source: FragmentSource,
     error: BaseException | None = None,
 ) -> Exchanged:
-    """Step 3 (collective: every rank calls it, with or without cells to move).
+    """Step 3 (collective: every rank calls it, whether it failed or not, cells or not).
 
-    Sends each owner the cells this rank holds of the owner's objects, in the plan's
-    order, and receives the cells its own objects lack. A rank that has failed before
-    (``error``) or fails while reading its values still sends: zeros of the sizes the
-    plan gives (nothing if it has no plan, ``tasks`` None). The failure is returned, not
-    raised, for :func:`agree` to tell every rank.
+    Each rank sends every other rank the cells of that rank's objects it holds, in the
+    plan's order, followed by its status: the report of its failure so far, empty if
+    none. A rank that has failed (``error``; ``tasks`` None: it could not plan) or fails
+    while reading its values sends its report alone. So every rank learns which ranks
+    failed (``failed``), and step 4, the agreement, needs no further collective:
+    :func:`raise_if_failed` of it. The received cells are checked against the plan's
+    sizes; a mismatch (a bug) is this rank's ``error``, for the next agreement.
     """
-    outgoing: dict[int, bytearray] = {}
-    if tasks is not None:
-        try:
-            outgoing = {dst: bytearray(n) for dst, n in tasks.send_sizes().items()}
-            if error is None:
-                _pack(tasks, source, outgoing)
-        except BaseException as exc:  # the rest stays zeros: every owner gets its bytes
-            error = error or exc
-    received = comm.exchange({dst: memoryview(buf) for dst, buf in outgoing.items()})
-    result = Exchanged(received_bytes=sum(len(b) for b in received.values()), error=error)
+    rank = comm.rank
+    cells: dict[int, bytearray] = {}
     if error is None and tasks is not None:
         try:
-            result.inbox = _unpack(tasks, received)
+            cells = _pack(tasks, source)
+        except BaseException as exc:
+            error, cells = exc, {}
+    report = error_report(error).encode()
+    outgoing: dict[int, bytes | memoryview] = {}
+    for dst in range(comm.world_size):
+        if dst != rank:
+            # cells and a zero trailer (a buffer of zeros), or the report and its length
+            body = cells.get(dst) or bytearray(_TRAILER.size)
+            outgoing[dst] = (memoryview(body) if not report
+                             else report + _TRAILER.pack(len(report)))
+    received = comm.exchange(outgoing)
+    result = Exchanged(error=error)
+    if error is not None:
+        result.failed.append((rank, report.decode()))
+    bodies: dict[int, memoryview] = {}
+    for src, raw in sorted(received.items()):
+        view = memoryview(raw)
+        if src == rank or len(view) < _TRAILER.size:
+            continue
+        (n,) = _TRAILER.unpack(view[-_TRAILER.size:])
+        if n:
+            result.failed.append((src, bytes(view[-_TRAILER.size - n:-_TRAILER.size]).decode(
+                errors="replace")))
+        else:
+            bodies[src] = view[:-_TRAILER.size]
+            result.received_bytes += len(view) - _TRAILER.size
+    result.failed.sort()
+    if not result.failed and tasks is not None:
+        try:
+            result.inbox = _unpack(tasks, bodies)
         except BaseException as exc:
             result.error = exc
     return result
 
 
-def _pack(tasks: RankTasks, source: FragmentSource, outgoing: Mapping[int, bytearray]) -> None:
-    """Copy every cell this rank sends into its owner's buffer, at its planned offset."""
+def _pack(tasks: RankTasks, source: FragmentSource) -> dict[int, bytearray]:
+    """Every cell this rank sends, in its owner's buffer at its planned offset (each
+    buffer ends with a zero trailer: no failure)."""
+    sizes = tasks.send_sizes()
+    outgoing = {dst: bytearray(n + _TRAILER.size) for dst, n in sizes.items()}
     offsets = dict.fromkeys(outgoing, 0)
     current: str | None = None
     local: Sequence[tuple[Box, np.ndarray[Any, Any]]] = ()
@@ -248,16 +282,18 @@ def _pack(tasks: RankTasks, source: FragmentSource, outgoing: Mapping[int, bytea
         dst = np.frombuffer(outgoing[owner], dtype=dt.numpy, count=n, offset=offsets[owner])
         dst.reshape(box_shape(cell))[...] = extract(local, path, cell)
         offsets[owner] += n * dt.itemsize
+    return outgoing
 
 
-def _unpack(tasks: RankTasks, received: Mapping[int, bytes]) -> Inbox:
+def _unpack(tasks: RankTasks, received: Mapping[int, memoryview]) -> Inbox:
     """The received cells, as views of the received buffers, after checking their sizes."""
-    for sender, expected in sorted(tasks.recv_sizes().items()):
-        got = len(received.get(sender, b""))
-        if got != expected:
+    expected = tasks.recv_sizes()
+    for sender in sorted(set(expected) | set(received)):
+        got, want = len(received.get(sender, b"")), expected.get(sender, 0)
+        if got != want:
             raise WriteError(
                 f"rank {sender} sent {got} bytes of boundary cells where the plan expects "
-                f"{expected} (it failed before the exchange)"
+                f"{want}"
             )
     inbox: Inbox = {}
     offsets = dict.fromkeys(received, 0)
@@ -280,16 +316,30 @@ def mark(store: Store, *, overwrite: bool) -> bool:
     return mark_destination(store, overwrite=overwrite)
 
 
-def uncommit(comm: Communicator, store: Store, *, coordinator: bool, replacing: bool) -> None:
+def _unmark(store: Store) -> None:
+    with contextlib.suppress(Exception):  # at worst a marker left beside the old root
+        unmark_destination(store)
+
+
+def uncommit(
+    comm: Communicator,
+    store: Store,
+    *,
+    coordinator: bool,
+    replacing: bool,
+    error: BaseException | None = None,
+) -> None:
     """Step 5 (the coordinator, then collective): un-commit the checkpoint being replaced
     (``replacing``, as :func:`mark` said) and clear the location; no rank goes on to
-    write before this succeeded."""
-    error: BaseException | None = None
+    write before this succeeded. ``error``: this rank's failure since the agreement."""
     if coordinator:
-        try:
-            clear_destination(store, committed=replacing)
-        except BaseException as exc:
-            error = exc
+        if error is None:
+            try:
+                clear_destination(store, committed=replacing)
+            except BaseException as exc:
+                error = exc
+        elif replacing:
+            _unmark(store)
     agree(comm, error, "preparing the destination")
 
 
@@ -300,28 +350,25 @@ def exchange_and_prepare(
     source: FragmentSource,
     *,
     error: BaseException | None = None,
-    run_exchange: bool = True,
     coordinator: bool,
     replacing: bool,
 ) -> Exchanged:
     """Steps 3 to 5 (collective): everything between the plan and the first write.
 
-    ``error``: this rank's failure so far (it still takes part); ``run_exchange``: False
-    when every rank knows that the plan moves no cell; ``replacing``: the coordinator
-    marked a committed checkpoint to replace (:func:`mark`). Raises on every rank if any
-    failed, and then the coordinator withdraws its marker from the checkpoint it was to
-    replace, which is as it was. Otherwise the destination is ready and the cells are
-    here.
+    ``error``: this rank's failure so far (it still takes part); ``replacing``: the
+    coordinator marked a committed checkpoint to replace (:func:`mark`). Raises on every
+    rank if any failed, and then the coordinator withdraws its marker from the
+    checkpoint it was to replace, which is as it was. Otherwise the destination is ready
+    and the cells are here.
     """
-    received = exchange(comm, tasks, source, error) if run_exchange else Exchanged(error=error)
+    received = exchange(comm, tasks, source, error)
     try:
-        agree(comm, received.error, "exchanging boundary cells")
+        raise_if_failed(received.failed, "exchanging boundary cells", received.error)
     except BaseException:
         if coordinator and replacing:
-            with contextlib.suppress(Exception):  # at worst a marker beside the old root
-                unmark_destination(store)
+            _unmark(store)
         raise
-    uncommit(comm, store, coordinator=coordinator, replacing=replacing)
+    uncommit(comm, store, coordinator=coordinator, replacing=replacing, error=received.error)
     return received
 
 

@@ -114,8 +114,7 @@ class RankTasks:
     ``arrays``: the metadata of every array it writes or sends cells of; ``objects``:
     the stored objects it writes; ``sends`` (owner, path, cell) and ``recvs`` (sender,
     path, cell), both in the order every rank agrees on (the plan's
-    :meth:`Plan.transfers`); ``exchange``: whether the plan moves any cell between any
-    ranks (then every rank takes part in the exchange, even with nothing to move).
+    :meth:`Plan.transfers`).
     """
 
     rank: int
@@ -123,7 +122,6 @@ class RankTasks:
     objects: list[ObjectTask] = field(default_factory=list)
     sends: list[tuple[int, str, Box]] = field(default_factory=list)
     recvs: list[tuple[int, str, Box]] = field(default_factory=list)
-    exchange: bool = False
 
     def send_sizes(self) -> dict[int, int]:
         """Bytes this rank sends to each owner, as the plan says."""
@@ -148,7 +146,6 @@ class RankTasks:
                          [[s, _box_json(c)] for s, c in o.remote]] for o in self.objects],
             "sends": [[r, p, _box_json(c)] for r, p, c in self.sends],
             "recvs": [[r, p, _box_json(c)] for r, p, c in self.recvs],
-            "exchange": self.exchange,
         }
 
     @staticmethod
@@ -161,7 +158,6 @@ class RankTasks:
              for p, coords, region, remote in doc["objects"]],
             [(int(r), str(p), _box(c)) for r, p, c in doc["sends"]],
             [(int(r), str(p), _box(c)) for r, p, c in doc["recvs"]],
-            bool(doc["exchange"]),
         )
 
 
@@ -204,7 +200,6 @@ class Plan:
 
     def _tasks(self, ranks: Iterable[int]) -> dict[int, RankTasks]:
         out = {r: RankTasks(r) for r in ranks}
-        moves = False
         for path in sorted(self.tensors):
             tp = self.tensors[path]
             for obj in tp.objects:
@@ -214,15 +209,12 @@ class Plan:
                                                    tuple(obj.remote)))
                     mine.arrays[path] = tp.meta
                 for sender, cell in obj.remote:
-                    moves = True
                     if mine is not None:
                         mine.recvs.append((sender, path, cell))
                     theirs = out.get(sender)
                     if theirs is not None:
                         theirs.sends.append((obj.owner, path, cell))
                         theirs.arrays[path] = tp.meta
-        for tasks in out.values():
-            tasks.exchange = moves
         return out
 
 

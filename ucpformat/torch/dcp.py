@@ -153,7 +153,6 @@ class _RankShare:
 
     tasks: dict[str, Any]  # its RankTasks (ucpformat.saveplan), as JSON
     key_of: dict[str, str]  # node path -> DCP key, of the arrays in its tasks
-    exchange: bool  # the plan moves cells: every rank takes part in the exchange
     tensor_values: list[str]  # DCP keys of tensors stored as JSON values
 
 
@@ -371,8 +370,7 @@ class UCPWriter(StorageWriter):
             shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
         )
         shares = plan.all_tasks()
-        moves = bool(shares) and shares[0].exchange
-        self._check_group(world, moves)
+        self._check_group(world, any(t.sends for t in shares))
         # Mark the destination now; write_data un-commits a checkpoint it replaces only
         # after the exchange, so that a rank failing until then leaves it intact.
         replacing = mark(store, overwrite=self.overwrite)
@@ -382,7 +380,7 @@ class UCPWriter(StorageWriter):
         )
         return [
             replace(p, storage_data=_RankShare(
-                tasks.to_json(), {a: key_of_path[a] for a in tasks.arrays}, moves,
+                tasks.to_json(), {a: key_of_path[a] for a in tasks.arrays},
                 sorted(tensor_values)))
             for p, tasks in zip(plans, shares, strict=True)
         ]
@@ -419,7 +417,7 @@ class UCPWriter(StorageWriter):
                                 tasks.arrays if tasks is not None else {})
         received = exchange_and_prepare(
             self._communicator(), store, tasks, source, error=error,
-            run_exchange=share.exchange, coordinator=self._is_coordinator,
+            coordinator=self._is_coordinator,
             replacing=self._state is not None and self._state.replacing)
         assert tasks is not None  # agreed: no rank failed
         stored = write(store, tasks, source, received.inbox, workers=self.workers,
