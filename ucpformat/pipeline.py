@@ -69,6 +69,7 @@ How does a distributed save fail?
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
 import threading
@@ -87,7 +88,7 @@ from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains
 from ucpformat.metadata import ArrayMeta
 from ucpformat.progress import ProgressCallback, byte_progress
 from ucpformat.saveplan import (
-    ObjectTask,
+    ObjectPlan,
     Plan,
     PlanOptions,
     RankTasks,
@@ -389,7 +390,7 @@ def extract(
 
 def assemble(
     meta: ArrayMeta,
-    obj: ObjectTask,
+    obj: ObjectPlan,
     local: Sequence[tuple[Box, np.ndarray[Any, Any]]],
     inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
 ) -> np.ndarray[Any, Any]:
@@ -417,14 +418,17 @@ class _Resolved:
     """Each tensor's fragments, resolved once for the writing threads and dropped when
     its last stored object is written."""
 
-    def __init__(self, source: FragmentSource, objects: Iterable[ObjectTask]) -> None:
+    def __init__(self, source: FragmentSource, objects: Iterable[ObjectPlan]) -> None:
         self._source = source
-        self._left = Counter(o.path for o in objects)
-        self._locks = {p: threading.Lock() for p in self._left}
-        self._lock = threading.Lock()
+        self._total = Counter(o.path for o in objects)
+        self._done = {p: itertools.count(1) for p in self._total}  # next() is atomic
+        self._locks = {p: threading.Lock() for p in self._total}
         self._cache: dict[str, Sequence[tuple[Box, np.ndarray[Any, Any]]]] = {}
 
     def get(self, path: str) -> Sequence[tuple[Box, np.ndarray[Any, Any]]]:
+        local = self._cache.get(path)
+        if local is not None:
+            return local
         with self._locks[path]:
             local = self._cache.get(path)
             if local is None:
@@ -432,10 +436,8 @@ class _Resolved:
             return local
 
     def done(self, path: str) -> None:
-        with self._lock:
-            self._left[path] -= 1
-            if not self._left[path]:
-                self._cache.pop(path, None)
+        if next(self._done[path]) == self._total[path]:
+            self._cache.pop(path, None)
 
 
 def write(
@@ -457,7 +459,7 @@ def write(
         ThreadPoolExecutor(workers or default_workers()) as pool,
     ):
 
-        def run(obj: ObjectTask) -> StoredObject:
+        def run(obj: ObjectPlan) -> StoredObject:
             meta = tasks.arrays[obj.path]
             local = resolved.get(obj.path)
             data = assemble(meta, obj, local, inbox).astype(meta.dtype.numpy, copy=False)
@@ -493,18 +495,23 @@ def commit(
     comm: Communicator,
     store: Store,
     plan: Plan,
-    objects: Sequence[StoredObject],
+    written: Iterable[StoredObject],
     *,
     coordinator: bool,
     root_ucp: Mapping[str, Any],
     hash_algorithm: str | None,
 ) -> None:
-    """Step 7 (the coordinator, then collective): every rank's ``objects`` gathered, the
-    coordinator checks them against the plan and commits; every rank learns the outcome."""
+    """Step 7 (the coordinator, then collective): with what every rank ``written`` (read
+    by the coordinator only), the coordinator checks it against the plan and commits;
+    every rank learns the outcome."""
     error: BaseException | None = None
     if coordinator:
         try:
-            check_written(plan.object_keys(), (o.key for o in objects), store.location)
+            objects = list(written)
+            # every rank writes only the objects the plan gave it: as many distinct keys
+            # as planned objects means every one (else the keys say which are missing)
+            if len({o.key for o in objects}) != plan.object_count():
+                check_written(plan.object_keys(), (o.key for o in objects), store.location)
             commit_root(
                 store,
                 arrays=[tp.meta for tp in plan.tensors.values()],
@@ -598,7 +605,7 @@ def save(
     # 7. commit
     root_ucp = {"producer": default_producer(), "created": _now(),
                 "saved_by": {"world_size": comm.world_size}, **root}
-    every = [StoredObject(k, n, h) for r in results for k, n, h in r["objects"]]
+    every = (StoredObject(k, n, h) for r in results for k, n, h in r["objects"])  # lazy
     commit(comm, store, plan, every, coordinator=coordinator, root_ucp=root_ucp,
            hash_algorithm=hash_algorithm)
     return DistributedSaveResult(
