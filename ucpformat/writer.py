@@ -185,9 +185,15 @@ def object_region(meta: ArrayMeta, coords: Sequence[int]) -> tuple[slice, ...]:
 # -- the commit protocol -----------------------------------------------------------------
 
 
-def check_destination(store: Store, *, overwrite: bool) -> bool:
-    """Refuse what :func:`prepare_destination` refuses, changing nothing; True if ``store``
-    holds a committed checkpoint (which ``overwrite=True`` would replace)."""
+def prepare_destination(store: Store, *, overwrite: bool) -> None:
+    """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
+    clear_destination(store, committed=mark_destination(store, overwrite=overwrite))
+
+
+def mark_destination(store: Store, *, overwrite: bool) -> bool:
+    """The first half of :func:`prepare_destination`: refuse as it does, else write the
+    in-progress marker (R056), which leaves a committed checkpoint committed (R053).
+    True if a committed checkpoint is here, to be replaced."""
     committed = store.exists(ZARR_JSON)
     in_progress = store.exists(IN_PROGRESS_KEY)
     if committed and not overwrite:
@@ -204,19 +210,6 @@ def check_destination(store: Store, *, overwrite: bool) -> bool:
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    return committed
-
-
-def prepare_destination(store: Store, *, overwrite: bool) -> None:
-    """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
-    clear_destination(store, committed=mark_destination(store, overwrite=overwrite))
-
-
-def mark_destination(store: Store, *, overwrite: bool) -> bool:
-    """The first half of :func:`prepare_destination`: refuse as it does, else write the
-    in-progress marker (R056), which leaves a committed checkpoint committed (R053).
-    True if a committed checkpoint is here, to be replaced."""
-    committed = check_destination(store, overwrite=overwrite)
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
     # committed checkpoint intact or something every reader refuses. The marker is not
     # written atomically: a crash while writing it leaves a partial marker, which still
