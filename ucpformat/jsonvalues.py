@@ -2,14 +2,15 @@
 
 Values are RFC 8259 JSON. Non-finite floats, which JSON cannot hold, are written as the
 tagged object ``{"$ucp_float": "NaN" | "Infinity" | "-Infinity"}`` (spec UCP-1.0-R070).
-Tuples become lists; numpy scalars become Python numbers.
+Tuples become lists; numpy scalars become Python numbers. The nesting limit of whole
+metadata documents (UCP-1.0-R096) is here too, since rule files share it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -108,3 +109,26 @@ def decode(value: Any, *, where: str, depth: int = 0) -> Any:
             return _SPECIAL[str(tag)]
         return {k: decode(v, where=where, depth=depth + 1) for k, v in value.items()}
     return value
+
+
+#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
+#: below at most 8 levels of document structure); deeper documents are refused before
+#: anything walks them recursively (UCP-1.0-R096).
+MAX_DOCUMENT_DEPTH: Final = 80
+
+
+def json_depth(doc: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((v, depth + 1) for v in children)
+    return deepest

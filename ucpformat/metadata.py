@@ -29,6 +29,7 @@ from ucpformat.codecs import (
 )
 from ucpformat.dtypes import DataType
 from ucpformat.errors import FormatError, UnsupportedFeatureError, VersionError
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
 
 FORMAT_VERSION: Final = "1.0"
 FORMAT_MAJOR: Final = 1
@@ -565,29 +566,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"duplicate key {k!r}")
             seen.add(k)
     return out
-
-
-#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
-#: below at most 8 levels of document structure); deeper documents are refused before
-#: anything walks them recursively (UCP-1.0-R096).
-MAX_DOCUMENT_DEPTH: Final = 80
-
-
-def json_depth(doc: Any) -> int:
-    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(doc, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((v, depth + 1) for v in children)
-    return deepest
 
 
 @contextlib.contextmanager
