@@ -945,6 +945,34 @@ def _warnings(dest: Path) -> dict[str, Any]:
         exercises=["UCP-1.0-R056", "UCP-1.0-R070", "UCP-1.0-R071"])
 
 
+#: JSON values that a reader comparing loosely (as JavaScript's JSON.stringify prints them,
+#: or through binary64) would change: R073 keeps 1 and 1.0, -0.0 and 0.0 apart.
+EXACT_NUMBERS = {
+    "one_float": 1.0, "one_int": 1, "true": True, "zero_float": 0.0, "zero_int": 0,
+    "negative_zero": -0.0, "two_60": 2**60, "two_60_plus_1": 2**60 + 1,
+    "two_60_float": float(2**60), "minus_two_62": -(2**62), "large": 1e300,
+    "smallest": 5e-324, "exponent": 1.5e-7,
+    "nested": [1.0, 1, -0.0, {"two_60_plus_1": 2**60 + 1, "half": 0.5}],
+}
+
+
+@valid("json-numbers")
+def _json_numbers(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (2, 2), 175)]
+    groups = [Group(("training",), dict(EXACT_NUMBERS))]
+    metadata = {"lr": 1.0, "epochs": 1, "offset": -0.0, "seed": 2**60 + 1}
+    write_reference(dest, arrays, groups, metadata=metadata,
+                    root_values={"scale": 1.0, "count": 1})
+    return valid_expected(
+        "JSON values whose kinds a reader must keep: 1.0 and 1, -0.0 and 0.0, integers "
+        "beyond 2**53 (2**60 + 1 differs from 2**60), in the values of a group, of the root "
+        "and in metadata. Equality is R073's: a reader that prints 1.0 as 1 or -0.0 as 0 "
+        "fails.",
+        arrays, groups, root_values={"scale": 1.0, "count": 1}, metadata=metadata,
+        warnings=["UCP-1.0-R071"],
+        exercises=["UCP-1.0-R045", "UCP-1.0-R070", "UCP-1.0-R071", "UCP-1.0-R073"])
+
+
 @valid("manifest-without-digests")
 def _no_digests(dest: Path) -> dict[str, Any]:
     arrays = [arr("model/w", "float32", (4, 3), 180, chunk=(2, 3)),
@@ -1959,13 +1987,14 @@ def _s_basic(dest: Path) -> dict[str, Any]:
         Group(("optimizer",), {"type": "torch.optim.AdamW", "param_groups": [
             {"params": ["p.float32"], "lr": 0.001, "betas": [0.9, 0.999]}]}),
         Group(("training",), {"step": 12, "best_loss": {"$ucp_float": "Infinity"},
-                              "scheduler": {"last_epoch": 11}}),
+                              "scheduler": {"last_epoch": 11}, "warmup": 1.0,
+                              "momentum_floor": -0.0}),
     ]
     return build_scenario(
         dest, "basic",
         "Every data type, a 0-d tensor, an empty tensor, all-zero tensors (every chunk must "
         "still be written), names that need escaping, a 256 KiB tensor, JSON values with a "
-        "non-finite float, optimizer state.",
+        "non-finite float, 1.0 and -0.0 (kept as written, R073), optimizer state.",
         tensors, groups, metadata={"run": "writer-conformance", "seed": 7})
 
 

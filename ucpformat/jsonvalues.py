@@ -9,6 +9,7 @@ metadata documents (UCP-1.0-R096) is here too, since rule files share it.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -132,3 +133,26 @@ def json_depth(doc: Any) -> int:
         deepest = max(deepest, depth + 1)
         stack.extend((v, depth + 1) for v in children)
     return deepest
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of JSON values as the spec defines it (UCP-1.0-R073).
+
+    Values of different kinds differ (``1``, ``1.0`` and ``true`` are three values);
+    integers compare exactly at any size; numbers with a fraction or an exponent (Python
+    floats) compare by their binary64 bits, so ``-0.0`` differs from ``0.0``; objects
+    compare member by member in any order, arrays element by element.
+    """
+    if type(a) is not type(b):
+        return isinstance(a, Mapping) and isinstance(b, Mapping) and _objects_equal(a, b)
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, Mapping):
+        return _objects_equal(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _objects_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)

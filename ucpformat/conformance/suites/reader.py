@@ -30,6 +30,7 @@ from ucpformat.conformance.suites.core import (
     timed,
     types_of,
 )
+from ucpformat.jsonvalues import json_equal
 
 
 def reader_suite(
@@ -191,11 +192,12 @@ def _judge_valid(report: SuiteReport, case: Case, run: Run | None, response: Any
     if "values" in response:
         values = response["values"]
         for gpath, exp_values in case.expected.get("groups", {}).items():
-            if not isinstance(values, dict) or values.get(gpath, {}) != exp_values:
+            if not isinstance(values, dict) or not json_equal(values.get(gpath, {}), exp_values):
                 shown = values.get(gpath) if isinstance(values, dict) else values
                 result.error("UCP-1.0-R211", f"values of group {gpath or '/'!r}: {shown!r}, "
                                              f"expected {exp_values!r}")
-    if "metadata" in response and response["metadata"] != case.expected.get("metadata", {}):
+    if "metadata" in response and not json_equal(response["metadata"],
+                                                 case.expected.get("metadata", {})):
         result.error("UCP-1.0-R211", f"metadata {response['metadata']!r}, expected "
                                      f"{case.expected.get('metadata')!r}")
     if skipped_here:

@@ -35,6 +35,7 @@ from ucpformat.conformance.suites.core import (
 )
 from ucpformat.conformance.watch import WriteCounter
 from ucpformat.errors import UCPError
+from ucpformat.jsonvalues import json_equal
 
 
 def writer_suite(
@@ -255,7 +256,7 @@ def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) 
                                              f"scenario's (SHA-256 {digest}, expected "
                                              f"{exp['sha256']})")
             for key, value in exp.get("ucp", {}).items():
-                if tensor.attributes.get(key) != value:
+                if not json_equal(tensor.attributes.get(key), value):
                     rule = "UCP-1.0-R100" if key == "layout" else "UCP-1.0-R221"
                     result.error(rule, f"{path}: attributes.ucp.{key} is "
                                        f"{tensor.attributes.get(key)!r}, expected {value!r}")
@@ -267,11 +268,11 @@ def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) 
                 result.error("UCP-1.0-R221", f"group {gpath!r} is missing")
                 continue
             stored = dict(group.values)
-            if stored != values:
+            if not json_equal(stored, values):
                 result.error("UCP-1.0-R221", f"values of group {gpath or '/'!r}: {stored!r}, "
                                              f"expected {values!r}")
         metadata = ckpt.ucp.get("metadata", {})
-        if metadata != expected.get("metadata", {}):
+        if not json_equal(metadata, expected.get("metadata", {})):
             result.error("UCP-1.0-R221", f"metadata {metadata!r}, expected "
                                          f"{expected.get('metadata')!r}")
 
