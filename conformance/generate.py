@@ -984,6 +984,24 @@ def _no_digests(dest: Path) -> dict[str, Any]:
         arrays, exercises=["UCP-1.0-R042"])
 
 
+@valid("chunk-key-spellings")
+def _chunk_key_spellings(dest: Path) -> dict[str, Any]:
+    spellings = [{"name": "default", "configuration": {"separator": "/"}},
+                 {"name": "default", "configuration": {}},
+                 {"name": "default"}]
+    arrays = [arr(f"model/w{i}", "float32", (4, 3), 185 + i, chunk=(2, 3),
+                  shard=(4, 3) if i == 1 else None) for i in range(len(spellings))]
+    write_reference(dest, arrays)
+    d = Damage(dest)
+    for a, spelling in zip(arrays, spellings, strict=True):
+        d.edit_node(a.path, _set(["chunk_key_encoding"], spelling))
+    return valid_expected(
+        "The three spellings of zarr v3's default chunk key encoding with separator '/': "
+        "with the separator, with an empty configuration, without a configuration (as "
+        "tensorstore writes it). Chunk keys are P/c/i/j in each.",
+        arrays, exercises=["UCP-1.0-R021", "UCP-1.0-R035"])
+
+
 LAYOUT_CONFIGS: list[tuple[str, Target]] = [
     ("tp1", Target()),
     ("tp2.r1.part", Target(tp=2, tp_rank=1)),
@@ -1111,13 +1129,8 @@ def _tensorstore(dest: Path) -> dict[str, Any]:
         items.append((a, spec))
     # float8_e8m0fnu is left out: tensorstore 0.1.86 writes its fill values wrongly (0x00,
     # which is 2**-127, as 0.0; 0x7f, which is 1.0, as 1.8e19).
-    # tensorstore writes chunk_key_encoding as {"name": "default"} (the configuration is
-    # optional in zarr v3); the spelling UCP-1.0-R021 names is restored here, nothing else.
-    for a, _ in items:
-        doc_path = dest / a.path / "zarr.json"
-        doc = json.loads(doc_path.read_text(encoding="utf-8"))
-        doc["chunk_key_encoding"] = _chunk_key()
-        doc_path.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    # tensorstore writes chunk_key_encoding as {"name": "default"}, one of the spellings
+    # UCP-1.0-R035 allows: its documents are kept as it wrote them.
     arrays = [a for a, _ in items]
     groups = {"optimizer": {"ucp": {"values": {"type": "torch.optim.Adam", "param_groups": [
         {"params": ["w.bf16"], "lr": 0.01}]}}}}
@@ -1131,8 +1144,8 @@ def _tensorstore(dest: Path) -> dict[str, Any]:
         "groups, manifest and root written by a json+hashlib helper, not by ucpformat.",
         arrays, gvals,
         writer="tensorstore (arrays); conformance/generate.py commit_foreign (groups, manifest, "
-               "root; chunk_key_encoding spelled out)",
-        exercises=["UCP-1.0-R020", "UCP-1.0-R030", "UCP-1.0-R050"])
+               "root)",
+        exercises=["UCP-1.0-R020", "UCP-1.0-R030", "UCP-1.0-R035", "UCP-1.0-R050"])
 
 
 @valid("zarr-python-written")
@@ -1187,6 +1200,9 @@ R = "UCP-1.0-R"
 #: Other requirements an implementation may name for a case (what a reader sees of it).
 ALSO: dict[str, list[str]] = {
     "chunk-never-written": ["031"],
+    "chunk-key-dot": ["021"],
+    "chunk-key-short-hand": ["021"],
+    "chunk-key-v2": ["021"],
     "sparse-not-boolean": ["029"],
     "name-dot-dot": ["091"],
     "name-too-long": ["010", "091"],
@@ -1383,8 +1399,14 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
      _array("model/scale", _set(["data_type"], "int4"))),
     ("chunk-grid-rectilinear", "open", ["021"], "A chunk grid other than 'regular'.",
      _array("model/fc.bias", _set(["chunk_grid", "name"], "rectilinear"))),
-    ("chunk-key-dot", "open", ["021"], "chunk_key_encoding with separator '.'.",
+    ("chunk-key-dot", "open", ["035"], "chunk_key_encoding with separator '.'.",
      _array("model/fc.bias", _set(["chunk_key_encoding", "configuration", "separator"], "."))),
+    ("chunk-key-short-hand", "open", ["035"],
+     "chunk_key_encoding as the short-hand name \"default\" (zarr 3.1), not an object.",
+     _array("model/fc.bias", _set(["chunk_key_encoding"], "default"))),
+    ("chunk-key-v2", "open", ["035"], "The v2 chunk key encoding, with separator '/'.",
+     _array("model/fc.bias", _set(["chunk_key_encoding"],
+                                  {"name": "v2", "configuration": {"separator": "/"}}))),
     ("codec-transpose", "open", ["022"], "A transpose codec before bytes.",
      _array("model/emb.weight", lambda doc: doc["codecs"].insert(
          0, {"name": "transpose", "configuration": {"order": [1, 0]}}))),

@@ -402,3 +402,44 @@ def test_deeply_nested_values_are_a_code_only_limit(corpus: dict[str, list[Any]]
     assert schemas.violations("group", doc) == []
     exc = code_check("group", path, doc)
     assert exc is not None and code_only(exc)
+
+
+# -- decisions of the spec that both must pin (issue: spec 1.0 hardening) ----------------------
+
+
+def _float32_array(corpus: dict[str, list[Any]]) -> tuple[str, Any]:
+    return next((p, copy.deepcopy(d)) for p, d in corpus["array"]
+                if d["data_type"] == "float32" and len(d["shape"]) == 2
+                and d["codecs"][0]["name"] == "sharding_indexed")
+
+
+def _verdicts(kind: str, path: str, doc: Any) -> tuple[set[str], str | None]:
+    exc = code_check(kind, path, doc)
+    return {v.rule for v in schemas.violations(kind, doc)}, (exc.rule if exc else None)
+
+
+@pytest.mark.parametrize("spelling", [
+    {"name": "default", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {}},
+    {"name": "default"},
+])
+def test_chunk_key_encoding_spellings_are_valid_for_both(
+    corpus: dict[str, list[Any]], spelling: Any
+) -> None:
+    path, doc = _float32_array(corpus)
+    doc["chunk_key_encoding"] = spelling
+    assert _verdicts("array", path, doc) == (set(), None)
+
+
+@pytest.mark.parametrize("spelling", [
+    "default", {"name": "default", "configuration": {"separator": "."}},
+    {"name": "v2", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {"separator": "/", "x": 1}},
+    {"name": "default", "configuration": None}, {"name": "default", "x": {}},
+])
+def test_other_chunk_key_encodings_are_refused_by_both(
+    corpus: dict[str, list[Any]], spelling: Any
+) -> None:
+    path, doc = _float32_array(corpus)
+    doc["chunk_key_encoding"] = spelling
+    assert _verdicts("array", path, doc) == ({"UCP-1.0-R035"}, "UCP-1.0-R035")

@@ -174,10 +174,12 @@ def _int_list(value: Any, what: str, where: str, *, minimum: int) -> tuple[int, 
     return tuple(out)
 
 
-#: The one chunk key encoding of format 1.0, in its two spellings (zarr v3 makes the
-#: configuration optional; tensorstore omits it).
+#: The one chunk key encoding of format 1.0, in its three spellings (UCP-1.0-R035: zarr v3
+#: makes the configuration and its separator optional, '/' by default; tensorstore omits
+#: the configuration).
 CHUNK_KEY_ENCODINGS: Final = (
     {"name": "default", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {}},
     {"name": "default"},
 )
 ARRAY_ROLES: Final = ("parameter", "buffer", "optimizer_state", "training_state", "other")
@@ -348,7 +350,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
     if cke not in CHUNK_KEY_ENCODINGS:
         raise _fail(
             f"chunk_key_encoding must be 'default' with separator '/', got {cke!r}",
-            "UCP-1.0-R021",
+            "UCP-1.0-R035",
             where,
         )
     if "storage_transformers" in doc and doc["storage_transformers"] != []:
