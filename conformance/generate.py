@@ -782,12 +782,38 @@ def _compressors(dest: Path) -> dict[str, Any]:
             compression={"name": "blosc", "configuration": {
                 **blosc, "shuffle": "noshuffle", "cname": "blosclz"}}),
         zero_arr("model/zstd.zeros", "float32", (16, 8), chunk=(8, 8), compression="zstd"),
+        arr("model/zstd.no-checksum", "bfloat16", (16, 8), 76, chunk=(8, 8),
+            compression={"name": "zstd", "configuration": {"level": 1}}),
     ]
     write_reference(dest, arrays)
     return valid_expected(
-        "Each compressor of the closed list (zstd with a checksum, gzip, blosc with each "
+        "Each compressor of the closed list (zstd with a checksum and without the optional "
+        "member checksum, gzip, blosc with each shuffle, without typesize when it does not "
         "shuffle) beside an uncompressed array, sharded and unsharded.",
-        arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R024"])
+        arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R024", "UCP-1.0-R039"])
+
+
+@valid("crc32c-spellings")
+def _crc32c_spellings(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/unsharded", "float32", (4, 3), 77, chunk=(2, 3)),
+              arr("model/sharded", "int16", (8, 3), 78, chunk=(2, 3), shard=(4, 3),
+                  compression="zstd")]
+    write_reference(dest, arrays)
+    empty = {"name": "crc32c", "configuration": {}}
+
+    def sharded(doc: dict[str, Any]) -> None:
+        cfg = doc["codecs"][0]["configuration"]
+        cfg["index_codecs"][-1] = dict(empty)
+        cfg["codecs"][-1] = dict(empty)
+
+    d = Damage(dest)
+    d.edit_node("model/unsharded", lambda doc: doc["codecs"].__setitem__(-1, dict(empty)))
+    d.edit_node("model/sharded", sharded)
+    return valid_expected(
+        "The crc32c codec written with an empty configuration, in an unsharded chunk chain, "
+        "in the chain of a shard's inner chunks and in its index_codecs (either spelling is "
+        "valid in every place).",
+        arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R040", "UCP-1.0-R046"])
 
 
 @valid("edge-shapes")
@@ -1208,6 +1234,9 @@ ALSO: dict[str, list[str]] = {
     "name-too-long": ["010", "091"],
     "compressor-unknown": ["022"],
     "compressor-bad-level": ["022"],
+    "blosc-without-blocksize": ["024"],
+    "blosc-shuffle-without-typesize": ["024"],
+    "index-crc32c-configured": ["040"],
     "no-crc32c": ["022"],
     "endian-big": ["022"],
     "index-codecs-without-crc32c": ["022"],
@@ -1427,6 +1456,14 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
     ("compressor-bad-level", "open", ["024"], "zstd with level 99.",
      _codec("optimizer/state/fc.weight/exp_avg", 1,
             {"name": "zstd", "configuration": {"level": 99, "checksum": False}})),
+    ("blosc-without-blocksize", "open", ["039"],
+     "A blosc configuration without blocksize (required: 0 asks for the automatic size).",
+     _codec("optimizer/state/fc.weight/exp_avg", 1, {"name": "blosc", "configuration": {
+         "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": 4}})),
+    ("blosc-shuffle-without-typesize", "open", ["039"],
+     "A blosc configuration that shuffles without a typesize.",
+     _codec("optimizer/state/fc.weight/exp_avg", 1, {"name": "blosc", "configuration": {
+         "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 0}})),
     ("storage-transformers", "open", ["025"], "A storage transformer.",
      _array("model/fc.bias", _set(["storage_transformers"], [{"name": "offset"}]))),
     ("fill-infinity-e4m3fn", "open", ["026"],
@@ -1459,6 +1496,10 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
     ("index-codecs-without-crc32c", "open", ["040"], "Shard index codecs without crc32c.",
      _array("model/fc.weight", _set(["codecs", 0, "configuration", "index_codecs"],
                                     [{"name": "bytes", "configuration": {"endian": "little"}}]))),
+    ("index-crc32c-configured", "open", ["046"],
+     "The crc32c codec of a shard's index_codecs with a configuration member.",
+     _array("model/fc.weight", _set(["codecs", 0, "configuration", "index_codecs", 1],
+                                    {"name": "crc32c", "configuration": {"seed": 0}}))),
 ]
 
 

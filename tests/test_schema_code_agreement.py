@@ -443,3 +443,51 @@ def test_other_chunk_key_encodings_are_refused_by_both(
     path, doc = _float32_array(corpus)
     doc["chunk_key_encoding"] = spelling
     assert _verdicts("array", path, doc) == ({"UCP-1.0-R035"}, "UCP-1.0-R035")
+
+
+def _set_chain(doc: Any, chain: list[Any]) -> None:
+    doc["codecs"][0]["configuration"]["codecs"] = chain
+
+
+_LE = {"name": "bytes", "configuration": {"endian": "little"}}
+_BLOSC = {"cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": 4, "blocksize": 0}
+
+
+@pytest.mark.parametrize(("edit", "rule"), [
+    # UCP-1.0-R039: every member R024 lists is required but zstd's checksum and blosc's
+    # typesize while it does not shuffle
+    (lambda d: _set_chain(d, [_LE, {"name": "zstd", "configuration": {"level": 1}},
+                              {"name": "crc32c"}]), None),
+    (lambda d: _set_chain(d, [_LE, {"name": "blosc", "configuration": {
+        **_BLOSC, "shuffle": "noshuffle", "typesize": None}}, {"name": "crc32c"}]), "drop"),
+    (lambda d: _set_chain(d, [_LE, {"name": "zstd", "configuration": {"checksum": True}},
+                              {"name": "crc32c"}]), "UCP-1.0-R039"),
+    (lambda d: _set_chain(d, [_LE, {"name": "gzip", "configuration": {}},
+                              {"name": "crc32c"}]), "UCP-1.0-R039"),
+    *[(lambda d, k=k: _set_chain(d, [_LE, {"name": "blosc", "configuration": {
+        m: v for m, v in _BLOSC.items() if m != k}}, {"name": "crc32c"}]), "UCP-1.0-R039")
+      for k in ("cname", "clevel", "shuffle", "typesize", "blocksize")],
+    # UCP-1.0-R046: crc32c with or without an empty configuration, in both places
+    (lambda d: d["codecs"][0]["configuration"]["index_codecs"].__setitem__(
+        1, {"name": "crc32c", "configuration": {}}), None),
+    (lambda d: d["codecs"][0]["configuration"]["codecs"].__setitem__(
+        -1, {"name": "crc32c", "configuration": {}}), None),
+    (lambda d: d["codecs"][0]["configuration"]["index_codecs"].__setitem__(
+        1, {"name": "crc32c", "configuration": {"x": 1}}), "UCP-1.0-R046"),
+    (lambda d: d["codecs"][0]["configuration"]["codecs"].__setitem__(
+        -1, {"name": "crc32c", "configuration": {"x": 1}}), "UCP-1.0-R046"),
+])
+def test_codec_spellings_agree(corpus: dict[str, list[Any]], edit: Any, rule: str | None
+                               ) -> None:
+    path, doc = _float32_array(corpus)
+    edit(doc)
+    if rule == "drop":  # a member given as None here is left out
+        cfg = doc["codecs"][0]["configuration"]["codecs"][1]["configuration"]
+        for key in [k for k, v in cfg.items() if v is None]:
+            del cfg[key]
+        rule = None
+    schema_rules, code_rule = _verdicts("array", path, doc)
+    if rule is None:
+        assert (schema_rules, code_rule) == (set(), None)
+    else:  # the schema refuses too (which subschema it blames follows its oneOf branches)
+        assert code_rule == rule and schema_rules, (schema_rules, code_rule)

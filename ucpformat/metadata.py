@@ -189,6 +189,13 @@ _COMPRESSOR_KEYS: Final[dict[str, frozenset[str]]] = {
     "gzip": frozenset({"level"}),
     "blosc": frozenset({"cname", "clevel", "shuffle", "typesize", "blocksize"}),
 }
+#: Members a compressor's configuration must have (UCP-1.0-R039; blosc's typesize too when
+#: it shuffles).
+_COMPRESSOR_REQUIRED: Final[dict[str, tuple[str, ...]]] = {
+    "zstd": ("level",),
+    "gzip": ("level",),
+    "blosc": ("cname", "clevel", "shuffle", "blocksize"),
+}
 _SHARDING_KEYS: Final = frozenset({"chunk_shape", "codecs", "index_codecs", "index_location"})
 
 
@@ -201,6 +208,8 @@ def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], what: str, rule
 
 
 _BYTES_LITTLE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+#: The crc32c codec in a chunk chain and in index_codecs alike (UCP-1.0-R046).
+CRC32C_SPELLINGS: Final = ({"name": "crc32c"}, {"name": "crc32c", "configuration": {}})
 _BYTES_NO_ENDIAN: Final = {"name": "bytes"}
 
 
@@ -248,6 +257,13 @@ def _parse_compression(codec: Mapping[str, Any], where: str) -> Compression:
         raise _fail(f"{name} needs a configuration object", "UCP-1.0-R024", where)
     _check_keys(cfg, _COMPRESSOR_KEYS[str(name)], f"the {name} configuration", "UCP-1.0-R024",
                 where)
+    required = _COMPRESSOR_REQUIRED[str(name)]
+    if name == "blosc" and cfg.get("shuffle") in ("shuffle", "bitshuffle"):
+        required = (*required, "typesize")  # shuffling moves elements of typesize bytes
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise _fail(f"the {name} configuration lacks {missing}, which it requires",
+                    "UCP-1.0-R039", where)
 
     def int_in(key: str, lo: int, hi: int, *, required: bool = True) -> None:
         if key not in cfg and not required:
@@ -283,15 +299,13 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
             where,
         )
     last = chain[-1]
-    if (
-        not _is_map(last)
-        or last.get("name") != "crc32c"
-        or set(last) - {"name", "configuration"}
-        or last.get("configuration", {}) != {}
-    ):
+    if not _is_map(last) or last.get("name") != "crc32c":
         raise _fail(
             f"every chunk must end with the crc32c codec, got {last!r}", "UCP-1.0-R040", where
         )
+    if last not in CRC32C_SPELLINGS:
+        raise _fail(f"the crc32c codec takes no configuration, got {last!r}", "UCP-1.0-R046",
+                    where)
     if not 2 <= len(chain) <= 3:
         raise _fail(
             "a codec chain must be bytes, an optional compressor, then crc32c",
@@ -386,12 +400,19 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
                 f"a shard holds more than {MAX_CHUNKS_PER_SHARD} inner chunks", "UCP-1.0-R028",
                 where,
             )
-        if cfg.get("index_codecs") != index_codecs_json():
-            raise _fail(
-                "shard index_codecs must be bytes (little endian) then crc32c",
-                "UCP-1.0-R040",
-                where,
-            )
+        index_chain = cfg.get("index_codecs")
+        if index_chain != index_codecs_json():  # the common spelling: nothing more to check
+            if (not isinstance(index_chain, list) or len(index_chain) != 2
+                    or index_chain[0] != _BYTES_LITTLE or not _is_map(index_chain[1])
+                    or index_chain[1].get("name") != "crc32c"):
+                raise _fail(
+                    "shard index_codecs must be bytes (little endian) then crc32c",
+                    "UCP-1.0-R040",
+                    where,
+                )
+            if index_chain[1] not in CRC32C_SPELLINGS:
+                raise _fail(f"the crc32c codec takes no configuration, got {index_chain[1]!r}",
+                            "UCP-1.0-R046", where)
         if cfg.get("index_location", "end") != "end":
             raise _fail("shard index_location must be 'end'", "UCP-1.0-R022", where)
         compression = _parse_chain(cfg.get("codecs"), dt, where)
