@@ -921,6 +921,61 @@ def _fill_values(dest: Path) -> dict[str, Any]:
         arrays, exercises=["UCP-1.0-R026", "UCP-1.0-R032"])
 
 
+#: JSON fill values whose bits R036 to R038 fix, with those bits written out here from the
+#: spec (not computed by ucpformat): a reader that rounds, saturates, picks a NaN or
+#: parses hexadecimal digits otherwise reads other fill elements.
+FILL_RULES: list[tuple[str, Any, int]] = [
+    ("float8_e4m3fn", 464, 0x7E),  # 448: the tie goes to the even mantissa
+    ("float16", 65519, 0x7BFF),  # rounds down to 65504, the largest float16
+    ("float32", 3.4028235e38, 0x7F7FFFFF),  # above the largest float32 as a decimal
+    ("bfloat16", 1.01171875, 0x3F82),  # halfway between 0x3f81 and 0x3f82: even
+    ("float16", 1.00048828125, 0x3C00),  # halfway between 1.0 and 0x3c01: even
+    ("float16", -1e-10, 0x8000),  # negative zero
+    ("float8_e5m2", -0.0, 0x80),
+    ("float8_e4m3fnuz", -0.0, 0x00),  # no negative zero: 0x80 is the NaN
+    ("float8_e5m2fnuz", -1e-10, 0x00),
+    ("float8_e8m0fnu", 0.25, 0x7D),
+    ("float8_e8m0fnu", 5.877471754111438e-39, 0x00),  # 2**-127
+    ("float16", "NaN", 0x7E00), ("float32", "NaN", 0x7FC00000),
+    ("float64", "NaN", 0x7FF8000000000000), ("bfloat16", "NaN", 0x7FC0),
+    ("float8_e4m3fn", "NaN", 0x7F), ("float8_e5m2", "NaN", 0x7E),
+    ("float8_e4m3fnuz", "NaN", 0x80), ("float8_e8m0fnu", "NaN", 0xFF),
+    ("bfloat16", "0x3F80", 0x3F80), ("float32", "0x7FC00001", 0x7FC00001),
+    ("complex64", [-0.0, "NaN"], 0x7FC00000_80000000),  # imaginary part, then real part
+]
+
+
+def _scalar_of_bits(dtype: str, bits: int) -> Any:
+    dt = dtypes.by_name(dtype)
+    return np.frombuffer(bits.to_bytes(dt.itemsize, "little"), dtype=dt.numpy)[0]
+
+
+@valid("fill-value-rules")
+def _fill_value_rules(dest: Path) -> dict[str, Any]:
+    arrays = []
+    for i, (dtype, _json_fill, bits) in enumerate(FILL_RULES):
+        fill = _scalar_of_bits(dtype, bits)
+        chunk = (2, 3)
+        data = np.full((4, 6), fill, dtype=dtypes.by_name(dtype).numpy)
+        stored = contents.generate(dtype, chunk, seed_of(240 + i))
+        data[2:4, 0:3] = stored
+        arrays.append(Arr(("model", f"fill.{i}.{dtype}"), dtype, (4, 6), data, chunk=chunk,
+                          shard=(4, 6) if i % 3 == 0 else None, fill=fill,
+                          ucp={"sparse": True}, present={(1, 0): stored}))
+    write_reference(dest, arrays)
+    d = Damage(dest)
+    for a, (_dtype, json_fill, _bits) in zip(arrays, FILL_RULES, strict=True):
+        d.edit_node(a.path, _set(["fill_value"], json_fill))
+    return valid_expected(
+        "Sparse arrays whose fill values are JSON numbers rounded as R036 says (to binary64, "
+        "then to the type, ties to even; 464 for float8_e4m3fn is 448; 3.4028235e38 is the "
+        "largest float32), negative zeros (none in the fnuz types), powers of two for "
+        "float8_e8m0fnu, the NaN of each type (R037) and upper-case hexadecimal digits "
+        "(R038). Every absent chunk reads as those bits.",
+        arrays, exercises=["UCP-1.0-R026", "UCP-1.0-R032", "UCP-1.0-R036", "UCP-1.0-R037",
+                           "UCP-1.0-R038"])
+
+
 @valid("edge-chunk-padding")
 def _edge_padding(dest: Path) -> dict[str, Any]:
     arrays = [
@@ -1227,6 +1282,11 @@ R = "UCP-1.0-R"
 ALSO: dict[str, list[str]] = {
     "chunk-never-written": ["031"],
     "chunk-key-dot": ["021"],
+    "fill-hex-length": ["026"],
+    "fill-hex-upper-case-prefix": ["026"],
+    "fill-e4m3fn-rounds-beyond-range": ["026"],
+    "fill-bfloat16-rounds-to-infinity": ["026"],
+    "fill-e8m0fnu-not-power-of-two": ["026"],
     "chunk-key-short-hand": ["021"],
     "chunk-key-v2": ["021"],
     "sparse-not-boolean": ["029"],
@@ -1469,9 +1529,20 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
     ("fill-infinity-e4m3fn", "open", ["026"],
      "fill_value 'Infinity' for float8_e4m3fn, which has no infinities.",
      _array("model/scale", _set(["fill_value"], "Infinity"))),
-    ("fill-hex-length", "open", ["026"],
+    ("fill-hex-length", "open", ["038"],
      "A bfloat16 fill value with three hexadecimal digits.",
      _array("model/emb.weight", _set(["fill_value"], "0x3f8"))),
+    ("fill-hex-upper-case-prefix", "open", ["038"],
+     "A bfloat16 fill value with the prefix 0X (the digits may be upper case, the x not).",
+     _array("model/emb.weight", _set(["fill_value"], "0X3f80"))),
+    ("fill-e4m3fn-rounds-beyond-range", "open", ["036"],
+     "fill_value 465 for float8_e4m3fn: it rounds to 480, beyond the largest value 448, "
+     "which a reader must refuse, not saturate (to 448) or read as NaN.",
+     _array("model/scale", _set(["fill_value"], 465))),
+    ("fill-bfloat16-rounds-to-infinity", "open", ["036"],
+     "fill_value 3.4e38 for bfloat16: it rounds to 2**128, beyond the largest value, which a "
+     "reader must refuse, not read as infinity.",
+     _array("model/emb.weight", _set(["fill_value"], 3.4e38))),
     ("fill-out-of-range", "open", ["026"], "fill_value 300 for uint8.",
      _array("training/rng", _set(["fill_value"], 300))),
     ("shape-too-many-bytes", "open", ["027"],
@@ -1512,6 +1583,14 @@ _register_array_cases()
 
 
 # read: the metadata is fine; reading the damaged tensor shows the problem
+
+
+@invalid("fill-e8m0fnu-not-power-of-two", "open", ["036"],
+         "fill_value 3.0 for float8_e8m0fnu, which holds powers of two only: refused, not "
+         "rounded (to 2 or 4).",
+         arrays=lambda: [*base_arrays(), arr("model/block_scale", "float8_e8m0fnu", (4,), 320)])
+def _(d: Damage) -> None:
+    d.edit_node("model/block_scale", _set(["fill_value"], 3.0))
 
 
 @invalid("missing-chunk", "read", ["031"],

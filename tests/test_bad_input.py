@@ -309,10 +309,10 @@ BAD_ARRAYS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], type[Exception
     "chunk grid rank differs from shape rank": (
         "w", lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[2, 12, 1]),
         errors.FormatError, 21),
-    "chunk key encoding v2": (
-        "w", lambda d: d.update(chunk_key_encoding={"name": "v2"}), errors.FormatError, 21),
-    "bfloat16 fill value of float16 width": (
-        "bf", lambda d: d.update(fill_value="0x3f8000"), errors.FormatError, 26),
+    "chunk key encoding v2": (  # R035 spells out R021's chunk key encoding
+        "w", lambda d: d.update(chunk_key_encoding={"name": "v2"}), errors.FormatError, 35),
+    "bfloat16 fill value of float16 width": (  # R038: hexadecimal fill values (R026)
+        "bf", lambda d: d.update(fill_value="0x3f8000"), errors.FormatError, 38),
     "shape beyond 2**63 bytes": (
         "w", lambda d: d.update(shape=[2**62, 13]), errors.FormatError, 27),
     "negative shape": ("w", lambda d: d.update(shape=[-1, 11]), errors.FormatError, 27),

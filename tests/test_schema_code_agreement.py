@@ -36,6 +36,8 @@ from ucpformat.reader import parse_root
 CODE_ONLY: dict[str, str | None] = {
     "UCP-1.0-R023": None,  # endian presence depends on the data type's size
     "UCP-1.0-R026": None,  # the fill value's form depends on the data type
+    "UCP-1.0-R036": None,  # a number's range after rounding depends on the data type
+    "UCP-1.0-R038": None,  # the number of hexadecimal digits depends on the data type
     "UCP-1.0-R027": r"more than 2\*\*63-1 bytes",  # the byte size is a product
     "UCP-1.0-R028": None,  # shard shape a multiple of the chunk shape; chunks per shard
     "UCP-1.0-R010": None,  # canonical escapes (the schema checks only the alphabet)
@@ -374,7 +376,9 @@ def test_mutated_roots_schema_rejects_implies_code_rejects(
     ("kind", "doc_fn", "rule"),
     [
         # documents the schema accepts and only the code can refuse, one per code-only rule
-        ("array", lambda d: d.update(fill_value="0x3f"), "UCP-1.0-R026"),
+        ("array", lambda d: d.update(fill_value="0x3f"), "UCP-1.0-R038"),
+        ("array", lambda d: d.update(fill_value=3.5e38), "UCP-1.0-R036"),
+        ("array", lambda d: d.update(fill_value=[0, 0]), "UCP-1.0-R026"),
         ("array", lambda d: d.update(shape=[2**62, 2**62]), "UCP-1.0-R027"),
         ("array", lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[1]),
          "UCP-1.0-R021"),

@@ -7,7 +7,8 @@ this file adds what a generic zarr reader lacks and spec/ucp-1.0.md requires:
 * the root ``zarr.json`` as strict JSON (R001), checked against the JSON Schemas of
   ``schemas/1.0`` (found next to this repository, or in ``$UCP_SCHEMAS``), then the rules
   the schemas cannot express: version (R060), ``must_understand`` (R061), canonical node
-  names (R010, R012), parent groups (R005), endianness (R023), fill values (R026), sizes
+  names (R010, R012), parent groups (R005), endianness (R023), fill values (R026, R036 to
+  R038: tensorstore is handed them as bits, since it rounds some numbers otherwise), sizes
   (R027), shard shapes (R028);
 * before reading, every stored object the selection needs exists, and no shard index
   entry it needs is empty (R031) -- tensorstore would return fill values instead --
@@ -30,6 +31,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -196,38 +198,113 @@ def check_schema(root: Any) -> None:
 # -- the checks the schemas cannot express -----------------------------------------------------
 
 
-def check_fill(dtype: str, value: Any, where: str) -> None:
+# Floating-point formats of Table 1: exponent bits, mantissa bits, bias, special values
+# ("ieee": infinities and NaNs in the all-ones exponent; "fn": the all-ones exponent holds
+# finite values but S.1111.111; "fnuz": no infinities, no negative zero, NaN 0x80;
+# "e8m0": an exponent only).
+FLOATS: dict[str, tuple[int, int, int, str]] = {
+    "float16": (5, 10, 15, "ieee"), "float32": (8, 23, 127, "ieee"),
+    "float64": (11, 52, 1023, "ieee"), "bfloat16": (8, 7, 127, "ieee"),
+    "float8_e5m2": (5, 2, 15, "ieee"), "float8_e4m3fn": (4, 3, 7, "fn"),
+    "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
+    "float8_e8m0fnu": (8, 0, 127, "e8m0"),
+}
+# The bits of "NaN" (R037)
+NAN = {"float16": 0x7E00, "float32": 0x7FC00000, "float64": 0x7FF8000000000000,
+       "bfloat16": 0x7FC0, "float8_e5m2": 0x7E, "float8_e4m3fn": 0x7F,
+       "float8_e4m3fnuz": 0x80, "float8_e5m2fnuz": 0x80, "float8_e8m0fnu": 0xFF}
+
+
+def largest_finite(dtype: str) -> Fraction:
+    ebits, mbits, bias, flavour = FLOATS[dtype]
+    top = (1 << ebits) - 1  # the all-ones exponent
+    if flavour == "e8m0":
+        return Fraction(2) ** (top - 1 - bias)
+    if flavour == "ieee":
+        return (2 - Fraction(1, 1 << mbits)) * Fraction(2) ** (top - 1 - bias)
+    if flavour == "fn":  # S.1111.111 is the NaN
+        return (2 - Fraction(2, 1 << mbits)) * Fraction(2) ** (top - bias)
+    return (2 - Fraction(1, 1 << mbits)) * Fraction(2) ** (top - bias)  # fnuz
+
+
+def number_bits(dtype: str, number: float) -> int | None:
+    """R036: the bits of the type's value nearest to ``number`` (a binary64 already), ties
+    to even; None when that is beyond the type's finite range (or, for e8m0, not 2**k)."""
+    ebits, mbits, bias, flavour = FLOATS[dtype]
+    sign = 1 if math.copysign(1.0, number) < 0 else 0
+    if flavour == "e8m0":
+        mantissa, exponent = math.frexp(number)
+        ok = mantissa == 0.5 and -127 <= exponent - 1 <= 127
+        return exponent - 1 + bias if ok else None
+    if number == 0:
+        return 0 if flavour == "fnuz" else sign << (ebits + mbits)
+    magnitude = Fraction(abs(number))
+    exponent = max(math.frexp(abs(number))[1] - 1, 1 - bias)  # subnormals: the least one
+    units = magnitude / Fraction(2) ** (exponent - mbits)
+    n = math.floor(units)
+    if units - n > Fraction(1, 2) or (units - n == Fraction(1, 2) and n % 2):
+        n += 1
+    if n == 1 << (mbits + 1):  # the rounding carried into the next binade
+        n, exponent = n // 2, exponent + 1
+    if n * Fraction(2) ** (exponent - mbits) > largest_finite(dtype):
+        return None
+    if n == 0:
+        return 0 if flavour == "fnuz" else sign << (ebits + mbits)
+    if n < 1 << mbits:  # subnormal
+        return sign << (ebits + mbits) | n
+    return sign << (ebits + mbits) | (exponent + bias) << mbits | (n - (1 << mbits))
+
+
+def fill_json(dtype: str, value: Any, where: str) -> Any:
+    """The fill value checked (R026, R036 to R038), as tensorstore is handed it: hexadecimal
+    bits for floating-point types, since tensorstore rounds some JSON numbers otherwise (it
+    reads 465 as the NaN of float8_e4m3fn, 3.0 as 2**-62 for float8_e8m0fnu)."""
     size, kind, largest, has_inf = TYPES[dtype]
 
-    def bad(why: str) -> Refused:
-        return Refused(R + "026", f"{where}: fill_value {value!r} for {dtype}: {why}")
+    def bad(why: str, rule: str = "026") -> Refused:
+        return Refused(R + rule, f"{where}: fill_value {value!r} for {dtype}: {why}")
 
     if kind == "bool":
         if not isinstance(value, bool):
             raise bad("not true or false")
-    elif kind in ("int", "uint"):
+        return value
+    if kind in ("int", "uint"):
         low = 0 if kind == "uint" else -largest - 1
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= largest:
             raise bad("not an integer of the type's range")
-    elif kind == "complex":
+        return value
+    if kind == "complex":
         if not isinstance(value, list) or len(value) != 2:
             raise bad("not [real, imag]")
         part = "float32" if dtype == "complex64" else "float64"
-        for v in value:
-            check_fill(part, v, where)
-    elif isinstance(value, str):
-        if value.startswith("0x"):
-            if not re.fullmatch(f"[0-9a-fA-F]{{{2 * size}}}", value[2:]):
-                raise bad(f"a hexadecimal fill value has {2 * size} digits")
+        return [fill_json(part, v, where) for v in value]
+    if isinstance(value, str):
+        if value[:2] in ("0x", "0X"):
+            if value[1] != "x" or not re.fullmatch(f"[0-9a-fA-F]{{{2 * size}}}", value[2:]):
+                raise bad(f"not 0x and {2 * size} hexadecimal digits", "038")
+            bits = int(value[2:], 16)
+        elif value == "NaN":
+            bits = NAN[dtype]
         elif value in ("Infinity", "-Infinity"):
             if not has_inf:
                 raise bad("the type has no infinities")
-        elif value != "NaN":
+            ebits, mbits, _, _ = FLOATS[dtype]
+            bits = ((1 << ebits) - 1) << mbits | (1 << (ebits + mbits) if value[0] == "-" else 0)
+        else:
             raise bad("not a number, NaN, Infinity or 0x...")
     elif isinstance(value, bool) or not isinstance(value, int | float):
         raise bad("not a number")
-    elif abs(value) > largest:
-        raise bad("outside the type's finite range")
+    else:
+        try:
+            number = float(value)  # the nearest binary64 first
+        except OverflowError:
+            raise bad("beyond the type's finite range", "036") from None
+        found = number_bits(dtype, number)
+        if found is None:
+            raise bad("beyond the type's finite range once rounded, or (for float8_e8m0fnu) "
+                      "not a power of two", "036")
+        bits = found
+    return f"0x{bits:0{2 * size}x}"
 
 
 def chain_of(doc: Mapping[str, Any]) -> tuple[list[Any], list[int] | None]:
@@ -239,7 +316,8 @@ def chain_of(doc: Mapping[str, Any]) -> tuple[list[Any], list[int] | None]:
     return codecs, None
 
 
-def check_array(path: str, doc: Mapping[str, Any]) -> None:
+def check_array(path: str, doc: Mapping[str, Any]) -> Any:
+    """Check what the schema cannot; the fill value as tensorstore is to read it."""
     dtype = doc["data_type"]
     size = TYPES[dtype][0]
     shape = doc["shape"]
@@ -261,7 +339,7 @@ def check_array(path: str, doc: Mapping[str, Any]) -> None:
         raise Refused(R + "023", f"{path}: {dtype} must be little-endian, got {endian!r}")
     if not chain or chain[-1].get("name") != "crc32c":
         raise Refused(R + "040", f"{path}: the chunk chain does not end with crc32c")
-    check_fill(dtype, doc["fill_value"], path)
+    return fill_json(dtype, doc["fill_value"], path)
 
 
 class Checkpoint:
@@ -285,6 +363,7 @@ class Checkpoint:
             raise Refused(R + "061", f"features this reader lacks: {ucp['must_understand']}")
         self.nodes: dict[str, dict[str, Any]] = dict(
             self.root["consolidated_metadata"]["metadata"])
+        self.fills: dict[str, Any] = {}
         for path, node in self.nodes.items():
             for part in path.split("/"):
                 check_node_name(part)
@@ -293,7 +372,7 @@ class Checkpoint:
                            or self.nodes[parent].get("node_type") != "group"):
                 raise Refused(R + "005", f"{path}: its parent group {parent!r} is missing")
             if node.get("node_type") == "array":
-                check_array(path, node)
+                self.fills[path] = check_array(path, node)
         self._open: dict[str, Any] = {}
 
     def arrays(self) -> dict[str, dict[str, Any]]:
@@ -301,9 +380,15 @@ class Checkpoint:
 
     def store(self, path: str) -> Any:
         if path not in self._open:
+            # the checked metadata of the root, with the fill value as its bits
+            metadata = {k: v for k, v in self.nodes[path].items()
+                        if k not in ("zarr_format", "node_type")}
+            metadata["fill_value"] = self.fills[path]
             self._open[path] = ts.open({
                 "driver": "zarr3",
                 "kvstore": {"driver": "file", "path": str(self.root_dir / path) + "/"},
+                "metadata": metadata,
+                "assume_metadata": True,
                 "open": True,
             }).result()
         return self._open[path]
