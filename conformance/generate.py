@@ -1054,6 +1054,22 @@ def _json_numbers(dest: Path) -> dict[str, Any]:
         exercises=["UCP-1.0-R045", "UCP-1.0-R070", "UCP-1.0-R071", "UCP-1.0-R073"])
 
 
+@valid("must-understand-false-members")
+def _must_understand_false(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (4, 3), 178, chunk=(2, 3), shard=(4, 3)),
+              arr("model/b", "bool", (5,), 179, chunk=(2,))]
+    groups = [Group(("training",), {"step": 5})]
+    write_reference(dest, arrays, groups)
+    d = Damage(dest)
+    d.edit_node("model/w", _set(["x_prefetch_hint"], {"must_understand": False, "order": "C"}))
+    d.edit_node("training", _set(["x_index"], {"must_understand": False, "entries": 3}))
+    return valid_expected(
+        "An array and a group whose zarr.json carry a member zarr v3 does not define, marked "
+        '"must_understand": false: readers ignore it (zarr v3 extensions, R007). The bool '
+        "array's edge chunk is padded with 0x00 (R008).",
+        arrays, groups, exercises=["UCP-1.0-R007", "UCP-1.0-R008"])
+
+
 @valid("manifest-without-digests")
 def _no_digests(dest: Path) -> dict[str, Any]:
     arrays = [arr("model/w", "float32", (4, 3), 180, chunk=(2, 3)),
@@ -1282,6 +1298,9 @@ R = "UCP-1.0-R"
 ALSO: dict[str, list[str]] = {
     "chunk-never-written": ["031"],
     "chunk-key-dot": ["021"],
+    "root-byte-order-mark": ["001"],
+    "node-byte-order-mark": ["001"],
+    "bool-byte-not-0-or-1": ["041"],
     "fill-hex-length": ["026"],
     "fill-hex-upper-case-prefix": ["026"],
     "fill-e4m3fn-rounds-beyond-range": ["026"],
@@ -1384,6 +1403,38 @@ def _(d: Damage) -> None:
          "The root's attributes.ucp has the member version twice (JSON objects must not).")
 def _(d: Damage) -> None:
     d.replace_in_root('"version": "1.0"', '"version": "1.0",\n      "version": "2.0"')
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+@invalid("root-byte-order-mark", "open", ["006"],
+         "The root zarr.json begins with a UTF-8 byte order mark (EF BB BF); RFC 8259 lets "
+         "parsers skip it, UCP 1.0 has readers refuse it.")
+def _(d: Damage) -> None:
+    d.path("zarr.json").write_bytes(BOM + d.read("zarr.json"))
+
+
+@invalid("node-byte-order-mark", "validate", ["006"],
+         "The zarr.json of model/fc.bias begins with a byte order mark (its consolidated copy "
+         "in the root is the same document without it).")
+def _(d: Damage) -> None:
+    key = "model/fc.bias/zarr.json"
+    d.put(key, BOM + d.read(key))
+
+
+@invalid("array-unknown-member", "open", ["007"],
+         "The array model/fc.bias has a member zarr v3 does not define, not marked "
+         '"must_understand": false: zarr v3 implementations refuse to open it.')
+def _(d: Damage) -> None:
+    d.edit_node("model/fc.bias", _set(["x_quantization"], {"bits": 4}))
+
+
+@invalid("group-unknown-member", "open", ["007"],
+         "The group training has a member zarr v3 does not define, not marked "
+         '"must_understand": false.')
+def _(d: Damage) -> None:
+    d.edit_node("training", _set(["x_schedule"], "cosine"))
 
 
 @invalid("root-not-zarr-v3", "open", ["001"], "The root says zarr_format 2.")
@@ -1683,6 +1734,14 @@ def _(d: Damage) -> None:
          "An uncompressed chunk of 12 bytes where 16 are due (its CRC32C is correct).")
 def _(d: Damage) -> None:
     d.rewrite_chunk("model/fc.bias/c/0", lambda p: p[:12])
+
+
+@invalid("bool-byte-not-0-or-1", "read", ["008"],
+         "A chunk of the bool array model/mask stores the byte 0x02 (its CRC32C correct): "
+         "damage, which a reader refuses rather than read as true.",
+         arrays=lambda: [*base_arrays(), arr("model/mask", "bool", (6,), 322, chunk=(4,))])
+def _(d: Damage) -> None:
+    d.rewrite_chunk("model/mask/c/0", lambda p: p[:1] + b"\x02" + p[2:])
 
 
 @invalid("symlink-outside", "read", ["091"],

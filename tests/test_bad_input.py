@@ -1004,3 +1004,35 @@ def test_random_damage_to_metadata_never_crashes(
                     t[...]
         report = ucpformat.validate(path, deep=True)
         assert isinstance(report.valid, bool)
+
+
+# -- bool bytes (UCP-1.0-R008) -----------------------------------------------------------
+
+
+def test_bool_bytes_other_than_0_and_1_are_never_saved(tmp_path: Path) -> None:
+    mask = np.array([0, 1, 2, 1], dtype=np.uint8).view(np.bool_)  # a view of other bytes
+    with pytest.raises(errors.InvalidValueError) as info:
+        ucpformat.save(tmp_path / "c", {"model": {"mask": mask}}, durable=False)
+    assert info.value.rule == "UCP-1.0-R008" and info.value.tensor == "model/mask"
+    assert not (tmp_path / "c" / "zarr.json").exists()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_bool_bytes_other_than_0_and_1_are_refused_on_read(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """Also in the edge chunk's padding, and from the zero-copy path of uncompressed chunks."""
+    path = write_explicit(tmp_path / "c", {
+        "model/mask": (np.ones((5, 4), np.bool_), (2, 4), None, compression)})
+    meta = ucpformat.open(path).arrays["model/mask"]
+    # the last chunk holds row 4 and one row of padding: 0x02 in the padding
+    chunk = np.ones((2, 4), np.uint8)
+    chunk[1, 3] = 2
+    key = "model/mask/c/2/0"
+    payload = meta.codec.encode(chunk.view(np.bool_))
+    (path / key).write_bytes(b"".join(bytes(b) for b in payload))
+    for region in ([0, 0], [5, 4]), ([4, 0], [5, 4]):
+        with pytest.raises(errors.CorruptDataError) as info:
+            ucpformat.open(path)["model/mask"].read_region(*region)
+        assert info.value.rule == "UCP-1.0-R008" and "(2, 0)" in info.value.message
+    assert ucpformat.open(path)["model/mask"].read_region([0, 0], [4, 4]).all()

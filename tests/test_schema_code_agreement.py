@@ -495,3 +495,26 @@ def test_codec_spellings_agree(corpus: dict[str, list[Any]], edit: Any, rule: st
         assert (schema_rules, code_rule) == (set(), None)
     else:  # the schema refuses too (which subschema it blames follows its oneOf branches)
         assert code_rule == rule and schema_rules, (schema_rules, code_rule)
+
+
+@pytest.mark.parametrize("kind", ["array", "group"])
+@pytest.mark.parametrize(("value", "rule"), [
+    ({"must_understand": False}, None),
+    ({"must_understand": False, "anything": [1, 2]}, None),
+    ({"must_understand": True}, "UCP-1.0-R007"),
+    ({"anything": 1}, "UCP-1.0-R007"),
+    ("text", "UCP-1.0-R007"),
+    (None, "UCP-1.0-R007"),
+])
+def test_members_zarr_does_not_define_agree(
+    corpus: dict[str, list[Any]], kind: str, value: Any, rule: str | None
+) -> None:
+    """UCP-1.0-R007: only members marked "must_understand": false may join zarr's own."""
+    path, doc = _float32_array(corpus) if kind == "array" else _pick(corpus, "group", "values")
+    doc = copy.deepcopy(doc)
+    doc["x_extension"] = value
+    schema_rules, code_rule = _verdicts(kind, path, doc)
+    if rule is None:
+        assert (schema_rules, code_rule) == (set(), None)
+    else:
+        assert code_rule == rule and rule in schema_rules, (schema_rules, code_rule)

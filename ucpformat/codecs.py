@@ -227,6 +227,15 @@ class ChunkCodec:
                 rule="UCP-1.0-R093" if self.compression else "UCP-1.0-R041",
                 tensor=tensor,
             )
+        if self.dtype.kind == "bool" and nbytes:
+            largest = int(np.frombuffer(payload, dtype=np.uint8).max())
+            if largest > 1:
+                raise CorruptDataError(
+                    f"chunk {chunk} stores the byte 0x{largest:02x} for a bool element: a bool "
+                    "is 0x00 or 0x01, anything else is damage, never read as true",
+                    rule="UCP-1.0-R008",
+                    tensor=tensor,
+                )
         return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))
 
     def _decompress(self, payload: memoryview, nbytes: int) -> memoryview:

@@ -327,6 +327,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         raise _fail("array metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
         raise _fail("not a zarr v3 array (zarr_format 3, node_type 'array')", "UCP-1.0-R001", where)
+    check_node_members(doc, ARRAY_MEMBERS, where)
     name = doc.get("data_type")
     if not isinstance(name, str) or name not in dtypes.BY_NAME:
         raise UnsupportedFeatureError(
@@ -502,6 +503,25 @@ class GroupMeta:
         return {"zarr_format": 3, "node_type": "group", "attributes": dict(self.attributes)}
 
 
+#: The members zarr v3 defines for an array's and a group's zarr.json (UCP-1.0-R007).
+ARRAY_MEMBERS: Final = frozenset({
+    "zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+    "fill_value", "codecs", "storage_transformers", "dimension_names", "attributes",
+})
+GROUP_MEMBERS: Final = frozenset({"zarr_format", "node_type", "attributes"})
+
+
+def check_node_members(doc: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    """Refuse a member zarr v3 does not define unless it is marked ``"must_understand":
+    false`` (UCP-1.0-R007, zarr v3's rule for extensions): such a one is ignored."""
+    if doc.keys() <= known:
+        return
+    for key, value in doc.items():
+        if key not in known and not (_is_map(value) and value.get("must_understand") is False):
+            raise _fail(f"member {key!r} is not one zarr v3 defines for this node, and is not "
+                        'marked "must_understand": false', "UCP-1.0-R007", where)
+
+
 def _parse_node_ucp(attributes: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     """``attributes.ucp`` of a node other than the root (empty if absent)."""
     ucp = attributes.get("ucp", {})
@@ -529,6 +549,8 @@ def parse_group(path: str, doc: Any, *, root: bool = False) -> GroupMeta:
         raise _fail("group metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise _fail("not a zarr v3 group", "UCP-1.0-R001", where)
+    if not root:  # the root's members are R057's
+        check_node_members(doc, GROUP_MEMBERS, where)
     attributes = doc.get("attributes", {})
     if not _is_map(attributes):
         raise _fail("attributes must be an object", "UCP-1.0-R001", where)
@@ -609,7 +631,11 @@ def gc_paused() -> Iterator[None]:
 
 
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
-    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys)."""
+    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys, no
+    byte order mark)."""
+    if data[:3] == b"\xef\xbb\xbf":
+        raise FormatError("the document begins with a UTF-8 byte order mark",
+                          rule="UCP-1.0-R006", path=what)
     try:
         text = data.decode("utf-8")
         with gc_paused():

@@ -608,8 +608,8 @@ class Tensor:
         """
         meta = self.meta
         cs = meta.chunk_shape
-        if meta.compression is not None:
-            return None
+        if meta.compression is not None or meta.dtype.kind == "bool":
+            return None  # (bool chunks are decoded: every byte is checked, UCP-1.0-R008)
         if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
             return None
         payload = math.prod(cs) * meta.dtype.itemsize

@@ -111,6 +111,13 @@ def encode_object(
             f"object {coords} needs data of shape {expected}, got {tuple(data.shape)}",
             tensor=meta.path,
         )
+    if data.dtype == np.bool_ and data.size and int(data.view(np.uint8).max()) > 1:
+        raise InvalidValueError(
+            "a bool element is held as a byte other than 0x00 or 0x01 (a view of other "
+            "bytes as bool?): it would be stored as damage",
+            rule="UCP-1.0-R008",
+            tensor=meta.path,
+        )
     codec = meta.codec
     if meta.shard_shape is None:
         return codec.encode(pad(data))

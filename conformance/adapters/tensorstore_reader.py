@@ -136,6 +136,8 @@ def strict_json(data: bytes, what: str) -> Any:
     def constant(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
+    if data.startswith(b"\xef\xbb\xbf"):  # Python's json.loads(bytes) would skip it
+        raise Refused(R + "006", f"{what} begins with a byte order mark")
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -482,7 +484,8 @@ class Checkpoint:
         try:
             return self.store(path)[index].read().result()
         except Exception as exc:  # tensorstore reports damage as ValueError and others
-            raise Refused(R + "041", f"{path}: {str(exc)[:300]}") from None
+            rule = "008" if "Invalid bool value" in str(exc) else "041"
+            raise Refused(R + rule, f"{path}: {str(exc)[:300]}") from None
 
 
 def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
