@@ -1714,6 +1714,119 @@ def _(d: Damage) -> None:
                     lambda p: bytes(zstd.encode(bytes(zstd.decode(p)) * 2)))
 
 
+def _zstd_frame(raw: bytes, *, content_size: bool = True, window_log: int | None = None
+                ) -> bytes:
+    """One zstd frame of ``raw`` (libzstd one-shot, a single-segment frame), its header
+    rewritten: without the content size, or with a window of 2**window_log bytes."""
+    import numcodecs
+
+    frame = bytes(numcodecs.Zstd(level=1).encode(raw))
+    fhd = frame[4]
+    assert fhd & 0x20 and not fhd & 3, "numcodecs writes single-segment frames"
+    fcs_len = (1, 2, 4, 8)[fhd >> 6]
+    blocks = frame[5 + fcs_len:]
+    if content_size:
+        assert window_log is not None
+        header = bytes([(fhd & 0x1F) | 0x80, (window_log - 10) << 3])
+        header += len(raw).to_bytes(4, "little")
+    else:
+        log = max(10, (len(raw) - 1).bit_length())
+        header = bytes([fhd & 0x1F, (log - 10) << 3])
+    return frame[:4] + header + blocks
+
+
+@invalid("zstd-two-frames", "read", ["047"],
+         "A zstd chunk (its CRC32C correct) made of two frames, each declaring half of the "
+         "chunk's decoded size: one frame per chunk, so a reader that allocates from each "
+         "frame's header has one bound to check.")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+
+    def two(p: bytes) -> bytes:
+        raw = bytes(zstd.decode(p))
+        half = len(raw) // 2
+        return bytes(zstd.encode(raw[:half])) + bytes(zstd.encode(raw[half:]))
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/0/0", two)
+
+
+@invalid("zstd-no-content-size", "read", ["047"],
+         "A zstd chunk (its CRC32C correct) whose frame does not declare its content size, "
+         "as streaming compression writes it: the size is checked before decompressing.")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/1/0",
+                    lambda p: _zstd_frame(bytes(zstd.decode(p)), content_size=False))
+
+
+@invalid("zstd-window-beyond-chunk", "read", ["047"],
+         "A zstd chunk of 96 bytes (CRC32C correct, content size declared correctly) whose "
+         "frame declares a window of 1 MiB: a decoder that allocates the window would "
+         "allocate more than the chunk.")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/0/0",
+                    lambda p: _zstd_frame(bytes(zstd.decode(p)), window_log=20))
+
+
+def _forge_crc(head: bytes, tail: bytes, target: int) -> bytes:
+    """Four bytes X with crc32c(head + X + tail) == target (CRC32C is affine over GF(2))."""
+    from ucpformat.codecs import crc32c
+
+    def f(x: int) -> int:
+        return crc32c(head + x.to_bytes(4, "little") + tail)
+
+    base = f(0)
+    columns = [f(1 << i) ^ base for i in range(32)]  # the image of each bit of X
+    want = target ^ base
+    # Gaussian elimination over GF(2): rows are (image, the X bits that make it)
+    rows = [(columns[i], 1 << i) for i in range(32)]
+    basis: list[tuple[int, int]] = []
+    for image, combo in rows:
+        for b_image, b_combo in basis:
+            if image ^ b_image < image:
+                image, combo = image ^ b_image, combo ^ b_combo
+        if image:
+            basis.append((image, combo))
+            basis.sort(reverse=True)
+    x = 0
+    for b_image, b_combo in basis:
+        if want ^ b_image < want:
+            want, x = want ^ b_image, x ^ b_combo
+    assert want == 0 and f(x) == target
+    return x.to_bytes(4, "little")
+
+
+@invalid("index-entry-overlaps-index", "read", ["048"],
+         "An inner chunk's index entry points at bytes that run into the shard's own index "
+         "(the last 24 of its 52 bytes are index bytes), crafted so that its CRC32C and the "
+         "index's CRC32C are both correct: only the range tells the damage.")
+def _(d: Damage) -> None:
+    from ucpformat.codecs import crc_bytes
+
+    key = "model/fc.weight/c/0/0"
+    data = bytearray(d.read(key))
+    isize = 2 * 16 + 4
+    start = len(data) - isize  # where the index starts
+    offset, nbytes = start - 28, 52  # the chunk's last 24 bytes are the index's first 24
+    index = d.shard_index(key, 2)
+    index[1] = (offset, nbytes)
+    body = np.ascontiguousarray(index, dtype="<u8").tobytes()
+    data[start:start + len(body)] = body
+    # the chunk's CRC is its last 4 bytes (index bytes: the high half of this entry's
+    # offset, 0): force bytes [offset, offset + 4) so that the payload's CRC32C is that
+    payload_end = offset + nbytes - 4
+    stored = int.from_bytes(data[payload_end:payload_end + 4], "little")
+    data[offset:offset + 4] = _forge_crc(b"", bytes(data[offset + 4:payload_end]), stored)
+    data[start + len(body):] = crc_bytes(body)
+    d.put(key, bytes(data))
+
+
 @invalid("shard-index-huge-range", "read", ["094"],
          "A shard index entry claims 2**40 bytes (index CRC correct): refused at the cost of "
          "the shard's real size.")

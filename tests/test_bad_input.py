@@ -883,9 +883,11 @@ def test_chunks_that_decompress_short_or_long_are_refused(tmp_path: Path, name: 
         assert_refused(exc, errors.CorruptDataError, 93, "model/x", "chunk (0)")
 
 
-def test_zstd_frames_of_every_kind_are_read(tmp_path: Path) -> None:
-    """Several frames, skippable frames and frames without a content size (valid zstd that
-    other writers produce) are read; the size check is exact for each."""
+def test_zstd_chunks_are_one_frame_that_declares_its_size(tmp_path: Path) -> None:
+    """UCP-1.0-R047: several frames, a skippable frame, a frame without a content size or
+    with a window larger than the chunk are refused before decompressing (valid zstd, but
+    a reader could not bound what it allocates from their headers); so are frames that
+    declare another size (R093) or are cut short."""
     import numcodecs
 
     from ucpformat.codecs import crc_bytes
@@ -896,20 +898,25 @@ def test_zstd_frames_of_every_kind_are_read(tmp_path: Path) -> None:
     chunk = tmp_path / "c" / "model" / "x" / "c" / "0"
     one = bytes(z.encode(a))
     assert one[4] == 0x20  # single segment, 1-byte content size
+    chunk.write_bytes(one + crc_bytes(one))
+    assert_bits_equal(ucpformat.open(tmp_path / "c")["model/x"].read(), a)
     no_size = one[:4] + b"\x00\x08" + one[6:]  # same blocks, window descriptor, no size
+    big_window = one[:4] + b"\x80\x50" + (100).to_bytes(4, "little") + one[6:]  # 1 MiB
     skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
-    variants = {
-        "two frames": bytes(z.encode(a[:30])) + bytes(z.encode(a[30:])),
-        "skippable frame first": skippable + one,
-        "no content size": no_size,
+    refused = {
+        "two frames": (bytes(z.encode(a[:30])) + bytes(z.encode(a[30:])), 47),
+        "skippable frame first": (skippable + one, 47),
+        "no content size": (no_size, 47),
+        "window beyond the chunk": (big_window, 47),
+        "bytes after the frame": (one + b"\x00", 47),
+        "another size": (bytes(z.encode(a[:99])), 93),
+        "cut short": (one[:-3], 41),
     }
-    for body in variants.values():
+    for what, (body, rule_id) in refused.items():
         chunk.write_bytes(body + crc_bytes(body))
-        assert_bits_equal(ucpformat.open(tmp_path / "c")["model/x"].read(), a)
-    for body in (bytes(z.encode(a[:99])), no_size[:-3], bytes(z.encode(a)) + b"\x00"):
-        chunk.write_bytes(body + crc_bytes(body))
-        with pytest.raises(errors.CorruptDataError):
+        with pytest.raises(errors.CorruptDataError) as exc:
             ucpformat.open(tmp_path / "c")["model/x"].read()
+        assert exc.value.rule == rule(rule_id), (what, exc.value)
 
 
 # -- random damage ---------------------------------------------------------------------------

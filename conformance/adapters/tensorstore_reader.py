@@ -12,7 +12,9 @@ this file adds what a generic zarr reader lacks and spec/ucp-1.0.md requires:
   (R027), shard shapes (R028);
 * before reading, every stored object the selection needs exists, and no shard index
   entry it needs is empty (R031) -- tensorstore would return fill values instead --
-  unless the array is sparse (R032); no file is a link out of the checkpoint (R091);
+  unless the array is sparse (R032); no entry reaches into its shard's index (R048); every
+  zstd chunk is one frame that declares its size and no larger window (R047), which
+  tensorstore does not check; no file is a link out of the checkpoint (R091);
 * layout-aware reading of target layouts (spec/ucp-1.0-layout.md, section 2).
 
 Usage (the adapter contract of spec/ucp-1.0-conformance.md)::
@@ -344,6 +346,44 @@ def check_array(path: str, doc: Mapping[str, Any]) -> Any:
     return fill_json(dtype, doc["fill_value"], path)
 
 
+def check_zstd(data: bytes, nbytes: int, where: str) -> None:
+    """R047: a zstd chunk is one frame (RFC 8878) without a dictionary, declaring a content
+    size of ``nbytes`` and a window no larger; tensorstore decodes other frames too."""
+    def refuse(why: str) -> Refused:
+        return Refused(R + "047", f"{where}: {why}")
+
+    if len(data) < 6 or int.from_bytes(data[:4], "little") != 0xFD2FB528:
+        raise refuse("not one zstd frame")
+    fhd = data[4]
+    single, fcs_flag = fhd >> 5 & 1, fhd >> 6
+    if fhd & 3:
+        raise refuse("the zstd frame names a dictionary")
+    if not single and not fcs_flag:
+        raise refuse("the zstd frame does not declare its content size")
+    pos = 5
+    window = None
+    if not single:
+        base = 1 << (10 + (data[pos] >> 3))
+        window = base + (base >> 3) * (data[pos] & 7)
+        pos += 1
+    length = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    content = int.from_bytes(data[pos:pos + length], "little") + (256 if length == 2 else 0)
+    pos += length
+    if content != nbytes or (window is not None and window > nbytes):
+        raise refuse(f"the zstd frame declares {content} bytes and a window of "
+                     f"{window or content}; the chunk is {nbytes} bytes")
+    last = 0
+    while not last:
+        if pos + 3 > len(data):
+            raise refuse("a zstd block header is cut short")
+        header = int.from_bytes(data[pos:pos + 3], "little")
+        last = header & 1
+        pos += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)
+    pos += 4 if fhd & 4 else 0
+    if pos != len(data):
+        raise refuse("the chunk is not exactly one zstd frame")
+
+
 class Checkpoint:
     """An opened checkpoint: its root, checked; arrays opened with tensorstore on demand."""
 
@@ -409,14 +449,18 @@ class Checkpoint:
         return path
 
     def check_present(self, path: str, lo: Sequence[int], hi: Sequence[int]) -> None:
-        """Every stored object and inner chunk the box [lo, hi) needs exists (R031)."""
+        """Every stored object and inner chunk the box [lo, hi) needs exists (R031), lies
+        before its shard's index (R048), and, zstd-compressed, is one frame that declares
+        its size (R047): tensorstore checks none of these."""
         node = self.nodes[path]
         shape = node["shape"]
         if any(b <= a for a, b in zip(lo, hi, strict=True)):
             return
         sparse = bool(((node.get("attributes") or {}).get("ucp") or {}).get("sparse", False))
         grid = node["chunk_grid"]["configuration"]["chunk_shape"]
-        _, inner = chain_of(node)
+        chain, inner = chain_of(node)
+        zstd = any(c.get("name") == "zstd" for c in chain)
+        chunk_bytes = math.prod(inner or grid) * TYPES[node["data_type"]][0]
         for coords in _product([range(a // g, -(-b // g)) for a, b, g in zip(lo, hi, grid,
                                                                               strict=True)]):
             key = f"{path}/c" + "".join(f"/{c}" for c in coords)
@@ -426,13 +470,17 @@ class Checkpoint:
                     continue
                 raise Refused(R + "031", f"{path}: stored object {key} is missing (never read "
                                          "as fill values)")
-            if inner is None or sparse:
+            if inner is None:
+                if zstd:
+                    check_zstd(file.read_bytes()[:-4], chunk_bytes, key)
                 continue
-            self._check_index(path, key, file, coords, grid, inner, shape, lo, hi)
+            self._check_index(path, key, file, coords, grid, inner, shape, lo, hi,
+                              sparse=sparse, zstd=zstd, chunk_bytes=chunk_bytes)
 
     def _check_index(self, path: str, key: str, file: Path, coords: Sequence[int],
                      grid: Sequence[int], inner: Sequence[int], shape: Sequence[int],
-                     lo: Sequence[int], hi: Sequence[int]) -> None:
+                     lo: Sequence[int], hi: Sequence[int], *, sparse: bool, zstd: bool,
+                     chunk_bytes: int) -> None:
         per = [g // c for g, c in zip(grid, inner, strict=True)]
         n = math.prod(per)
         size = file.stat().st_size
@@ -453,9 +501,22 @@ class Checkpoint:
             if any(s >= b or s + c <= a
                    for s, c, a, b in zip(start, inner, lo, hi, strict=True)):
                 continue  # not needed for this box
-            if int(index[i, 0]) == EMPTY and int(index[i, 1]) == EMPTY:
+            offset, nbytes = int(index[i, 0]), int(index[i, 1])
+            if offset == EMPTY and nbytes == EMPTY:
+                if sparse:
+                    continue
                 raise Refused(R + "031", f"{path}: inner chunk {list(local)} of {key} was "
                                          "never written")
+            if offset + nbytes > size:
+                raise Refused(R + "094", f"{key}: inner chunk {list(local)} reaches beyond "
+                                         "the end of its shard")
+            if offset + nbytes > size - 16 * n - 4:
+                raise Refused(R + "048", f"{key}: inner chunk {list(local)} reaches into the "
+                                         "shard index")
+            if zstd and nbytes >= 4:
+                with open(file, "rb") as f:
+                    f.seek(offset)
+                    check_zstd(f.read(nbytes - 4), chunk_bytes, f"{key} {list(local)}")
 
     # -- reading -----------------------------------------------------------------------------
 
