@@ -13,8 +13,9 @@ documents (:mod:`ucpformat.metadata`):
 - :mod:`~ucpformat.engine.write`: encoding and writing one stored object;
 - :mod:`~ucpformat.engine.read`: reading boxes of an array, every chunk CRC-checked.
 
-The engine imports no torch and nothing of the checkpoint API. Its codec and grid
-modules import no other ucpformat module than ``dtypes``, ``errors`` and ``storage``;
-``write`` and ``read`` take an :class:`ucpformat.metadata.ArrayMeta` (the array's
-metadata, whose codec JSON the codec modules define).
+The engine imports no torch and nothing of the checkpoint API: besides its own modules,
+only ``dtypes`` and ``errors`` (and ``storage``, where ``write`` and ``read`` reach the
+files). :mod:`ucpformat.metadata` builds on the codec modules (an array's codec chain is
+part of its metadata); ``grid``, ``write`` and ``read`` take that metadata
+(:class:`~ucpformat.metadata.ArrayMeta`) but import it for type checking only.
 """
