@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -218,11 +217,7 @@ def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) 
     return value
 
 
+
 def _from_bits(dt: DataType, bits: int) -> Any:
     """The scalar of ``dt`` whose bits are ``bits``."""
     return np.frombuffer(bits.to_bytes(dt.itemsize, "little"), dtype=dt.numpy)[0]
-
-
-def float_bits(value: float, fmt: str) -> int:
-    """The IEEE bit pattern of ``value`` as float32 (``fmt='f'``) or float64 (``'d'``)."""
-    return int.from_bytes(struct.pack("<" + fmt, value), "little")
