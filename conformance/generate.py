@@ -1152,6 +1152,65 @@ def _layout(dest: Path) -> dict[str, Any]:
                    "UCP-1.0-R113"])
 
 
+#: Targets that pin the layout chapter's R115 to R119: stage conventions, the number of
+#: layers and experts a configuration gives or leaves out, uneven stages, vocabulary padding
+#: without tp, group-major order at TP 1.
+CONVENTION_CONFIGS: list[tuple[str, Target]] = [
+    ("tp1.group", Target(fused_order="group-major")),
+    ("tp2.r1.v4", Target(tp=2, tp_rank=1, vocab_multiple=4)),
+    ("pp2.r1", Target(pp=2, pp_rank=1, num_layers=4)),
+    ("pp2.r0.last", Target(pp=2, pp_rank=0, num_layers=4, stage="last")),
+    ("pp3.r2.first_and_last", Target(pp=3, pp_rank=2, pp_layers=(1, 1, 2),
+                                      stage="first_and_last")),
+    ("pp3.r1.first", Target(pp=3, pp_rank=1, num_layers=4, pp_layers=(2, 1, 1),
+                            stage="first")),
+    ("pp3.r2.uneven", Target(pp=3, pp_rank=2, num_layers=4)),
+    ("pp2.r1.no-num-layers", Target(pp=2, pp_rank=1)),
+    ("pp2.r0.num-layers-8", Target(pp=2, pp_rank=0, num_layers=8)),
+    ("pp2.r0.pp-layers-bad-sum", Target(pp=2, pp_rank=0, num_layers=4, pp_layers=(1, 2))),
+    ("ep2.r1.no-num-experts", Target(ep=2, ep_rank=1)),
+    ("ep2.r1.num-experts-8", Target(ep=2, ep_rank=1, num_experts=8)),
+    ("ep2.r1", Target(ep=2, ep_rank=1, num_experts=4)),
+]
+
+
+@valid("layout-conventions")
+def _layout_conventions(dest: Path) -> dict[str, Any]:
+    L = {
+        "vocab": {"tp": {"dim": 0}, "vocab": {"dim": 0}},
+        "vocab_no_tp": {"vocab": {"dim": 0}},
+        "qkv": {"tp": {"dim": 0}, "groups": 2, "layer": 3, "parts": [
+            {"name": "q", "size": 4}, {"name": "k", "size": 2}, {"name": "v", "size": 2}]},
+        "norm": {},
+        "stacked": {"layers": {"dim": 0, "count": 4}},
+        "experts": {"experts": {"dim": 0, "count": 4}, "layer": 1},
+        "expert": {"expert": 2, "layer": 1},
+    }
+    spec = [
+        ("embedding.word_embeddings.weight", "float32", (50, 4), "vocab"),
+        ("output_layer.bias", "float32", (50,), "vocab_no_tp"),
+        ("layers.3.self_attention.linear_qkv.weight", "bfloat16", (8, 4), "qkv"),
+        ("final_layernorm.weight", "float32", (4,), "norm"),
+        ("stacked.mlp.weight", "float16", (4, 3, 2), "stacked"),
+        ("layers.1.mlp.experts.weight", "float32", (4, 2, 3), "experts"),
+        ("layers.1.mlp.experts.2.linear_fc1.weight", "float32", (3, 2), "expert"),
+    ]
+    arrays = [arr(f"model/{name}", dtype, shape, 260 + i,
+                  ucp={"role": "parameter", "layout": L[kind]})
+              for i, (name, dtype, shape, kind) in enumerate(spec)]
+    write_reference(dest, arrays)
+    return valid_expected(
+        "Local tensors that pin the layout chapter's conventions: a tensor with neither "
+        "layer nor layers on the stages its convention names (R115); the number of layers "
+        "from layers.count, refused when missing for per-layer tensors or different from the "
+        "stack, uneven stages given by pp_layers (R116); the number of experts from the "
+        "stack, refused when missing or different (R117); a vocabulary without tp padded to "
+        "m x tp like the split one (R118); group-major order at TP 1 (R119).",
+        arrays, targets=layout_targets(arrays, CONVENTION_CONFIGS),
+        exercises=["UCP-1.0-R112", "UCP-1.0-R111", "UCP-1.0-R115", "UCP-1.0-R116",
+                   "UCP-1.0-R117", "UCP-1.0-R118", "UCP-1.0-R119", "UCP-1.0-R216"])
+
+
 # -- valid cases written by other libraries ----------------------------------------------------
 
 

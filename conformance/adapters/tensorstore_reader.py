@@ -603,33 +603,59 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
         if degree < 1 or not 0 <= rank < degree:
             raise Refused(R + "110", f"degree {degree}, rank {rank}: not a parallel layout")
     dims: list[tuple[int, list[Segment]]] = [(n, [(0, 0, n)] if n else []) for n in shape]
-    layer, layers = layout.get("layer"), layout.get("layers")
-    if pp > 1 and (layer is not None or layers is not None):
-        num_layers = cfg.get("num_layers") or (shape[layers["dim"]] if layers else None)
-        if num_layers is None or num_layers % pp:
-            raise Refused(R + "112", f"{num_layers} layers do not split over pp={pp}")
-        per = num_layers // pp
-        if layer is not None:
-            if not 0 <= layer < num_layers:
-                raise Refused(R + "112", f"layer {layer} is outside the model")
-            if layer // per != ppr:
-                return None
-        else:
-            d = layers["dim"]
-            dims[d] = _restrict(*dims[d], ppr * per, (ppr + 1) * per)
     experts, expert = layout.get("experts"), layout.get("expert")
-    if experts is not None:
+    num_experts = cfg.get("num_experts")
+    if experts is not None:  # a stacked tensor holds every expert of the model (R117)
         d, count = experts["dim"], shape[experts["dim"]]
-        if count % ep:
-            raise Refused(R + "111", f"ep={ep} does not divide {count} experts")
+        if count % ep or (num_experts is not None and num_experts != count):
+            raise Refused(R + "111", f"ep={ep}, num_experts={num_experts}: {count} experts")
         dims[d] = _restrict(*dims[d], epr * count // ep, (epr + 1) * count // ep)
-    if expert is not None:
-        num = cfg.get("num_experts") or (expert + 1 if ep == 1 else None)
+    if expert is not None:  # rank floor(e / (E / ep)), E from the configuration (R117)
+        num = num_experts if num_experts is not None else (expert + 1 if ep == 1 else None)
         if num is None or num % ep or expert >= num:
             raise Refused(R + "111", f"ep={ep} and num_experts={num} cannot place expert "
                                      f"{expert}")
-        if expert // (num // ep) != epr:
+    held = expert is None or expert // (num // ep) == epr
+    layer, layers = layout.get("layer"), layout.get("layers")
+    pp_layers = cfg.get("pp_layers")
+    if pp_layers is not None and len(pp_layers) != pp:
+        raise Refused(R + "112", f"pp_layers {pp_layers} is not one count per stage")
+    num_layers = cfg.get("num_layers")  # (R116)
+    if num_layers is None and pp_layers is not None:
+        num_layers = sum(pp_layers)
+    if num_layers is None and layers is not None:
+        num_layers = shape[layers["dim"]]  # a stacked tensor holds every layer
+    if layers is not None and num_layers != shape[layers["dim"]]:
+        raise Refused(R + "112", f"num_layers={num_layers}, {shape[layers['dim']]} stacked")
+    if layer is None and layers is None:  # placed by the stage convention (R115)
+        stage = cfg.get("stage", "all")
+        if not (stage == "all" or (stage == "first" and ppr == 0)
+                or (stage == "last" and ppr == pp - 1)
+                or (stage == "first_and_last" and ppr in (0, pp - 1))):
             return None
+    elif num_layers is None:
+        if pp > 1:
+            raise Refused(R + "112", f"pp={pp} needs the model's number of layers")
+    else:
+        counts = pp_layers
+        if counts is None:
+            if num_layers % pp:
+                raise Refused(R + "112", f"{num_layers} layers do not split over pp={pp}")
+            counts = [num_layers // pp] * pp
+        elif sum(counts) != num_layers:
+            raise Refused(R + "112", f"pp_layers {counts} do not sum to {num_layers}")
+        start = sum(counts[:ppr])
+        stop = start + counts[ppr]
+        if layer is not None:
+            if not 0 <= layer < num_layers:
+                raise Refused(R + "112", f"layer {layer} is outside the model")
+            if not start <= layer < stop:
+                return None
+        else:
+            d = layers["dim"]
+            dims[d] = _restrict(*dims[d], start, stop)
+    if not held:  # another expert-parallel rank's expert
+        return None
     tp_dim = (layout.get("tp") or {}).get("dim")
     vocab_dim = (layout.get("vocab") or {}).get("dim")
     parts = layout.get("parts") or []
@@ -666,9 +692,9 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
                 segs.append((local, o + g * gsize, gsize))
                 local += gsize
             dims[tp_dim] = (local, segs)
-    elif vocab_dim is not None and multiple > 1:
+    elif vocab_dim is not None:  # not split, padded as the model's vocabulary (R118)
         n = shape[vocab_dim]
-        padded = -(-n // multiple) * multiple
+        padded = -(-n // (multiple * tp)) * (multiple * tp)
         dims[vocab_dim] = (padded, [(0, 0, n)] if n else [])
     return dims
 
