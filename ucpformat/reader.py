@@ -40,6 +40,8 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_root_digest,
+    check_root_digest_member,
     check_values,
     gc_paused,
     loads,
@@ -48,15 +50,32 @@ from ucpformat.metadata import (
     parse_version,
 )
 from ucpformat.schemas import DATE_TIME
-from ucpformat.storage import Store, open_store
+from ucpformat.storage import Store, read_guarded
 
-#: Root metadata larger than this is refused before parsing (hostile input).
-MAX_ROOT_METADATA_BYTES = 1 << 30
+#: Largest metadata document (root zarr.json, manifest, node zarr.json) read by default;
+#: a larger one is refused before it is read (UCP-1.0-R098). The root of 100,000 tensors
+#: is about 40 MiB.
+MAX_METADATA_BYTES = 256 << 20
+#: Peak memory of parsing a metadata document, in bytes per byte of it, at most: CPython's
+#: json reaches 37 on the worst structures (nested one-element lists), 10 on real roots
+#: (docs/reliability.md). The default limit keeps a parse within ``max_read_bytes``.
+METADATA_MEMORY_FACTOR = 48
 #: Chunks (or stored objects) handed to the thread pool at a time.
 MAP_BATCH = 256
 #: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
 #: checks that the stored object is really that large.
 UNCHECKED_SCRATCH_BYTES = 1 << 20
+#: Bytes an encoded chunk may hold beyond twice its decoded size (UCP-1.0-R098): no
+#: compressor of the closed list needs that much (zstd, gzip and blosc add at most a
+#: few bytes per block, and headers).
+ENCODING_SLACK = 1 << 16
+
+
+def max_encoded_nbytes(decoded: int) -> int:
+    """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), R098."""
+    return 2 * decoded + ENCODING_SLACK
+
+
 #: Features a 1.x reader understands (``attributes.ucp.must_understand``).
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
@@ -422,6 +441,15 @@ class Tensor:
             tensor=self.path,
         )
 
+    def _oversized(self, label: str, size: str, bound: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"chunk {label} is stored in {size}, more than any encoding of its "
+            f"{math.prod(self.meta.chunk_shape) * self.meta.dtype.itemsize} bytes takes "
+            f"({bound}: twice its size plus {ENCODING_SLACK}); refused unread",
+            rule="UCP-1.0-R098",
+            tensor=self.path,
+        )
+
     def _overlap(
         self, chunk_lo: Sequence[int], req_lo: Sequence[int], req_hi: Sequence[int]
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
@@ -496,6 +524,7 @@ class Tensor:
                 tensor=self.path,
             )
         index = decode_index(raw_index, cps, tensor=self.path, shard=key)
+        max_encoded = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
         reads = []
         for local in needed:
             offset, nbytes = (int(v) for v in index[local])
@@ -506,6 +535,17 @@ class Tensor:
                     self._place(glo, None, req_lo, req_hi, out)
                     continue
                 raise self._missing(f"inner chunk {self._chunk_label(gchunk, key)}")
+            if nbytes > max_encoded and offset < 2**62 and nbytes < 2**62:
+                size = self.checkpoint.store.size(key)
+                if size is not None and offset + nbytes > size:
+                    raise CorruptDataError(
+                        f"inner chunk {self._chunk_label(gchunk, key)} is cut short: its "
+                        f"shard is {size} bytes, its index says it ends at {offset + nbytes}",
+                        rule="UCP-1.0-R094",
+                        tensor=self.path,
+                    )
+                raise self._oversized(self._chunk_label(gchunk, key), f"{nbytes} bytes",
+                                      max_encoded)
             if offset >= 2**62 or nbytes >= 2**62:
                 raise CorruptDataError(
                     f"inner chunk {self._chunk_label(gchunk, key)} has an impossible index entry "
@@ -537,12 +577,15 @@ class Tensor:
             self._read_rows_into(read, src, view, payload, label)
             return
         if read.nbytes is None:
-            data = self.checkpoint._get(read.key)
+            bound = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
+            data = self.checkpoint._get_range(read.key, 0, bound + 1)
             if data is None:
                 if meta.sparse:
                     self._place(read.lo, None, req_lo, req_hi, out)
                     return
                 raise self._missing(f"chunk {label}")
+            if len(data) > bound:
+                raise self._oversized(label, f"{len(data)} bytes or more", bound)
         else:
             data = self.checkpoint._get_range(read.key, read.offset, read.nbytes)
             if data is None or len(data) != read.nbytes:
@@ -817,38 +860,72 @@ def open_checkpoint(
     *,
     max_read_bytes: int | None = None,
     workers: int | None = None,
+    max_metadata_bytes: int | None = None,
 ) -> Checkpoint:
-    """Open a committed checkpoint: one read of the root metadata, checked strictly."""
-    store = open_store(path, durable=False)
-    size = store.size(ZARR_JSON)
-    if size is None:
-        if store.exists(IN_PROGRESS_KEY):
-            raise IncompleteCheckpointError(
-                "this checkpoint was never committed (a save is in progress or was "
-                "interrupted): it has no root zarr.json",
-                rule="UCP-1.0-R051",
-                path=store.location,
-            )
-        if store.is_empty():
-            raise CheckpointNotFoundError("no checkpoint here", rule="UCP-1.0-R051",
-                                          path=store.location)
-        raise IncompleteCheckpointError(
-            "no root zarr.json: not a committed UCP checkpoint", rule="UCP-1.0-R051",
-            path=store.location,
-        )
-    if size > MAX_ROOT_METADATA_BYTES:
-        raise ResourceLimitError(
-            f"root metadata is {size} bytes, over the limit of {MAX_ROOT_METADATA_BYTES}",
-            rule="UCP-1.0-R090",
-            path=store.location,
-        )
-    raw = store.get(ZARR_JSON)
-    if raw is None:  # removed between the two calls
-        raise IncompleteCheckpointError("root zarr.json vanished", rule="UCP-1.0-R051",
-                                        path=store.location)
+    """Open a committed checkpoint: one read of the root metadata, checked strictly.
+
+    ``max_metadata_bytes``: the largest root zarr.json read (default
+    :func:`metadata_limit`); a larger one is refused before it is read (UCP-1.0-R098).
+    """
+    store = read_guarded(path)
+    limit = metadata_limit(max_metadata_bytes, max_read_bytes)
+    raw = read_root(store, limit=limit)
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
+    check_root_digest(raw, doc, where=store.location)
+    del raw
     root, arrays, groups = parse_root(doc, where=store.location)
     return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+
+
+def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -> int:
+    """The largest metadata document a reader reads (UCP-1.0-R098): ``max_metadata_bytes``
+    if given, else :data:`MAX_METADATA_BYTES`, and never so large that parsing it (at most
+    :data:`METADATA_MEMORY_FACTOR` bytes of memory per byte) could exceed ``max_read_bytes``."""
+    if max_metadata_bytes is not None:
+        return max_metadata_bytes
+    memory = max_read_bytes if max_read_bytes is not None else physical_memory()
+    return max(1, min(MAX_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
+
+
+def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> bytes | None:
+    """A metadata document's bytes (None if absent), refused before it is read when it is
+    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read."""
+    size = store.size(key)
+    if size is None:
+        return None
+    too_big = ResourceLimitError(
+        f"{what or key} is {size} bytes or more, over the limit of {limit} for a metadata "
+        "document (refused unread; raise max_metadata_bytes to read it)",
+        rule="UCP-1.0-R098",
+        path=f"{store.location}/{key}",
+    )
+    if size > limit:
+        raise too_big
+    raw = store.get_range(key, 0, limit + 1)  # the file may have grown since
+    if raw is not None and len(raw) > limit:
+        raise too_big
+    return raw
+
+
+def read_root(store: Store, *, limit: int) -> bytes:
+    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (R051)."""
+    raw = read_metadata(store, ZARR_JSON, limit=limit, what="the root zarr.json")
+    if raw is not None:
+        return raw
+    if store.exists(IN_PROGRESS_KEY):
+        raise IncompleteCheckpointError(
+            "this checkpoint was never committed (a save is in progress or was "
+            "interrupted): it has no root zarr.json",
+            rule="UCP-1.0-R051",
+            path=store.location,
+        )
+    if store.is_empty():
+        raise CheckpointNotFoundError("no checkpoint here", rule="UCP-1.0-R051",
+                                      path=store.location)
+    raise IncompleteCheckpointError(
+        "no root zarr.json: not a committed UCP checkpoint", rule="UCP-1.0-R051",
+        path=store.location,
+    )
 
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -871,6 +948,7 @@ def parse_root(
             path=where,
         )
     parse_version(ucp.get("version"), where=where)
+    check_root_digest_member(ucp, where=where)
     must = ucp.get("must_understand", [])
     if (
         not isinstance(must, list)

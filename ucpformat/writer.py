@@ -47,6 +47,7 @@ from ucpformat.metadata import (
     ArrayMeta,
     GroupMeta,
     dumps,
+    encode_root,
     parse_array,
 )
 from ucpformat.storage import Store, open_store
@@ -291,8 +292,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    # Compact: the root holds every node's metadata; it is parsed on every open.
-    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
+    store.put(ZARR_JSON, [encode_root(root)], atomic=True)  # sealed by its digest (R058)
     store.delete(IN_PROGRESS_KEY)
     return root
 
