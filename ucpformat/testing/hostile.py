@@ -727,7 +727,7 @@ def _large_root(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | Non
     """Roots of up to 4 MiB of the structures that cost the most memory to parse (nested
     one-element lists, empty objects, short strings, many keys): refused unread beyond
     the metadata limit, parsed within 48 times their size below it (R098)."""
-    shapes = {
+    shapes: dict[str, Callable[[int], str]] = {
         "nested lists": lambda n: "[" + ",".join([_nested(40, "{}")] * (n // 84)) + "]",
         "empty objects": lambda n: "[" + "{}," * (n // 3) + "{}]",
         "short strings": lambda n: "[" + '"ab",' * (n // 5) + '"x"]',
