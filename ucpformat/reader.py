@@ -60,6 +60,8 @@ MAX_METADATA_BYTES = 256 << 20
 #: json reaches 37 on the worst structures (nested one-element lists), 10 on real roots
 #: (docs/reliability.md). The default limit keeps a parse within ``max_read_bytes``.
 METADATA_MEMORY_FACTOR = 48
+#: The default limit is never below this (a small max_read_bytes still opens small roots).
+MIN_METADATA_BYTES = 64 << 10
 #: Chunks (or stored objects) handed to the thread pool at a time.
 MAP_BATCH = 256
 #: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
@@ -880,11 +882,12 @@ def open_checkpoint(
 def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -> int:
     """The largest metadata document a reader reads (UCP-1.0-R098): ``max_metadata_bytes``
     if given, else :data:`MAX_METADATA_BYTES`, and never so large that parsing it (at most
-    :data:`METADATA_MEMORY_FACTOR` bytes of memory per byte) could exceed ``max_read_bytes``."""
+    :data:`METADATA_MEMORY_FACTOR` bytes of memory per byte) could exceed ``max_read_bytes``
+    (but at least :data:`MIN_METADATA_BYTES`)."""
     if max_metadata_bytes is not None:
         return max_metadata_bytes
     memory = max_read_bytes if max_read_bytes is not None else physical_memory()
-    return max(1, min(MAX_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
+    return min(MAX_METADATA_BYTES, max(MIN_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
 
 
 def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> bytes | None:

@@ -176,11 +176,12 @@ def test_a_root_over_the_limit_is_refused_unread(tmp_path: Path) -> None:
 def test_the_limit_follows_max_read_bytes(tmp_path: Path) -> None:
     """UCP-1.0-R098 (b): by default no root is read whose parse could exceed max_read_bytes
     (48 bytes of memory per byte of JSON); max_metadata_bytes sets the limit itself."""
-    path = _save(tmp_path / "ckpt")
+    path = _save(tmp_path / "ckpt", metadata={"pad": "x" * (100 << 10)})
     size = (path / "zarr.json").stat().st_size
     with pytest.raises(ResourceLimitError):
         ucpformat.open(path, max_read_bytes=48 * size - 48)
     ucpformat.open(path, max_read_bytes=48 * size)
+    ucpformat.open(_save(tmp_path / "small"), max_read_bytes=1000)  # 64 KiB at least
     with pytest.raises(ResourceLimitError):
         ucpformat.open(path, max_metadata_bytes=size - 1)
     assert ucpformat.validate(path, max_metadata_bytes=size).valid
