@@ -21,8 +21,8 @@ import pytest
 
 import ucpformat
 from tests.helpers import edit_root, read_json
-from ucpformat import codecs
 from ucpformat.cli import main as ucp
+from ucpformat.engine import checksum, compression
 from ucpformat.errors import (
     CheckpointNotFoundError,
     FormatError,
@@ -227,7 +227,7 @@ def test_an_oversized_chunk_is_refused_unread(tmp_path: Path) -> None:
     payload = key.read_bytes()[:-4]
     pad = 200_000
     body = payload + (0x184D2A50).to_bytes(4, "little") + pad.to_bytes(4, "little") + bytes(pad)
-    key.write_bytes(body + codecs.crc_bytes(body))
+    key.write_bytes(body + checksum.crc_bytes(body))
     with pytest.raises(UCPError) as info:
         ucpformat.open(path)["model/w"].read()
     assert info.value.rule == "UCP-1.0-R098" and "refused unread" in str(info.value)
@@ -274,9 +274,9 @@ def test_gzip_members_are_decoded_in_one_pass(monkeypatch: pytest.MonkeyPatch) -
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-    monkeypatch.setattr(codecs.zlib, "decompressobj", Counting)
+    monkeypatch.setattr(compression.zlib, "decompressobj", Counting)
     data = gzip.compress(b"", mtime=0) * 100_000 + gzip.compress(bytes(32), mtime=0)
-    assert bytes(codecs._gunzip(data, 32)) == bytes(32)
+    assert bytes(compression._gunzip(data, 32)) == bytes(32)
     assert fed <= 16 * len(data), (fed, len(data))
 
 

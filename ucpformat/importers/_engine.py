@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ucpformat import chunking, names
+from ucpformat import names
 from ucpformat.dtypes import DataType
+from ucpformat.engine import chunking
 from ucpformat.errors import InvalidValueError, LayoutError, UCPError, WriteError
 from ucpformat.layout.rules import RuleSet
 from ucpformat.progress import byte_progress
@@ -281,9 +282,3 @@ def write_scan(
         seconds=time.perf_counter() - start,
         notes=tuple(scan.notes),
     )
-
-
-def iter_chunks(total: int, step: int) -> Iterable[tuple[int, int]]:
-    """[start, stop) ranges of at most ``step`` covering [0, total)."""
-    for a in range(0, total, max(1, step)):
-        yield a, min(total, a + step)
