@@ -185,6 +185,8 @@ def _kind(value: Any) -> str:
         return "a number"
     if value is None:
         return "null"
+    if isinstance(value, str):
+        return "a string"
     return f"a {type(value).__name__}"
 
 
