@@ -227,3 +227,20 @@ def test_a_hyperparameter_of_another_kind_is_refused(tmp_path: Path, loader: str
     with pytest.raises(LoadError, match=r"optimizer/param_groups\[0\]\.lr: .*string.*number"):
         _load(loader, tmp_path / "c", model, opt, sched)
     assert _snapshot(model, opt, sched) == before
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_hyperparameter_the_checkpoint_lacks_keeps_the_optimizers_value(
+    tmp_path: Path, loader: str
+) -> None:
+    model, opt, sched = _trained(0)
+    state, _ = state_of(model=model, optimizer=opt, scheduler=sched)
+    del state["optimizer"]["param_groups"][0]["betas"]
+    ucpformat.save(tmp_path / "c", state)
+    model, opt, sched = _trained(1)
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    _load(loader, tmp_path / "c", model, opt, sched)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    assert opt.param_groups[0]["lr"] == state["optimizer"]["param_groups"][0]["lr"]
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()  # a group without betas would fail here (KeyError)

@@ -412,8 +412,9 @@ def plan_optimizer(ckpt: Checkpoint, view: OptimizerView, *, strict: bool) -> Op
     """Match a live optimizer with ``optimizer/`` by parameter FQN.
 
     The optimizer's param groups keep their parameters and take the hyperparameters of
-    the checkpoint's group that holds them (one group only); every stored state is
-    checked against its parameter (:func:`check_state_shape`).
+    the checkpoint's group that holds them (one group only; a hyperparameter it lacks
+    keeps the optimizer's value); every stored state is checked against its parameter
+    (:func:`check_state_shape`).
     """
     current = [f for group in view.fqns for f in group]
     if "optimizer" not in ckpt.groups:
@@ -444,14 +445,14 @@ def plan_optimizer(ckpt: Checkpoint, view: OptimizerView, *, strict: bool) -> Op
                 f"param groups {sources}, whose hyperparameters may differ",
                 path="optimizer",
             )
+        # the stored hyperparameters; those the checkpoint lacks keep the live value
+        hyper = {k: v for k, v in group.items() if k != "params"}
         if sources:
-            hyper = {
+            hyper.update({
                 k: value_like(group.get(k), v, where=f"optimizer/param_groups[{sources[0]}].{k}")
                 for k, v in saved_groups[sources[0]].items()
                 if k != "params"
-            }
-        else:
-            hyper = {k: v for k, v in group.items() if k != "params"}
+            })
         hyper["params"] = list(group["params"])
         groups.append(hyper)
         for fqn, key in zip(fqns, group["params"], strict=True):
