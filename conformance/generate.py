@@ -41,23 +41,19 @@ from typing import Any
 import numpy as np
 
 from ucpformat import dtypes, names
-from ucpformat.codecs import ChunkCodec, Compression
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_array, source_maps
+from ucpformat.engine.codecs import ChunkCodec
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region
+from ucpformat.engine.sharding import pack_shard
+from ucpformat.engine.write import StoredObject, encode_object, write_object
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.metadata import ArrayMeta, GroupMeta
+from ucpformat.metadata import ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.storage import LocalStore
-from ucpformat.writer import (
-    StoredObject,
-    commit,
-    encode_object,
-    object_coords,
-    object_region,
-    pack_shard,
-    write_object,
-)
+from ucpformat.writer import commit
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_ID = "https://ucpformat.org/schemas/1.0/conformance-expected.schema.json"
@@ -235,11 +231,8 @@ def write_reference(
             else:
                 objects.append(write_object(store, meta, coords, region,
                                             hash_algorithm=hash_algorithm))
-    root_ucp: dict[str, Any] = {"producer": dict(PRODUCER), "created": CREATED}
-    if metadata is not None:
-        root_ucp["metadata"] = dict(metadata)
-    if root_values:
-        root_ucp["values"] = dict(root_values)
+    root_ucp = build_root_ucp(metadata=metadata, values=root_values, producer=PRODUCER,
+                              created=CREATED)
     root_ucp.update(root_extra or {})
     commit(
         store,
@@ -631,7 +624,7 @@ class Damage:
                       listed: bool = True, offset: int = 0, length: int | None = None) -> None:
         """Replace the payload of the chunk at ``[offset, offset + length)`` of a stored
         object (the whole object by default), then append a correct (or the old) CRC."""
-        from ucpformat.codecs import crc_bytes
+        from ucpformat.engine.checksum import crc_bytes
 
         data = self.read(key)
         end = len(data) if length is None else offset + length
@@ -648,7 +641,7 @@ class Damage:
 
     def set_shard_index(self, key: str, index: np.ndarray[Any, Any], *, recrc: bool = True
                         ) -> None:
-        from ucpformat.codecs import crc_bytes
+        from ucpformat.engine.checksum import crc_bytes
 
         data = self.read(key)
         n = index.size * 8 + 4

@@ -128,9 +128,9 @@ def write_explicit(
     compression), written by the writer's own object encoder and commit: tests that flip
     a byte of a given chunk must not depend on the chunking heuristics of ``save``."""
     from ucpformat import writer
-    from ucpformat.codecs import Compression
     from ucpformat.dtypes import from_numpy
-    from ucpformat.metadata import ArrayMeta, GroupMeta
+    from ucpformat.engine.compression import Compression
+    from ucpformat.metadata import ArrayMeta, GroupMeta, default_producer
     from ucpformat.storage import LocalStore
 
     metas = []
@@ -147,5 +147,5 @@ def write_explicit(
     objects = writer.write_arrays(store, metas, hash_algorithm=hash_algorithm)
     writer.commit(store, arrays=[m for m, _ in metas],
                   groups=[GroupMeta(g) for g in sorted(groups)], objects=objects,
-                  root_ucp={"producer": writer.default_producer()}, hash_algorithm=hash_algorithm)
+                  root_ucp={"producer": default_producer()}, hash_algorithm=hash_algorithm)
     return path

@@ -51,10 +51,6 @@ class VersionError(FormatError):
     """The format version is missing, malformed, or of a major version this reader refuses."""
 
 
-class SchemaError(FormatError):
-    """A metadata object violates its JSON Schema."""
-
-
 class UnsupportedFeatureError(FormatError):
     """The checkpoint uses a data type, codec or feature outside the spec's closed lists."""
 

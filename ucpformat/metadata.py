@@ -8,27 +8,30 @@ documents; tests/test_schema_code_agreement.py proves it.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import gc
 import json
 import math
+import platform
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeGuard
 
-import numpy as np
-
 from ucpformat import dtypes, jsonvalues
-from ucpformat.codecs import (
-    BLOSC_CNAMES,
-    BLOSC_SHUFFLES,
-    COMPRESSORS,
-    ChunkCodec,
-    Compression,
-    index_codecs_json,
-)
+from ucpformat._version import __version__
 from ucpformat.dtypes import DataType
-from ucpformat.errors import FormatError, UnsupportedFeatureError, VersionError
+from ucpformat.engine.codecs import ChunkCodec
+from ucpformat.engine.compression import BLOSC_CNAMES, BLOSC_SHUFFLES, COMPRESSORS, Compression
+from ucpformat.engine.grid import object_key
+from ucpformat.engine.sharding import index_codecs_json
+from ucpformat.errors import (
+    FormatError,
+    InvalidValueError,
+    UnsupportedFeatureError,
+    VersionError,
+)
+from ucpformat.schemas import DATE_TIME
 
 FORMAT_VERSION: Final = "1.0"
 FORMAT_MAJOR: Final = 1
@@ -120,9 +123,7 @@ class ArrayMeta:
 
     def object_key(self, coords: Sequence[int]) -> str:
         """Storage key of the stored object (shard or chunk) at grid ``coords``."""
-        suffix = "/".join(str(c) for c in coords)
-        base = f"{self.path}/c"
-        return f"{base}/{suffix}" if suffix else base
+        return object_key(self.path, coords)
 
     def to_zarr_json(self) -> dict[str, Any]:
         codec = self.codec
@@ -432,28 +433,6 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
     )
 
 
-def stored_object_coords(meta: ArrayMeta, keys: Iterable[str]) -> list[tuple[int, ...]]:
-    """Grid coordinates of the stored objects of ``meta`` among storage ``keys``, sorted.
-
-    Keys under the array's ``c/`` that are not objects of its grid are ignored.
-    """
-    base = f"{meta.path}/c"
-    grid = meta.object_grid
-    out: list[tuple[int, ...]] = []
-    for key in keys:
-        if key == base and not meta.shape:
-            out.append(())
-        elif key.startswith(base + "/"):
-            parts = key[len(base) + 1 :].split("/")
-            if len(parts) == len(grid) and all(
-                p.isascii() and p.isdigit() and str(int(p)) == p for p in parts
-            ):
-                coords = tuple(int(p) for p in parts)
-                if all(c < g for c, g in zip(coords, grid, strict=True)):
-                    out.append(coords)
-    return sorted(out)
-
-
 # -- groups and the root ----------------------------------------------------------------
 
 
@@ -537,6 +516,60 @@ def parse_version(value: Any, *, where: str) -> tuple[int, int]:
             path=where,
         )
     return major, minor
+
+
+# -- the root's attributes.ucp ---------------------------------------------------------
+
+
+def utc_now() -> str:
+    """The current time as an RFC 3339 UTC date-time to the second (``...T12:00:00Z``)."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def default_producer() -> dict[str, Any]:
+    """The ``producer`` of the checkpoints this library writes."""
+    return {"name": "ucpformat", "version": __version__, "python": platform.python_version()}
+
+
+def build_root_ucp(
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    values: Mapping[str, Any] | None = None,
+    producer: Mapping[str, Any] | None = None,
+    created: str | None = None,
+    saved_by: Mapping[str, Any] | None = None,
+    extensions: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The root group's ``attributes.ucp`` of a new checkpoint, but for ``version`` and
+    ``manifest``, which the commit adds (:func:`ucpformat.writer.commit`).
+
+    Members, in this order: ``producer`` (default: :func:`default_producer`), ``created``
+    (an RFC 3339 date-time; default: now), ``saved_by`` (how the checkpoint was saved:
+    world size, ...), the members of ``extensions`` (further members of
+    ``attributes.ucp`` a writer defines, JSON as it is to be stored), ``metadata``
+    (free-form) and ``values`` (the root's JSON values). ``producer``, ``saved_by``,
+    ``metadata`` and ``values`` are Python values, encoded here
+    (:func:`ucpformat.jsonvalues.encode`); an empty ``values`` is left out.
+    """
+    if created is not None and (not isinstance(created, str) or not DATE_TIME.match(created)):
+        raise InvalidValueError(
+            f"created must be an RFC 3339 date-time such as 2026-01-01T00:00:00Z, got {created!r}",
+            rule="UCP-1.0-R002",
+        )
+    ucp: dict[str, Any] = {
+        "producer": default_producer()
+        if producer is None
+        else jsonvalues.encode(dict(producer), where="producer"),
+        "created": utc_now() if created is None else created,
+    }
+    if saved_by is not None:
+        ucp["saved_by"] = jsonvalues.encode(dict(saved_by), where="saved_by")
+    ucp.update(extensions or {})
+    if metadata is not None:
+        ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
+    if values:
+        ucp["values"] = jsonvalues.encode(dict(values), where="values")
+    return ucp
 
 
 def dumps(doc: Any, *, compact: bool = False) -> bytes:
@@ -632,7 +665,3 @@ def check_depth(doc: Any, *, what: str) -> None:
             path=what,
         )
 
-
-def native_scalar(value: Any) -> Any:
-    """A numpy scalar as a plain Python value (for JSON)."""
-    return value.item() if isinstance(value, np.generic) else value

@@ -8,7 +8,6 @@ checks every CRC32C and every SHA-256 of the manifest.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ucpformat import names, schemas
+from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
 from ucpformat.errors import UCPError
 from ucpformat.metadata import (
     FORMAT_MAJOR,
@@ -31,7 +31,6 @@ from ucpformat.metadata import (
     parse_array,
     parse_group,
     parse_version,
-    stored_object_coords,
 )
 from ucpformat.progress import byte_progress
 from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor
@@ -169,9 +168,9 @@ def _validate(
     must = ucp.get("must_understand", [])
     features = {m for m in must if isinstance(m, str)} if isinstance(must, list) else set()
     unknown = sorted(features - UNDERSTOOD_FEATURES)
-    if unknown:
+    if unknown:  # (a must_understand that is not a list of strings: the schema reports it)
         report.add("UCP-1.0-R061", "/",
-                   f"needs features this reader does not implement: {unknown}")
+                   f"must_understand lists features this reader does not implement: {unknown}")
     if store.exists(IN_PROGRESS_KEY):
         report.add(
             "UCP-1.0-R056", "/",
@@ -185,7 +184,7 @@ def _validate(
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
-    _check_conformance_extras(ucp, arrays, groups, report)
+    _check_model_group(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
@@ -437,8 +436,6 @@ def expected_objects(meta: ArrayMeta) -> list[str]:
     """
     if math.prod(meta.shape) == 0:
         return []
-    from ucpformat.writer import object_coords
-
     return [meta.object_key(c) for c in object_coords(meta)]
 
 
@@ -532,8 +529,6 @@ def _deep(
         return len(data), None
 
     tasks: list[tuple[Tensor, list[int], list[int]]] = []
-    from ucpformat.writer import object_coords
-
     # Never enumerate more objects than the manifest lists (a hostile shape can describe
     # 2**60): a non-sparse array that needs more is already reported (R030).
     bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
@@ -569,48 +564,10 @@ def _deep(
         advance(total)
 
 
-def _listed_coords(meta: ArrayMeta, keys: Iterable[str]) -> list[tuple[int, ...]]:
-    """Grid coordinates of the stored objects of ``meta`` among ``keys``."""
-    out = []
-    prefix = f"{meta.path}/c"
-    for key in keys:
-        coords = _coords_of_key(meta, key, prefix)
-        if coords is not None:
-            out.append(coords)
-    return sorted(out)
-
-
-def _coords_of_key(meta: ArrayMeta, key: str, prefix: str) -> tuple[int, ...] | None:
-    """The grid coordinates named by a storage key, if it is a stored object of ``meta``."""
-    if key == prefix:
-        return () if not meta.shape else None
-    if not key.startswith(prefix + "/"):
-        return None
-    parts = key[len(prefix) + 1 :].split("/")
-    if len(parts) != len(meta.shape) or not all(p.isdigit() and (p == "0" or p[0] != "0")
-                                                 for p in parts):
-        return None
-    coords = tuple(int(p) for p in parts)
-    if any(c >= g for c, g in zip(coords, meta.object_grid, strict=True)):
-        return None
-    return coords
-
-
-def _check_conformance_extras(
-    ucp: Mapping[str, Any],
-    arrays: Mapping[str, ArrayMeta],
-    groups: Mapping[str, GroupMeta],
-    report: Report,
+def _check_model_group(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """R061 (features a 1.0 reader lacks) and R080 (model/ holds its tensors directly)."""
-    from ucpformat.reader import UNDERSTOOD_FEATURES
-
-    must = ucp.get("must_understand", [])
-    if isinstance(must, list):
-        unknown = sorted({m for m in must if isinstance(m, str)} - UNDERSTOOD_FEATURES)
-        if unknown:
-            report.add("UCP-1.0-R061", "/",
-                       f"must_understand lists features this reader does not implement: {unknown}")
+    """R080: model/ holds its tensors directly."""
     for path in [*arrays, *groups]:
         parts = path.split("/")
         if parts[0] == "model" and len(parts) > 2:
@@ -644,7 +601,7 @@ def _check_foreign_files(
         owner = _owner_of(key, nodes)
         if owner is not None:
             meta = arrays.get(owner)
-            if meta is None or _coords_of_key(meta, key, f"{owner}/c") is not None:
+            if meta is None or coords_of_key(meta, key) is not None:
                 continue  # a stored object (or an array reported already)
         report.add(
             "UCP-1.0-R072", key,
@@ -660,10 +617,6 @@ def _owner_of(key: str, nodes: set[str]) -> str | None:
         if parts[i] == "c" and "/".join(parts[:i]) in nodes:
             return "/".join(parts[:i])
     return None
-
-
-def main_json(report: Report) -> str:
-    return json.dumps(report.to_json(), indent=2, ensure_ascii=False)
 
 
 __all__ = ["FORMAT_MAJOR", "Issue", "Report", "validate"]

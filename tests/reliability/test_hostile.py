@@ -24,8 +24,11 @@ from hypothesis import strategies as st
 
 import ucpformat
 from ucpformat import jsonvalues, metadata, names, schemas
-from ucpformat.codecs import ChunkCodec, Compression, crc_bytes, encode_index
 from ucpformat.dtypes import BY_NAME
+from ucpformat.engine.checksum import crc_bytes
+from ucpformat.engine.codecs import ChunkCodec
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.sharding import encode_index
 from ucpformat.errors import (
     CorruptDataError,
     FormatError,

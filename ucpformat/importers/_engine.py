@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking, names
+from ucpformat import names
 from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map
 from ucpformat.dtypes import DataType
+from ucpformat.engine import chunking
 from ucpformat.errors import InvalidValueError, LayoutError, UCPError, WriteError
 from ucpformat.layout.rules import RuleSet
 from ucpformat.progress import byte_progress
@@ -231,9 +232,3 @@ def write_scan(
         seconds=time.perf_counter() - start,
         notes=tuple(scan.notes),
     )
-
-
-def iter_chunks(total: int, step: int) -> Iterable[tuple[int, int]]:
-    """[start, stop) ranges of at most ``step`` covering [0, total)."""
-    for a in range(0, total, max(1, step)):
-        yield a, min(total, a + step)

@@ -45,7 +45,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import ucpformat
-from ucpformat.codecs import crc_bytes
+from ucpformat.engine.checksum import crc_bytes
 from ucpformat.errors import UCPError
 from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 from ucpformat.reader import open_checkpoint
