@@ -81,11 +81,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ucpformat import jsonvalues
 from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import LayoutError, UCPError, WriteError
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
-from ucpformat.metadata import ArrayMeta
+from ucpformat.metadata import ArrayMeta, build_root_ucp
 from ucpformat.progress import ProgressCallback, byte_progress
 from ucpformat.saveplan import (
     ObjectPlan,
@@ -98,14 +98,10 @@ from ucpformat.saveplan import (
 )
 from ucpformat.storage import Store, open_store
 from ucpformat.writer import (
-    StoredObject,
-    _now,
     clear_destination,
-    default_producer,
     default_workers,
     mark_destination,
     unmark_destination,
-    write_object,
 )
 from ucpformat.writer import commit as commit_root
 
@@ -561,14 +557,12 @@ def save(
     # 1. describe
     error: BaseException | None = None
     description: dict[str, Any] = {}
-    root: dict[str, Any] = {}
+    root_ucp: dict[str, Any] = {}
     try:
         description = describe(specs, source.boxes(), group_attributes)
         if coordinator:
-            if metadata is not None:
-                root["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-            if root_values:
-                root["values"] = jsonvalues.encode(dict(root_values), where="values")
+            root_ucp = build_root_ucp(metadata=metadata, values=root_values,
+                                      saved_by={"world_size": comm.world_size})
     except BaseException as exc:  # reported collectively below
         error = exc
     gathered = comm.allgather({"description": description, "error": error_report(error)})
@@ -603,8 +597,6 @@ def save(
     )
     raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", error)
     # 7. commit
-    root_ucp = {"producer": default_producer(), "created": _now(),
-                "saved_by": {"world_size": comm.world_size}, **root}
     every = (StoredObject(k, n, h) for r in results for k, n, h in r["objects"])  # lazy
     commit(comm, store, plan, every, coordinator=coordinator, root_ucp=root_ucp,
            hash_algorithm=hash_algorithm)

@@ -30,12 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking, dtypes, jsonvalues, names
-from ucpformat.codecs import Compression
+from ucpformat import dtypes, jsonvalues, names
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
 from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
-from ucpformat.writer import object_coords, zero_bits
+from ucpformat.writer import zero_bits
 
 #: Aligned shards smaller than this on average make the planner use a coarse grid and
 #: exchange boundary cells instead (too many tiny files otherwise). Measured

@@ -25,9 +25,9 @@ from typing import Any
 
 from ucpformat import schemas
 from ucpformat.errors import LayoutError
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
 from ucpformat.layout.semantics import PART_MAJOR, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords
-from ucpformat.metadata import MAX_DOCUMENT_DEPTH, json_depth
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "rules"
 CAPTURES = ("layer", "expert")
@@ -358,7 +358,3 @@ class RuleSet:
     ) -> str:
         """The framework-local name of a consolidated name on rank ``coords``."""
         return self._renumber(global_name, params, cfg, coords, -1)
-
-
-def builtin_rule_sets() -> list[str]:
-    return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
