@@ -461,6 +461,7 @@ def make_plan(
             fill_value=zero_bits(dt),
             attributes=dict(spec.attributes),
         )
+        holders = _Holders(held)
         objects = []
         for coords in object_coords(meta):
             region = tuple(
@@ -468,23 +469,20 @@ def make_plan(
                 for c, e, n in zip(coords, meta.object_shape, meta.shape, strict=True)
             )
             nbytes = box_size(region) * dt.itemsize
-            candidates = sorted({r for r, b in held if contains(b, region)})
+            candidates = holders.containing(region)
             if candidates:
                 owner = min(candidates, key=lambda r: (load[r], (r - counter) % world_size))
                 obj = ObjectPlan(path, coords, region, owner)
             else:
-                overlap = [0] * world_size
-                for r, b in held:
-                    inter = intersect(b, region)
-                    if inter is not None:
-                        overlap[r] += box_size(inter)
-                owner = max(range(world_size), key=lambda r: (overlap[r], -load[r], -r))
-                mine = [b for r, b in held if r == owner]
+                # the rank holding most of the region writes it (ties: least loaded, then
+                # lowest); only ranks holding some of it can
+                overlap = holders.overlap(region)
+                owner = max(overlap, key=lambda r: (overlap[r], -load[r], -r))
                 remote = []
                 for cell in _cells(region, cuts):
-                    if any(contains(b, cell) for b in mine):
+                    if holders.holds(owner, cell):
                         continue
-                    sender = min(r for r, b in held if contains(b, cell))
+                    sender = min(holders.containing(cell))
                     remote.append((sender, cell))
                     moves.append((owner, sender, path, cell))
                 obj = ObjectPlan(path, coords, region, owner, tuple(remote))
@@ -506,6 +504,68 @@ def make_plan(
             for i in range(1, len(parts)):
                 groups.setdefault("/".join(parts[:i]), GroupMeta("/".join(parts[:i]), {}))
     return Plan(tensors, groups, world_size, owned, moves)
+
+
+class _Holders:
+    """The fragments of one tensor, indexed so that finding the ranks that hold a region
+    costs the fragments near it, not every rank's: replicas (the same box on several
+    ranks) are one entry, and entries are bucketed by the intervals between the
+    fragments' boundaries along dimension 0 that they span."""
+
+    def __init__(self, held: Sequence[tuple[int, Box]]) -> None:
+        by_box: dict[Box, list[int]] = {}
+        self._by_rank: dict[int, list[Box]] = {}
+        for rank, box in held:
+            by_box.setdefault(box, []).append(rank)
+            self._by_rank.setdefault(rank, []).append(box)
+        entries = list(by_box.items())
+        self._starts = sorted({x for box, _ in entries if box for x in box[0]})
+        self._buckets: list[list[tuple[Box, list[int]]]] = [
+            [] for _ in range(max(1, len(self._starts) - 1))]
+        for box, ranks in entries:
+            for i in self._span(box):
+                self._buckets[i].append((box, ranks))
+
+    def _span(self, box: Box) -> range:
+        """The buckets (dimension-0 intervals) that ``box`` overlaps."""
+        if not box or len(self._starts) < 2:
+            return range(len(self._buckets))
+        (a, b) = box[0]
+        lo = max(0, bisect.bisect_right(self._starts, a) - 1)
+        hi = bisect.bisect_left(self._starts, b)
+        return range(lo, min(hi, len(self._buckets)))
+
+    def _near(self, region: Box) -> list[tuple[Box, list[int]]]:
+        span = self._span(region)
+        if len(span) == 1:
+            return self._buckets[span[0]]
+        seen: dict[Box, list[int]] = {}
+        for i in span:
+            for box, ranks in self._buckets[i]:
+                seen.setdefault(box, ranks)
+        return list(seen.items())
+
+    def containing(self, region: Box) -> list[int]:
+        """The ranks holding ``region`` whole, ascending."""
+        found: set[int] = set()
+        for box, ranks in self._near(region):
+            if contains(box, region):
+                found.update(ranks)
+        return sorted(found)
+
+    def overlap(self, region: Box) -> dict[int, int]:
+        """Elements of ``region`` held by each rank that holds any of it."""
+        out: dict[int, int] = {}
+        for box, ranks in self._near(region):
+            inter = intersect(box, region)
+            if inter is not None:
+                n = box_size(inter)
+                for r in ranks:
+                    out[r] = out.get(r, 0) + n
+        return out
+
+    def holds(self, rank: int, cell: Box) -> bool:
+        return any(contains(b, cell) for b in self._by_rank.get(rank, ()))
 
 
 def _cells(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
