@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import math
+import struct
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +37,7 @@ from ucpformat import dtypes, jsonvalues, names
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords
-from ucpformat.errors import LayoutError
+from ucpformat.errors import LayoutError, WriteError
 from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
 from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
 from ucpformat.writer import zero_bits
@@ -235,6 +238,42 @@ def describe(
     }
 
 
+#: The length prefix of a description's specs in :func:`encode_description`.
+_SPECS_LENGTH = struct.Struct("<Q")
+
+
+def encode_description(description: Mapping[str, Any]) -> bytes:
+    """A :func:`describe` document as bytes for the coordinator: the specs apart from the
+    rest, so that :func:`decode_descriptions` parses each distinct list of specs once
+    (data-parallel replicas know the same tensors), compressed (JSON repeats its keys)."""
+    specs = json.dumps(description["specs"], separators=(",", ":")).encode()
+    rest = json.dumps({k: v for k, v in description.items() if k != "specs"},
+                      separators=(",", ":")).encode()
+    return zlib.compress(_SPECS_LENGTH.pack(len(specs)) + specs + rest, 1)
+
+
+def decode_descriptions(blobs: Sequence[bytes]) -> list[dict[str, Any]]:
+    """The descriptions of :func:`encode_description` blobs, by rank. Ranks that sent the
+    same specs share one parsed list (:func:`plan_from_descriptions` checks it once).
+    Raises :class:`~ucpformat.errors.WriteError` on a blob that is not one."""
+    parsed: dict[bytes, Any] = {}
+    out = []
+    for rank, blob in enumerate(blobs):
+        try:
+            raw = zlib.decompress(blob)
+            (n,) = _SPECS_LENGTH.unpack_from(raw)
+            specs_raw = raw[_SPECS_LENGTH.size:_SPECS_LENGTH.size + n]
+            specs = parsed.get(specs_raw)
+            if specs is None:
+                specs = parsed[specs_raw] = json.loads(specs_raw)
+            doc = json.loads(raw[_SPECS_LENGTH.size + n:])
+        except (zlib.error, struct.error, ValueError) as exc:
+            raise WriteError(f"rank {rank} sent a description that cannot be read: {exc}") from exc
+        doc["specs"] = specs
+        out.append(doc)
+    return out
+
+
 def plan_from_descriptions(
     descriptions: Sequence[Mapping[str, Any]], options: PlanOptions
 ) -> Plan:
@@ -245,8 +284,10 @@ def plan_from_descriptions(
     """
     specs_by_path: dict[str, TensorSpec] = {}
     boxes: dict[str, list[tuple[int, Box]]] = {}
+    checked: set[int] = set()  # spec lists already checked (shared by several ranks)
     for r, desc in enumerate(descriptions):
-        for sdoc in desc["specs"]:
+        listed = desc["specs"]
+        for sdoc in () if id(listed) in checked else listed:
             spec = TensorSpec.from_json(sdoc)
             known = specs_by_path.setdefault(spec.path, spec)
             if known != spec:
@@ -256,6 +297,7 @@ def plan_from_descriptions(
                     rule="UCP-1.0-R131",
                     tensor=spec.path,
                 )
+        checked.add(id(listed))
         for p, box in desc["boxes"]:
             boxes.setdefault(p, []).append((r, tuple((int(a), int(b)) for a, b in box)))
     unknown = sorted(set(boxes) - set(specs_by_path))
@@ -432,7 +474,9 @@ def make_plan(
     min_shard_bytes: int,
     group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Plan:
-    """The same plan on every rank, from the gathered specs and fragment boxes."""
+    """The plan from the gathered specs and fragment boxes (a pure function: the same
+    wherever it is computed). Linear in the objects and fragments: the ranks holding a
+    region are looked up among the fragments near it."""
     load = [0] * world_size
     counter = 0
     tensors: dict[str, TensorPlan] = {}
@@ -590,7 +634,9 @@ __all__ = [
     "TensorSpec",
     "check_coverage",
     "choose_grid",
+    "decode_descriptions",
     "describe",
+    "encode_description",
     "make_plan",
     "merge_group_attributes",
     "plan_from_descriptions",
