@@ -25,8 +25,10 @@ and this module runs the code a distributed save and a resharded load run on it:
   ``FileSystemWriter``-style storage index, and ``create_read_items_for_chunk_list``
   (what ``DefaultLoadPlanner.create_local_plan`` runs per tensor) for one target rank.
 
-Times are wall-clock seconds on this machine (one process); memory is the tracemalloc
-peak of the step. Bytes per rank count what the collectives carry besides tensor data:
+Times are wall-clock seconds on this machine (one process). One rank's memory is the
+tracemalloc peak of its step (a second run: tracing slows it); the coordinator's, the
+"before" rank's and DCP's are the growth of the process's peak RSS over the step (a lower
+bound: the simulation's own data came first). Bytes per rank count what the collectives carry besides tensor data:
 description, share, written-object lists, agreements (the all-to-all size headers
 included: 8 bytes per peer).
 """
@@ -38,6 +40,7 @@ import gc
 import json
 import math
 import pickle
+import resource
 import tempfile
 import time
 import tracemalloc
@@ -79,17 +82,32 @@ BEFORE_MAX_RANKS = 1 << 14
 
 
 def measured(fn: Callable[[], T]) -> tuple[T, float, int]:
-    """(result, seconds, tracemalloc peak bytes) of ``fn()``."""
+    """(result, seconds, tracemalloc peak bytes) of ``fn()``: timed in a first run, its
+    memory traced in a second (tracing slows allocation-heavy code several times)."""
+    gc.collect()
+    t = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - t
     gc.collect()
     tracemalloc.start()
-    t = time.perf_counter()
     try:
         out = fn()
-    finally:
-        elapsed = time.perf_counter() - t
         _, peak = tracemalloc.get_traced_memory()
+    finally:
         tracemalloc.stop()
     return out, elapsed, peak
+
+
+def rss_growth(fn: Callable[[], T]) -> tuple[T, float, int]:
+    """(result, seconds, growth of the process's peak RSS) of ``fn()``, run once: for the
+    steps too slow to run twice (a lower bound on their peak memory)."""
+    gc.collect()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    out = fn()
+    elapsed = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return out, elapsed, (after - before) * 1024
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -127,7 +145,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
     # the coordinator
     store = LocalStore(str(scratch / "ckpt"), durable=False)
     store.delete_all()
-    (plan, shares, _, error), coord_plan_s, coord_plan_peak = measured(
+    (plan, shares, _, error), coord_plan_s, coord_plan_peak = rss_growth(
         lambda: plan_shares(blobs, PlanOptions(), store, overwrite=True))
     if error is not None or plan is None:
         raise RuntimeError(f"the simulated plan failed: {error}")
@@ -138,7 +156,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
     written = objects_of(plan)
     per_rank_written = max(len(json.dumps([[o.key, o.nbytes, None] for o in tasks_objects]))
                            for tasks_objects in _objects_by_owner(plan, written))
-    root, commit_s, commit_peak = measured(lambda: commit(
+    root, commit_s, commit_peak = rss_growth(lambda: commit(
         store, arrays=[tp.meta for tp in plan.tensors.values()],
         groups=list(plan.groups.values()), objects=written,
         root_ucp={"producer": {"name": "bench_scale"}}, hash_algorithm=None))
@@ -170,7 +188,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
     if before and world <= BEFORE_MAX_RANKS:
         descs = decode_descriptions(blobs)
         raw = [len(json.dumps({**d, "specs": d["specs"]}, separators=(",", ":"))) for d in descs]
-        (_, before_s, before_peak) = measured(
+        (_, before_s, before_peak) = rss_growth(
             lambda: plan_from_descriptions(descs, PlanOptions()).tasks(probe.rank))
         written_all = len(json.dumps([[o.key, o.nbytes, None] for o in written]))
         row.update({
@@ -229,9 +247,9 @@ def read_plan(ckpt: Checkpoint, model: L.Transformer, cfg: ParallelConfig,
             held.append((p.name, m))
     reads: list[tuple[str, LocalMap]] = [(L.model_path(n), m) for n, m in held]
     part = flat_partition(held, cfg.dp, c.dp)
-    for piece in part.pieces:
-        flat = LocalMap((piece.size,), (Piece(((0, piece.size),), piece.glob),))
-        reads += [(L.state_path(piece.tensor, s), flat) for s in L.ZERO_STATES]
+    for fp in part.pieces:
+        flat = LocalMap((fp.size,), (Piece(((0, fp.size),), fp.glob),))
+        reads += [(L.state_path(fp.tensor, s), flat) for s in L.ZERO_STATES]
     chunks = nbytes = needed = 0
     shards: set[tuple[str, tuple[int, ...]]] = set()
     for path, m in reads:
@@ -294,7 +312,8 @@ def dcp_figures(sc: L.Scenario, load_cfg: ParallelConfig | None,
         plans.append(SavePlan(items, planner_data={}))
     build_s = time.perf_counter() - t0
     planner = DefaultSavePlanner()
-    (final, metadata), global_s, global_peak = measured(lambda: planner.create_global_plan(plans))
+    (final, metadata), global_s, global_peak = rss_growth(
+        lambda: planner.create_global_plan(plans))
     plans.clear()
     # FileSystemWriter's finish: every write item's file, offset and length in .metadata
     storage: dict[Any, Any] = {}
@@ -337,7 +356,7 @@ def dcp_figures(sc: L.Scenario, load_cfg: ParallelConfig | None,
                         spath, md.state_dict_metadata[spath], chunks))
             return count
 
-        (reads, load_s, load_peak) = measured(plan_rank)
+        (reads, load_s, load_peak) = rss_growth(plan_rank)
         row.update({"dcp_rank_load_s": load_s, "dcp_rank_load_peak": load_peak,
                     "dcp_rank_read_items": reads})
     return row
@@ -356,11 +375,12 @@ def _s(x: float) -> str:
 
 def run(quick: bool = False, *, dps: Sequence[int] | None = None,
         moe: bool = True, fsdp: bool = True, dcp: bool = True,
+        model: L.Transformer | None = None,
         directory: str | Path | None = None) -> list[Table]:
     """The tables; ``quick``: 128 ranks of a 16-layer Llama-405B-shaped model (one layer
     per stage) and small MoE and FSDP2 runs, instead of 1,024 to 16,384 ranks."""
     dps = tuple(dps or (QUICK_DP if quick else FULL_DP))
-    llama = QUICK_LLAMA if quick else L.LLAMA_405B
+    llama = model or (QUICK_LLAMA if quick else L.LLAMA_405B)
     rows: list[dict[str, Any]] = []
     loads: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -451,4 +471,71 @@ def tables(rows: list[dict[str, Any]], loads: list[dict[str, Any]]) -> list[Tabl
     return out
 
 
-__all__ = ["dcp_figures", "load_figures", "read_plan", "run", "save_figures", "tables"]
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Log-log: each cost of the save against the number of ranks, by model, with DCP's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["save"]
+    panels = [
+        ("seconds", [("rank_save_s", "one rank's plan"), ("coord_plan_s", "coordinator plan"),
+                     ("commit_s", "commit (metadata)"), ("open_s", "open"),
+                     ("before_rank_s", "one rank, before"), ("dcp_global_s", "DCP global plan")]),
+        ("bytes", [("rank_received", "rank receives"), ("before_rank_received",
+                                                          "rank receives, before"),
+                   ("root_bytes", "root zarr.json"), ("manifest_bytes", "manifest"),
+                   ("dcp_metadata_bytes", "DCP .metadata")]),
+        ("tracemalloc peak bytes", [("rank_save_peak", "one rank"),
+                                    ("coord_plan_peak", "coordinator"),
+                                    ("before_rank_peak", "one rank, before")]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False)
+    kinds = sorted({r["scenario"].rsplit(" ", 1)[0] for r in rows})
+    styles = ["-", "--", ":"]
+    for ax, (unit, series) in zip(axes[0], panels, strict=True):
+        for ki, kind in enumerate(kinds):
+            sel = sorted((r for r in rows if r["scenario"].rsplit(" ", 1)[0] == kind),
+                         key=lambda r: r["ranks"])
+            if len(sel) < 2:
+                continue
+            for si, (key, label) in enumerate(series):
+                pts = [(r["ranks"], r[key]) for r in sel if r.get(key)]
+                if len(pts) >= 2:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], styles[ki % 3],
+                            marker="o", color=f"C{si}", label=f"{label} ({kind})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(unit)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    """``python -m benchmarks.bench_scale [--quick] [--json F] [--plot PNG]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    tables_out = run(quick=args.quick)
+    for table in tables_out:
+        print(table.to_markdown())
+    if args.json:
+        args.json.write_text(json.dumps(tables_out[0].data, indent=1))
+    if args.plot:
+        plot(tables_out[0].data, args.plot)
+
+
+__all__ = ["dcp_figures", "load_figures", "plot", "read_plan", "run", "save_figures", "tables"]
+
+if __name__ == "__main__":
+    main()
