@@ -28,9 +28,9 @@ and this module runs the code a distributed save and a resharded load run on it:
 Times are wall-clock seconds on this machine (one process). One rank's memory is the
 tracemalloc peak of its step (a second run: tracing slows it); the coordinator's, the
 "before" rank's and DCP's are the growth of the process's peak RSS over the step (a lower
-bound: the simulation's own data came first). Bytes per rank count what the collectives carry besides tensor data:
-description, share, written-object lists, agreements (the all-to-all size headers
-included: 8 bytes per peer).
+bound: the simulation's own data came first). Bytes per rank count what the collectives
+carry besides tensor data: description, share, written-object lists, agreements (the
+all-to-all size headers included: 8 bytes per peer).
 """
 
 from __future__ import annotations
