@@ -363,8 +363,10 @@ def _boundaries(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:
 
 def check_coverage(path: str, shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]]:
     """Refuse unless the boxes cover every element; returns the refinement cuts."""
+    boxes = list(dict.fromkeys(boxes))  # replicas: each distinct box once
+    whole = full_box(shape)
     for box in boxes:
-        if len(box) != len(shape) or not contains(full_box(shape), box):
+        if len(box) != len(shape) or not contains(whole, box):
             raise LayoutError(
                 f"fragment {list(box)} lies outside shape {list(shape)}",
                 rule="UCP-1.0-R131",
@@ -562,13 +564,14 @@ class _Holders:
         for rank, box in held:
             by_box.setdefault(box, []).append(rank)
             self._by_rank.setdefault(rank, []).append(box)
-        entries = list(by_box.items())
-        self._starts = sorted({x for box, _ in entries if box for x in box[0]})
-        self._buckets: list[list[tuple[Box, list[int]]]] = [
+        # (box, ranks holding it ascending, ranks as listed: a rank may list a box twice)
+        entries = [(box, sorted(set(ranks)), ranks) for box, ranks in by_box.items()]
+        self._starts = sorted({x for box, _, _ in entries if box for x in box[0]})
+        self._buckets: list[list[tuple[Box, list[int], list[int]]]] = [
             [] for _ in range(max(1, len(self._starts) - 1))]
-        for box, ranks in entries:
-            for i in self._span(box):
-                self._buckets[i].append((box, ranks))
+        for entry in entries:
+            for i in self._span(entry[0]):
+                self._buckets[i].append(entry)
 
     def _span(self, box: Box) -> range:
         """The buckets (dimension-0 intervals) that ``box`` overlaps."""
@@ -579,28 +582,27 @@ class _Holders:
         hi = bisect.bisect_left(self._starts, b)
         return range(lo, min(hi, len(self._buckets)))
 
-    def _near(self, region: Box) -> list[tuple[Box, list[int]]]:
+    def _near(self, region: Box) -> list[tuple[Box, list[int], list[int]]]:
         span = self._span(region)
         if len(span) == 1:
             return self._buckets[span[0]]
-        seen: dict[Box, list[int]] = {}
+        seen: dict[Box, tuple[Box, list[int], list[int]]] = {}
         for i in span:
-            for box, ranks in self._buckets[i]:
-                seen.setdefault(box, ranks)
-        return list(seen.items())
+            for entry in self._buckets[i]:
+                seen.setdefault(entry[0], entry)
+        return list(seen.values())
 
     def containing(self, region: Box) -> list[int]:
-        """The ranks holding ``region`` whole, ascending."""
-        found: set[int] = set()
-        for box, ranks in self._near(region):
-            if contains(box, region):
-                found.update(ranks)
-        return sorted(found)
+        """The ranks holding ``region`` whole, ascending (do not modify the list)."""
+        matches = [ranks for box, ranks, _ in self._near(region) if contains(box, region)]
+        if len(matches) == 1:
+            return matches[0]
+        return sorted({r for ranks in matches for r in ranks})
 
     def overlap(self, region: Box) -> dict[int, int]:
         """Elements of ``region`` held by each rank that holds any of it."""
         out: dict[int, int] = {}
-        for box, ranks in self._near(region):
+        for box, _, ranks in self._near(region):
             inter = intersect(box, region)
             if inter is not None:
                 n = box_size(inter)
