@@ -46,7 +46,7 @@ from ucpformat.metadata import (
     parse_version,
 )
 from ucpformat.schemas import DATE_TIME
-from ucpformat.storage import Store, open_store
+from ucpformat.storage import LocalStore, Store, open_store
 
 #: Root metadata larger than this is refused before parsing (hostile input).
 MAX_ROOT_METADATA_BYTES = 1 << 30
@@ -459,6 +459,7 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Open a committed checkpoint: one read of the root metadata, checked strictly."""
     store = open_store(path, durable=False)
+    refuse_file_location(store)
     size = store.size(ZARR_JSON)
     if size is None:
         if store.exists(IN_PROGRESS_KEY):
@@ -488,6 +489,18 @@ def open_checkpoint(
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
     root, arrays, groups = parse_root(doc, where=store.location)
     return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+
+
+def refuse_file_location(store: Store) -> None:
+    """Refuse a local location that is a file (``model.safetensors``, ``ckpt.pt``): a
+    checkpoint is a directory, and reading ``<file>/zarr.json`` would fail obscurely."""
+    if isinstance(store, LocalStore) and os.path.isfile(store.location):
+        raise CheckpointNotFoundError(
+            "is a file, not a UCP checkpoint (a checkpoint is a directory); to convert "
+            "another framework's file, run `ucp convert`",
+            rule="UCP-1.0-R051",
+            path=store.location,
+        )
 
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ucpformat import names, schemas
 from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
-from ucpformat.errors import UCPError
+from ucpformat.errors import UCPError, WriteError
 from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
@@ -33,7 +34,7 @@ from ucpformat.metadata import (
     parse_version,
 )
 from ucpformat.progress import byte_progress
-from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor
+from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor, refuse_file_location
 from ucpformat.storage import Store, open_store
 
 Level = Literal["error", "warning"]
@@ -124,6 +125,7 @@ def validate(
     store = open_store(path, durable=False)
     report = Report(store.location, deep=deep)
     try:
+        refuse_file_location(store)
         _validate(store, report, deep=deep, progress=progress, workers=workers,
                   max_read_bytes=max_read_bytes)
     except UCPError as exc:  # a problem that stops validation early
@@ -180,7 +182,8 @@ def _validate(
         )
     arrays, groups = _parse_nodes(doc, report)
     _check_tree(arrays, groups, report)
-    _check_node_files(store, doc, report)
+    node_files: dict[str, bytes] = {}
+    _check_node_files(store, doc, report, keep=node_files if deep else None)
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
@@ -197,7 +200,7 @@ def _validate(
         # read, so one run reports all the damage.
         root = parse_group("", doc, root=True)
         ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
-        _deep(ckpt, manifest, report, progress=progress, workers=workers)
+        _deep(ckpt, manifest, report, progress=progress, workers=workers, read=node_files)
 
 
 def _parse_nodes(
@@ -244,21 +247,28 @@ def _check_tree(
             report.add_error(exc, parent or "/")
 
 
-def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> None:
+def _check_node_files(
+    store: Store, doc: Mapping[str, Any], report: Report, *, keep: dict[str, bytes] | None = None
+) -> None:
+    """R055: each node's own zarr.json equals its consolidated metadata. ``keep``
+    receives the documents read (key -> bytes), so that a deep validation reads them once."""
     cm = doc.get("consolidated_metadata")
     meta = cm.get("metadata") if isinstance(cm, Mapping) else None
     if not isinstance(meta, Mapping):
         return
     for path, node in meta.items():
+        key = f"{path}/{ZARR_JSON}"
         try:
             names.check_path(path)
-            raw = store.get(f"{path}/{ZARR_JSON}")
+            raw = store.get(key)
         except UCPError as exc:
             report.add_error(exc, path)
             continue
         if raw is None:
             report.add("UCP-1.0-R055", path, "its own zarr.json is missing")
             continue
+        if keep is not None:
+            keep[key] = raw
         try:
             own = loads(raw, what=f"{path}/{ZARR_JSON}")
             check_depth(own, what=f"{path}/{ZARR_JSON}")
@@ -503,6 +513,68 @@ def _check_manifest(
     return dict(manifest)
 
 
+class _ReadOnceStore(Store):
+    """The checkpoint's store, read-only, that serves a held stored object from memory.
+
+    A deep validation reads each stored object once: :meth:`hold` reads it whole (and
+    checks its SHA-256 against the manifest), and the chunk checks that follow read their
+    ranges from that copy until :meth:`release`.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.location = store.location
+        self._held: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, key: str) -> bytes | None:
+        data = self.store.get(key)
+        if data is not None:
+            with self._lock:
+                self._held[key] = data
+        return data
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+
+    def _copy(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._held.get(key)
+
+    def get(self, key: str) -> bytes | None:
+        held = self._copy(key)
+        return held if held is not None else self.store.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        held = self._copy(key)
+        if held is None:
+            return self.store.get_range(key, offset, length)
+        return held[offset : offset + max(0, length)]
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        held = self._copy(key)
+        if held is None:
+            return self.store.get_suffix(key, length)
+        return held[max(0, len(held) - length) :]
+
+    def size(self, key: str) -> int | None:
+        held = self._copy(key)
+        return len(held) if held is not None else self.store.size(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.store.list(prefix)
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        raise WriteError("validation never writes", path=self.location)
+
+    def delete(self, key: str) -> None:
+        raise WriteError("validation never deletes", path=self.location)
+
+    def delete_all(self) -> None:
+        raise WriteError("validation never deletes", path=self.location)
+
+
 def _deep(
     ckpt: Checkpoint,
     manifest: Mapping[str, Any] | None,
@@ -510,25 +582,34 @@ def _deep(
     *,
     progress: bool | Callable[[int], None],
     workers: int,
+    read: Mapping[str, bytes],
 ) -> None:
-    """Read every stored object: SHA-256 against the manifest, CRC32C of every chunk."""
+    """Read every stored object once: its SHA-256 against the manifest, and the CRC32C of
+    every chunk (and shard index) in it; then every other file the manifest lists (those
+    in ``read``, already read by the shallow checks, are not read again)."""
     files: Mapping[str, Any] = (manifest or {}).get("files", {})
     total = sum(int(e.get("nbytes", 0)) for e in files.values())
+    store = _ReadOnceStore(ckpt.store)
+    ckpt = Checkpoint(store, ckpt.root, ckpt.arrays, ckpt.groups,
+                      max_read_bytes=ckpt.max_read_bytes)
 
-    def check_file(key: str) -> tuple[int, Issue | None]:
-        entry = files[key]
-        try:
-            data = ckpt.store.get(key)
-        except UCPError as exc:
-            return 0, Issue(exc.rule, key, exc.message)
-        if data is None:
-            return 0, Issue("UCP-1.0-R031", key, "missing")
-        digest = entry.get("sha256")
+    def digest_issue(key: str, data: bytes) -> Issue | None:
+        digest = files[key].get("sha256") if key in files else None
         if digest is not None and hashlib.sha256(data).hexdigest() != digest:
-            return len(data), Issue("UCP-1.0-R043", key, "its SHA-256 differs from the manifest's")
-        return len(data), None
+            return Issue("UCP-1.0-R043", key, "its SHA-256 differs from the manifest's")
+        return None
 
-    tasks: list[tuple[Tensor, list[int], list[int]]] = []
+    def check_file(key: str) -> tuple[int, list[Issue]]:
+        try:
+            data = read[key] if key in read else ckpt.store.get(key)
+        except UCPError as exc:
+            return 0, [Issue(exc.rule, key, exc.message)]
+        if data is None:
+            return 0, [Issue("UCP-1.0-R031", key, "missing")]
+        issue = digest_issue(key, data)
+        return len(data), [issue] if issue else []
+
+    tasks: list[tuple[Tensor, list[int], list[int], str]] = []
     # Never enumerate more objects than the manifest lists (a hostile shape can describe
     # 2**60): a non-sparse array that needs more is already reported (R030).
     bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
@@ -539,29 +620,40 @@ def _deep(
         for coords in coords_list:
             lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
-            tasks.append((tensor, lo, hi))
+            tasks.append((tensor, lo, hi, meta.object_key(coords)))
+    objects = {task[3] for task in tasks}
 
-    def check_object(task: tuple[Tensor, list[int], list[int]]) -> Issue | None:
-        tensor, lo, hi = task
+    def check_object(task: tuple[Tensor, list[int], list[int], str]) -> tuple[int, list[Issue]]:
+        tensor, lo, hi, key = task
+        issues: list[Issue] = []
+        nbytes = 0
         try:
+            data = store.hold(key)
+            if data is not None:  # a missing object: the read below names it (R031)
+                nbytes = len(data)
+                issue = digest_issue(key, data)
+                if issue:
+                    issues.append(issue)
             tensor.read_region(lo, hi)
         except UCPError as exc:
-            return Issue(exc.rule, exc.tensor or tensor.path, exc.message)
-        return None
+            issues.append(Issue(exc.rule, exc.tensor or tensor.path, exc.message))
+        finally:
+            store.release(key)
+        return nbytes, issues
 
     with (
-        byte_progress(progress, 2 * total, "verifying") as advance,
+        byte_progress(progress, total, "verifying") as advance,
         ThreadPoolExecutor(workers) as pool,
     ):
-        for nbytes, issue in pool.map(check_file, list(files)):
-            advance(nbytes)
-            if issue:
-                report.add(issue.rule, issue.path, issue.message)
-        for issue2 in pool.map(check_object, tasks):
+        for nbytes, issues in pool.map(check_object, tasks):
             report.checked_objects += 1
-            if issue2:
-                report.add(issue2.rule, issue2.path, issue2.message)
-        advance(total)
+            advance(nbytes)
+            for issue in issues:
+                report.add(issue.rule, issue.path, issue.message)
+        for nbytes, issues in pool.map(check_file, [k for k in files if k not in objects]):
+            advance(nbytes)
+            for issue in issues:
+                report.add(issue.rule, issue.path, issue.message)
 
 
 def _check_model_group(

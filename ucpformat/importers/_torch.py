@@ -24,6 +24,7 @@ import numpy as np
 
 from ucpformat.dtypes import DataType
 from ucpformat.errors import FormatError
+from ucpformat.optional import require
 
 if TYPE_CHECKING:
     import torch
@@ -32,13 +33,7 @@ _LOCK = threading.RLock()
 
 
 def torch_module() -> Any:
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is in the import extra
-        raise FormatError(
-            "this conversion needs torch (pip install 'ucpformat[import]')"
-        ) from exc
-    return torch
+    return require("torch", extra="import", purpose="this conversion")
 
 
 def data_type_of(dtype: torch.dtype, *, tensor: str | None = None) -> DataType:

@@ -27,8 +27,12 @@ With ``torch.distributed.checkpoint``, ``ucpformat.torch.dcp`` is a storage plug
 
 from typing import TYPE_CHECKING, Any
 
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
-from ucpformat.torch.state import (
+from ucpformat.optional import require
+
+require("torch", extra="torch", purpose="ucpformat.torch")  # a missing torch: name the extra
+
+from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype  # noqa: E402
+from ucpformat.torch.state import (  # noqa: E402
     LoadResult,
     load,
     load_state_dict,
