@@ -150,7 +150,7 @@ def optimizer_names(
                     raise InvalidValueError(
                         f"param_names='model-order' gives parameter {i} the name {name!r} of "
                         f"shape {list(model_shapes[name])}, but its state {sname!r} has shape "
-                        f"{list(value.shape)}: give param_names explicitly"
+                        f"{list(value.shape)}: give the names explicitly (param_names=[...])"
                     )
     else:
         names = [str(n) for n in param_names]

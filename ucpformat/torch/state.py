@@ -77,6 +77,10 @@ class LoadResult:
     missing_keys: list[str] = field(default_factory=list)
     #: Checkpoint model tensors the model lacks (only with ``strict=False``).
     unexpected_keys: list[str] = field(default_factory=list)
+    #: Checkpoint model tensors stored for the model's non-persistent buffers (such as a
+    #: Hugging Face model's ``embeddings.position_ids``): not loaded, as the module never
+    #: loads those, and not unexpected either.
+    ignored_keys: list[str] = field(default_factory=list)
     #: Optimizer parameters (FQNs) the checkpoint has no param group for.
     missing_optimizer_params: list[str] = field(default_factory=list)
     #: Parameters (FQNs) in the checkpoint's param groups that the optimizer lacks.
@@ -504,6 +508,7 @@ class _ModelPlan:
     fallback_values: dict[str, Any]
     missing: list[str]
     unexpected: list[str]
+    ignored: list[str] = field(default_factory=list)
 
 
 def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _ModelPlan:
@@ -518,13 +523,16 @@ def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _Mode
     values = _values(ckpt, "model")
     sd = model.state_dict()
     missing = [k for k in sd if k not in stored and k not in values]
-    unexpected = [k for k in [*stored, *values] if k not in sd]
+    # a stored non-persistent buffer is the module's own business (it never loads one)
+    non_persistent = {n for n, _ in model.named_buffers(remove_duplicate=False)} - set(sd)
+    ignored = [k for k in stored if k not in sd and k in non_persistent]
+    unexpected = [k for k in [*stored, *values] if k not in sd and k not in non_persistent]
     if strict:
         _refuse_model_mismatch(missing, unexpected, state_dict="model.state_dict()",
                                path=ckpt.location)
     live = _live_tensors(model)
     copied: set[tuple[str, int]] = set()  # a tied tensor is read and copied once
-    plan = _ModelPlan([], {}, {}, missing, unexpected)
+    plan = _ModelPlan([], {}, {}, missing, unexpected, ignored)
     for fqn, current in sd.items():
         if fqn in values:  # extra state stored as JSON: shaped like the module's own
             plan.fallback_values[fqn] = like(current, values[fqn])
@@ -606,8 +614,8 @@ def saved_param_groups(
 ) -> list[Mapping[str, Any]]:
     """The param groups of a checkpoint's optimizer, checked (its type too when ``strict``)."""
     saved: dict[str, Any] = ckpt.values("optimizer")
-    saved_type = saved.get("type")
-    if strict and saved_type != qualified_name(optimizer):
+    saved_type = saved.get("type")  # optional (R081): DCP and the importers do not know it
+    if strict and saved_type is not None and saved_type != qualified_name(optimizer):
         raise LoadError(
             f"the checkpoint holds the state of a {saved_type!r} optimizer, not of a "
             f"{qualified_name(optimizer)!r}; pass strict=False to load it anyway",
@@ -771,6 +779,7 @@ def load(
             metadata=ckpt.metadata,
             missing_keys=model_plan.missing if model_plan else [],
             unexpected_keys=model_plan.unexpected if model_plan else [],
+            ignored_keys=model_plan.ignored if model_plan else [],
             missing_optimizer_params=opt_plan.missing if opt_plan else [],
             unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
             bytes_read=ckpt.stats.bytes_read - start,
