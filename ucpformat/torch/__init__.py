@@ -6,6 +6,11 @@ Single process::
     ucpt.save("ckpt", model=model, optimizer=opt, scheduler=sched, step=step)
     result = ucpt.load("ckpt", model=model, optimizer=opt, scheduler=sched)
 
+A flat mapping of tensors, safetensors-style (:mod:`ucpformat.torch.flat`)::
+
+    ucpt.save_file({"w": w}, "ckpt"); ucpt.load_file("ckpt")
+    with ucpt.safe_open("ckpt", framework="pt") as f: f.get_slice("w")[:, :8]
+
 ``convert`` maps tensors to numpy arrays and back bit for bit; ``state`` defines the
 checkpoint layout of a training state.
 
@@ -32,6 +37,7 @@ from ucpformat.optional import require
 require("torch", extra="torch", purpose="ucpformat.torch")  # a missing torch: name the extra
 
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype  # noqa: E402
+from ucpformat.torch.flat import SafeOpen, load_file, safe_open, save_file  # noqa: E402
 from ucpformat.torch.state import (  # noqa: E402
     LoadResult,
     load,
@@ -73,17 +79,21 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncSaver",
     "LoadResult",
+    "SafeOpen",
     "data_type",
     "from_numpy",
     "load",
     "load_distributed",
+    "load_file",
     "load_state_dict",
     "optimizer_fqns",
     "parameter_names",
     "read_optimizer_state",
+    "safe_open",
     "save",
     "save_async",
     "save_distributed",
+    "save_file",
     "to_numpy",
     "torch_dtype",
     "wait_async",

@@ -239,26 +239,52 @@ def _describe(param: torch.Tensor) -> str:
     return f"a {param.dtype} tensor of shape {list(param.shape)}"
 
 
+def shared_aliases(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """alias -> first name, for the names of a mapping that hold the same tensor: the same
+    memory viewed the same way (a tied weight in ``model.state_dict()``, or one tensor
+    given twice). Such a tensor is stored once (UCP-1.0-R108); overlapping but different
+    views are separate tensors."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided \
+                or value.is_meta or value.numel() == 0:
+            continue
+        view = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(),
+                tuple(value.shape), value.stride(), value.dtype)
+        if view in first:
+            aliases[name] = first[view]
+        else:
+            first[view] = name
+    return aliases
+
+
 def optimizer_fqns(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | Mapping[str, Any] | None
 ) -> list[list[str]]:
     """The FQN of every parameter of every param group, in the optimizer's order.
 
-    Names come from ``model``; without a model, from the ``param_names`` torch keeps in
-    each group when the optimizer was built from ``named_parameters()``.
+    Names come from ``model`` (a module, or a mapping of names to the parameter objects,
+    such as ``dict(model.named_parameters())``); otherwise from the ``param_names`` torch
+    keeps in each group when the optimizer was built from ``named_parameters()``.
     """
-    by_id = parameter_names(unwrap(model)) if model is not None else {}
+    module = model if isinstance(model, torch.nn.Module) else None
+    if module is not None:
+        by_id = parameter_names(unwrap(module))
+    else:
+        mapping: Mapping[str, Any] = model if isinstance(model, Mapping) else {}
+        by_id = {id(t): k for k, t in reversed(list(mapping.items()))}
     out: list[list[str]] = []
     for gi, group in enumerate(optimizer.param_groups):
         group_names = group.get("param_names")
         fqns: list[str] = []
         for pi, param in enumerate(group["params"]):
             fqn = by_id.get(id(param))
-            if fqn is None and model is None and isinstance(group_names, list | tuple):
+            if fqn is None and module is None and isinstance(group_names, list | tuple):
                 fqn = str(group_names[pi])
             if fqn is None:
                 where = f"optimizer param_groups[{gi}].params[{pi}]"
-                if model is None:
+                if module is None:
                     raise InvalidValueError(
                         f"{where} ({_describe(param)}) has no name: pass model= to name "
                         "the optimizer's parameters",
@@ -294,7 +320,7 @@ def _tree_to_numpy(value: Any, *, where: str) -> Any:
 
 def state_of(
     *,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | Mapping[str, Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Stateful | None = None,
     step: int | None = None,
@@ -303,19 +329,32 @@ def state_of(
     """The mapping ``ucpformat.save`` writes, and the role of each array path."""
     state: dict[str, Any] = {}
     roles: dict[str, str] = {}
-    if model is not None:
+    if isinstance(model, torch.nn.Module):
         model = unwrap(model)
-        sd = model.state_dict()
-        params = {fqn for fqn, _ in model.named_parameters(remove_duplicate=False)}
+        sd: Mapping[str, Any] = model.state_dict()
+        params: set[str] | None = {
+            fqn for fqn, _ in model.named_parameters(remove_duplicate=False)}
         aliases = tied_aliases(model, list(sd))
+    elif isinstance(model, Mapping):  # a state dict: which tensors are parameters is unknown
+        sd, params, aliases = model, None, shared_aliases(model)
+    elif model is not None:
+        raise InvalidValueError(
+            f"model is a {type(model).__name__}: pass an nn.Module, or a mapping of names to "
+            "tensors (a state dict)", path="model",
+        )
+    if model is not None:
         group = Group(ucp={"aliases": aliases} if aliases else None)
         for fqn, value in sd.items():
             where = f"model/{fqn}"
+            if not isinstance(fqn, str):
+                raise InvalidValueError(f"tensor names are strings, got {fqn!r}", path="model")
             if fqn in aliases:  # tied: stored once, under its first name
                 continue
             if isinstance(value, torch.Tensor):
                 group[fqn] = to_numpy(value, name=where)
-                roles[names.path_of("model", fqn)] = "parameter" if fqn in params else "buffer"
+                if params is not None:
+                    roles[names.path_of("model", fqn)] = \
+                        "parameter" if fqn in params else "buffer"
             else:
                 group[fqn] = to_json(value, where=where)
         state["model"] = group
@@ -337,7 +376,7 @@ def state_of(
 
 
 def _optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | Mapping[str, Any] | None
 ) -> dict[str, Any]:
     osd = optimizer.state_dict()
     fqns = optimizer_fqns(optimizer, model)
@@ -397,7 +436,7 @@ def _holds_tensor(value: Any) -> bool:
 def save(
     path: str | os.PathLike[str] | Store,
     *,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | Mapping[str, Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Stateful | None = None,
     step: int | None = None,
@@ -407,9 +446,11 @@ def save(
 ) -> SaveResult:
     """Save a model, optimizer, LR scheduler, step and extra training state.
 
-    ``extra`` entries go into ``training/`` (tensors as arrays, e.g. an RNG state; other
-    values as JSON). ``save_kwargs`` go to ``ucpformat.save`` (``overwrite``,
-    ``compression``, ...). Tensors on other devices are copied to the CPU one by one.
+    ``model`` is an ``nn.Module`` (its ``state_dict()``, parameters and buffers told
+    apart by role) or a mapping of names to tensors, a state dict (stored as it is, with
+    no role). ``extra`` entries go into ``training/`` (tensors as arrays; other values as
+    JSON). ``save_kwargs`` go to ``ucpformat.save`` (``overwrite``, ``compression``, ...).
+    Tensors on other devices are copied to the CPU one by one.
     """
     state, roles = state_of(
         model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
@@ -419,10 +460,11 @@ def save(
     def attributes(node_path: str, array: np.ndarray[Any, Any]) -> Mapping[str, Any]:
         top = node_path.partition("/")[0]
         role = roles.get(node_path) or {
-            "optimizer": "optimizer_state", "training": "training_state"
-        }.get(top, "other")
+            "optimizer": "optimizer_state", "training": "training_state", "model": None
+        }.get(top, "other")  # a state dict's tensor: parameter or buffer, unknown
         attrs: dict[str, Any] = dict(user_hook(node_path, array) or {}) if user_hook else {}
-        attrs["ucp"] = {"role": role, **dict(attrs.get("ucp", {}))}
+        if role is not None:
+            attrs["ucp"] = {"role": role, **dict(attrs.get("ucp", {}))}
         return attrs
 
     return _save(path, state, metadata=metadata, array_attributes=attributes, **save_kwargs)
@@ -750,6 +792,10 @@ def load(
     ``training/`` come back on ``map_location``.
     """
     if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise LoadError(f"model is a {type(model).__name__}, not an nn.Module to load "
+                            "into; for a new mapping of tensors use load_file or "
+                            "load_state_dict", path="model")
         model = unwrap(model)
     with _opened(path) as ckpt:
         start = ckpt.stats.bytes_read
@@ -793,23 +839,12 @@ def load_state_dict(
 
     Keys are the logical names relative to ``prefix`` (FQNs for ``model``), joined with
     ``/`` below it; a tied tensor's aliases map to the same tensor object, as in
-    ``model.state_dict()``. Non-tensor values (extra state) are not included.
+    ``model.state_dict()``. Non-tensor values (extra state) are not included. The same as
+    ``load_file(path, map_location, prefix=prefix)``.
     """
-    with _opened(path) as ckpt:
-        group = prefix.strip("/")
-        if group and group not in ckpt.groups:
-            raise TensorNotFoundError(f"no group {group!r}", path=ckpt.location)
-        start = group + "/" if group else ""
-        nodes = [node for node in ckpt if node.startswith(start)]
-        out: dict[str, torch.Tensor] = {}
-        for node, tensor in zip(nodes, _read_new(ckpt, nodes, map_location), strict=True):
-            out["/".join(names.split_path(node[len(start):]))] = tensor
-        meta = ckpt.groups.get(group)
-        aliases = meta.ucp.get("aliases", {}) if meta is not None else {}
-        for alias, target in aliases.items():  # tied: one tensor under both names
-            if isinstance(target, str) and target in out:
-                out[str(alias)] = out[target]
-        return out
+    from ucpformat.torch.flat import load_file
+
+    return load_file(path, map_location, prefix=prefix)
 
 
 def read_optimizer_state(
