@@ -108,7 +108,8 @@ from ucpformat.torch.dcp_keys import (
     record_from_json,
     record_to_json,
 )
-from ucpformat.torch.state import like, qualified_name, unwrap
+from ucpformat.torch.planner import like
+from ucpformat.torch.state import qualified_name, unwrap
 from ucpformat.writer import commit, default_workers, prepare_destination, zero_bits
 
 CheckpointId = str | os.PathLike[str]

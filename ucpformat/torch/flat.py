@@ -207,7 +207,7 @@ class SafeOpen:
         path = self._path(name)
         if self._numpy:
             return self.checkpoint[path].read()
-        return read_tensors(self.checkpoint, [TensorRead(path, device=self._device)])[0]
+        return read_tensors(self.checkpoint, [TensorRead(path, device=self._device)]).tensors[0]
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, read as one batch; tied aliases are one object."""
@@ -217,7 +217,7 @@ class SafeOpen:
             read: list[Any] = [self.checkpoint[p].read() for p in paths]
         else:
             read = read_tensors(self.checkpoint, [TensorRead(p, device=self._device)
-                                                  for p in paths])
+                                                  for p in paths]).tensors
         by_path = dict(zip(paths, read, strict=True))
         return {name: by_path[path] for name, path in sorted(self._paths.items())}
 
