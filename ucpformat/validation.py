@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ucpformat import names, schemas
+from ucpformat import names, rng, schemas
 from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
 from ucpformat.errors import UCPError, WriteError
 from ucpformat.metadata import (
@@ -186,6 +186,7 @@ def _validate(
     _check_node_files(store, doc, report, keep=node_files if deep else None)
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
+    _check_rng(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     _check_model_group(arrays, groups, report)
     manifest = _check_manifest(store, ucp, arrays, report)
@@ -384,6 +385,57 @@ def _check_optimizer(
         if parts[0] == "optimizer" and len(parts) >= 2 and parts[1] == "state" and len(parts) != 4:
             report.add("UCP-1.0-R081", path,
                        "optimizer state arrays live at optimizer/state/<parameter>/<state>")
+
+
+def _check_rng(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
+    """R085: the generators of ``training/rng`` (when it is a group), each in its form."""
+    base = "training/rng"
+    if base not in groups:
+        return
+
+    def children(parent: str) -> dict[str, str]:
+        start = parent + "/"
+        return {names.unescape(p[len(start):]): p for p in [*arrays, *groups]
+                if p.startswith(start) and "/" not in p[len(start):]}
+
+    def check(path: str, kind: str | None) -> None:
+        if path in arrays:
+            meta = arrays[path]
+            found = rng.problems({}, {"": (meta.dtype.name, len(meta.shape))}, torch_state=True)
+            if kind in (rng.PYTHON, rng.NUMPY):
+                found = [f"the {kind} generator's state is a group, not an array"]
+        elif kind == "torch":
+            found = ["a torch generator's state is a 1-D uint8 array, not a group"]
+        else:
+            inside = children(path)
+            found = rng.problems(groups[path].values, {
+                name: (arrays[p].dtype.name, len(arrays[p].shape))
+                for name, p in inside.items() if p in arrays})
+            found += [f"{name}: a group inside a generator's group"
+                      for name, p in inside.items() if p in groups]
+            if not found and kind is not None and groups[path].values.get("kind") != kind:
+                found.append(f"the {kind} generator's group has another kind")
+        for problem in found:
+            report.add(rng.RULE, path, problem)
+
+    top = children(base)
+    for name in (rng.PYTHON, rng.NUMPY, rng.TORCH_CPU):
+        if name in top:
+            check(top[name], "torch" if name == rng.TORCH_CPU else name)
+    for name in (rng.TORCH_CUDA, rng.GENERATORS):
+        path = top.get(name)
+        if path is None:
+            continue
+        if path in arrays:
+            report.add(rng.RULE, path, "a group of generators, not an array")
+            continue
+        inside = children(path)
+        if name == rng.TORCH_CUDA and sorted(inside) != sorted(str(i) for i in range(len(inside))):
+            report.add(rng.RULE, path, "the CUDA devices' states are named 0, 1, ...")
+        for child in inside.values():
+            check(child, "torch" if name == rng.TORCH_CUDA else None)
 
 
 def _check_layouts(

@@ -38,6 +38,7 @@ require("torch", extra="torch", purpose="ucpformat.torch")  # a missing torch: n
 
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype  # noqa: E402
 from ucpformat.torch.flat import SafeOpen, load_file, safe_open, save_file  # noqa: E402
+from ucpformat.torch.rng import rng_state, set_rng_state  # noqa: E402
 from ucpformat.torch.state import (  # noqa: E402
     LoadResult,
     load,
@@ -89,11 +90,13 @@ __all__ = [
     "optimizer_fqns",
     "parameter_names",
     "read_optimizer_state",
+    "rng_state",
     "safe_open",
     "save",
     "save_async",
     "save_distributed",
     "save_file",
+    "set_rng_state",
     "to_numpy",
     "torch_dtype",
     "wait_async",

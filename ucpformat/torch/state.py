@@ -34,7 +34,13 @@ import numpy as np
 import torch
 
 from ucpformat import names
-from ucpformat.errors import InvalidValueError, LoadError, TensorNotFoundError
+from ucpformat.errors import (
+    FormatError,
+    InvalidValueError,
+    KeyMismatchError,
+    LoadError,
+    TensorNotFoundError,
+)
 from ucpformat.storage import Store
 from ucpformat.torch.convert import to_numpy
 from ucpformat.torch.planner import (
@@ -51,6 +57,9 @@ from ucpformat.torch.planner import (
     tree_to_torch,
 )
 from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors
+from ucpformat.torch.rng import from_layout as rng_from_layout
+from ucpformat.torch.rng import rng_state, set_rng_state
+from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.writer import Group, SaveResult
 from ucpformat.writer import save as _save
 
@@ -86,6 +95,9 @@ class LoadResult:
     unexpected_optimizer_params: list[str] = field(default_factory=list)
     #: Bytes of stored objects read (metadata excluded).
     bytes_read: int = 0
+    #: The random-number generators' state stored in ``training/rng`` (the form of
+    #: :func:`ucpformat.torch.rng_state`), or None; ``load(..., rng=True)`` restored it.
+    rng: dict[str, Any] | None = None
 
 
 def qualified_name(obj: object) -> str:
@@ -284,6 +296,7 @@ def state_of(
     scheduler: Stateful | None = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = False,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The mapping ``ucpformat.save`` writes, and the role of each array path."""
     state: dict[str, Any] = {}
@@ -324,6 +337,8 @@ def state_of(
         training["step"] = int(step)
     if scheduler is not None:
         training["scheduler"] = to_json(scheduler.state_dict(), where="training/scheduler")
+    if rng is not False:
+        training["rng"] = rng_layout(rng_state() if rng is True else rng)
     for key, value in (extra or {}).items():
         if key in training:
             raise InvalidValueError(f"extra[{key!r}] would replace training/{key}",
@@ -401,9 +416,14 @@ def save(
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = False,
     **save_kwargs: Any,
 ) -> SaveResult:
     """Save a model, optimizer, LR scheduler, step and extra training state.
+
+    ``rng=True`` stores the random-number generators' state (:func:`rng_state`: Python's
+    ``random``, NumPy's, torch's CPU and CUDA ones) in ``training/rng`` (spec R085); a
+    mapping of that form (``rng_state(generators={...})``) stores that state instead.
 
     ``model`` is an ``nn.Module`` (its ``state_dict()``, parameters and buffers told
     apart by role) or a mapping of names to tensors, a state dict (stored as it is, with
@@ -412,7 +432,7 @@ def save(
     Tensors on other devices are copied to the CPU one by one.
     """
     state, roles = state_of(
-        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra, rng=rng
     )
     user_hook = save_kwargs.pop("array_attributes", None)
 
@@ -457,6 +477,7 @@ def load(
     scheduler: Stateful | None = None,
     strict: bool = True,
     map_location: Device = "cpu",
+    rng: bool = False,
 ) -> LoadResult:
     """Load a checkpoint in place into the given objects; read nothing else.
 
@@ -468,6 +489,10 @@ def load(
     every tensor read, each chunk's checksum checked, before anything is modified: a
     load that fails changes nothing. ``strict=False`` loads what matches and lists the
     rest in the result. Tensors of ``training/`` come back on ``map_location``.
+
+    ``rng=True`` restores the random-number generators from ``training/rng`` (what
+    ``save(..., rng=True)`` stored; :func:`set_rng_state`, strict as the load); the
+    result's ``rng`` holds the stored state either way, for generators of your own.
     """
     if model is not None:
         if not isinstance(model, torch.nn.Module):
@@ -493,6 +518,10 @@ def load(
             plan_scheduler(ckpt, scheduler.state_dict(), strict=strict)
             if scheduler is not None else (False, None)
         )
+        if rng and strict and "training/rng" not in ckpt.groups:
+            raise KeyMismatchError("the checkpoint holds no random-number generator state "
+                                   "(training/rng); pass strict=False to load the rest "
+                                   "anyway", path=ckpt.location)
         # Everything is checked: read it all as one batch, into staging for the model's
         # own tensors (copied last) and into new tensors for the rest.
         arrays = opt_plan.stored_arrays() if opt_plan else []
@@ -506,6 +535,7 @@ def load(
             entry[name] = tensor
         training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
         step = training.get("step")
+        stored_rng = _stored_rng(training, required=rng)
         result = LoadResult(
             step=int(step) if isinstance(step, int) else None,
             training=tree_to_torch(training, map_location, "training"),
@@ -516,6 +546,7 @@ def load(
             missing_optimizer_params=opt_plan.missing if opt_plan else [],
             unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
             bytes_read=ckpt.stats.bytes_read - start,
+            rng=stored_rng,
         )
         # Everything is read and checked: now modify, what can be undone first.
         steps: list[Step] = []
@@ -523,11 +554,36 @@ def load(
             steps.append(_optimizer_step(optimizer, opt_plan.state_dict, previous))
         if scheduler is not None and load_scheduler:
             steps.append(scheduler_step(scheduler, scheduler_state))
+        if rng and stored_rng is not None:
+            steps.append(_rng_step(stored_rng, strict=strict))
         if model is not None and model_plan is not None:
             hooked_values.update(model_plan.values)
             steps.append(_model_step(model, hooked_values, read))
         apply_steps(steps)
         return result
+
+
+def _stored_rng(training: Mapping[str, Any], *, required: bool) -> dict[str, Any] | None:
+    """The state in ``training/rng`` (R085), or None if there is none; a group that breaks
+    the convention is a ``FormatError`` where it is to be restored (``required``), else
+    None (its arrays and values are still in ``LoadResult.training``)."""
+    tree = training.get("rng")
+    if not isinstance(tree, Mapping):
+        return None
+    try:
+        return rng_from_layout(tree)
+    except FormatError:
+        if required:
+            raise
+        return None
+
+
+def _rng_step(state: Mapping[str, Any], *, strict: bool) -> Step:
+    """Restoring the generators; undone by restoring the ones they had."""
+    current = rng_state()
+    return Step("the random-number generators", "training/rng",
+                lambda: set_rng_state(state, strict=strict),
+                lambda: set_rng_state(current, strict=False))
 
 
 def non_persistent_buffers(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> set[str]:
