@@ -39,12 +39,12 @@ def ucp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def test_open_and_validate_refuse_a_file_by_name(tmp_path: Path) -> None:
     model_file = tmp_path / "model.safetensors"
     model_file.write_bytes(b"not a directory")
-    with pytest.raises(CheckpointNotFoundError, match="is a file, not a UCP checkpoint"):
+    with pytest.raises(CheckpointNotFoundError, match="a checkpoint is a directory"):
         ucpformat.open(model_file)
     report = ucpformat.validate(model_file)
     assert not report.valid
     assert report.errors[0].rule == "UCP-1.0-R051"
-    assert "is a file" in report.errors[0].message
+    assert "a checkpoint is a directory" in report.errors[0].message
 
 
 # -- ucp validate --deep reads every byte once ----------------------------------------------

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
+import hashlib
 import json
 import math
 import platform
 import re
+import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeGuard
@@ -641,15 +643,55 @@ def gc_paused() -> Iterator[None]:
 
 
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
-    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys)."""
+    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys), whose
+    strings are all Unicode scalar values (no unpaired surrogate escape, UCP-1.0-R006)."""
     try:
         text = data.decode("utf-8")
         with gc_paused():
-            return json.loads(
+            doc = json.loads(
                 text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates
             )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"not valid JSON: {exc}", rule=rule, path=what) from None
+    # A surrogate can only come from a \uD800-\uDFFF escape (raw surrogate bytes are not
+    # UTF-8): only a document that has such an escape needs its strings walked.
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+        check_scalar_strings(doc, what=what)
+    return doc
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def check_scalar_strings(doc: Any, *, what: str) -> None:
+    """Refuse a document any of whose strings (member names included) holds an unpaired
+    surrogate: it has no UTF-8 encoding, so no writer, printer or other language can
+    carry it (UCP-1.0-R006). Walks without recursion."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        value, pointer = stack.pop()
+        if isinstance(value, str):
+            strings: list[tuple[str, str]] = [(value, pointer)]
+            children: list[tuple[Any, str]] = []
+        elif isinstance(value, dict):
+            strings = [(k, f"{pointer}/{k!r}") for k in value]
+            children = [(v, f"{pointer}/{k!r}") for k, v in value.items()]
+        elif isinstance(value, list):
+            strings = []
+            children = [(v, f"{pointer}/{i}") for i, v in enumerate(value)]
+        else:
+            continue
+        for string, at in strings:
+            try:
+                string.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError(
+                    f"the string {string!r} at {at or '/'} holds an unpaired surrogate "
+                    "escape (\\uD800 to \\uDFFF not in a pair): it is not Unicode text",
+                    rule="UCP-1.0-R006",
+                    path=what,
+                ) from None
+        stack.extend(children)
 
 
 def check_depth(doc: Any, *, what: str) -> None:
@@ -665,3 +707,82 @@ def check_depth(doc: Any, *, what: str) -> None:
             path=what,
         )
 
+
+# -- the root's digest (UCP-1.0-R058) ---------------------------------------------------
+
+#: Member of the root's ``attributes.ucp`` that holds the SHA-256 of the root zarr.json.
+ROOT_DIGEST: Final = "root_sha256"
+_ZERO_DIGEST: Final = b"0" * 64
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def encode_root(doc: Mapping[str, Any]) -> bytes:
+    """The bytes of a root zarr.json, sealed: ``attributes.ucp.root_sha256`` is the SHA-256
+    of these bytes with its own 64 digits written as ``0`` (UCP-1.0-R058).
+
+    Compact JSON: the root holds every node's metadata and is parsed on every open.
+    """
+    attributes = doc["attributes"]
+    nonce = secrets.token_hex(32)  # a placeholder whose one occurrence is easy to find
+    ucp = {**attributes["ucp"], ROOT_DIGEST: nonce}
+    body = dumps({**doc, "attributes": {**attributes, "ucp": ucp}}, compact=True)
+    pos = body.index(nonce.encode())
+    assert body.find(nonce.encode(), pos + 1) < 0
+    zeroed = body[:pos] + _ZERO_DIGEST + body[pos + 64 :]
+    return zeroed[:pos] + hashlib.sha256(zeroed).hexdigest().encode() + zeroed[pos + 64 :]
+
+
+def check_root_digest_member(ucp: Mapping[str, Any], *, where: str) -> str:
+    """The root's digest (64 lower-case hex digits), or a FormatError naming UCP-1.0-R058."""
+    digest = ucp.get(ROOT_DIGEST)
+    if digest is None:
+        raise FormatError(
+            f"the root has no attributes.ucp.{ROOT_DIGEST}, so damage to it could go unseen: "
+            "a checkpoint written by a draft of format 1.0 older than this reader (save it "
+            "again with this version), or a damaged root",
+            rule="UCP-1.0-R058",
+            path=where,
+        )
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise FormatError(
+            f"attributes.ucp.{ROOT_DIGEST} must be 64 lower-case hexadecimal digits, "
+            f"got {digest!r}",
+            rule="UCP-1.0-R058",
+            path=where,
+        )
+    return digest
+
+
+def root_digest_problem(raw: bytes, digest: str) -> str | None:
+    """Why ``raw`` (the root's bytes) does not match its ``digest``, or None if it does."""
+    token = f'"{digest}"'.encode()
+    pos = raw.find(token)
+    if pos < 0 or raw.find(token, pos + 1) >= 0:
+        return (f"its {ROOT_DIGEST} must appear exactly once in the file, as written "
+                "(no escapes)")
+    view = memoryview(raw)
+    h = hashlib.sha256(view[: pos + 1])
+    h.update(_ZERO_DIGEST)
+    h.update(view[pos + 65 :])
+    computed = h.hexdigest()
+    if computed != digest:
+        return (f"the root zarr.json is damaged: its SHA-256 (with {ROOT_DIGEST} zeroed) is "
+                f"{computed}, it says {digest}")
+    return None
+
+
+def check_root_digest(raw: bytes, doc: Any, *, where: str) -> None:
+    """UCP-1.0-R058: refuse a root whose bytes differ from those its digest was made of.
+
+    A root that is no UCP root at all (no ``attributes.ucp`` object) is left to the
+    structural checks, which name what it lacks; a version other than 1.x is refused as
+    such (R003, R060) before the digest is looked at.
+    """
+    attributes = doc.get("attributes") if _is_map(doc) else None
+    ucp = attributes.get("ucp") if _is_map(attributes) else None
+    if not _is_map(ucp):
+        return
+    parse_version(ucp.get("version"), where=where)  # another major version: say that first
+    problem = root_digest_problem(raw, check_root_digest_member(ucp, where=where))
+    if problem is not None:
+        raise FormatError(problem, rule="UCP-1.0-R058", path=where)

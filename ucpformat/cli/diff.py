@@ -12,8 +12,8 @@ stored. So is the metadata of every node: the root's ``attributes.ucp`` (the use
 ``metadata``, the version, ``must_understand``, ...), each group's (tied-tensor aliases,
 ...) and each array's (role, layout semantics). A metadata difference makes the
 checkpoints differ unless ``--data-only``; it is reported either way. Not compared:
-``producer``, ``created`` and ``manifest``, which differ between any two saves, and how
-the data is stored (chunking, compression).
+``producer``, ``created``, ``manifest`` and ``root_sha256``, which differ between any two
+saves, and how the data is stored (chunking, compression).
 """
 
 from __future__ import annotations
@@ -253,9 +253,9 @@ def _walk(group: str, key: str, a: Any, b: Any, out: list[ValueDiff]) -> None:
         out.append(ValueDiff(group, key, DIFFERENT, a=a, b=b))
 
 
-#: Members of the root's ``attributes.ucp`` that differ between any two saves, or are
-#: compared elsewhere (``values``).
-_NOT_METADATA = frozenset({"producer", "created", "manifest", "values"})
+#: Members of the root's ``attributes.ucp`` that differ between any two saves (what wrote
+#: it, when, the digests sealing it), or are compared elsewhere (``values``).
+_NOT_METADATA = frozenset({"producer", "created", "manifest", "root_sha256", "values"})
 
 
 def compare_metadata(a: Checkpoint, b: Checkpoint) -> list[ValueDiff]:
