@@ -29,13 +29,14 @@ breaks R085, for the validator and for :func:`decode`. PyTorch's side is
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ucpformat import jsonvalues, schemas
+from ucpformat import schemas
 from ucpformat.errors import FormatError, InvalidValueError
 from ucpformat.writer import Group
 
@@ -109,8 +110,9 @@ def encode_python(state: Any, *, where: str) -> Group:
             and (state[2] is None or isinstance(state[2], float))):
         raise InvalidValueError("not a random.getstate() tuple (version, state, gauss_next)",
                                 path=where, rule=RULE)
-    return Group(kind=PYTHON, version=state[0], state=list(state[1]),
-                 gauss_next=jsonvalues.encode(state[2], where=where))
+    if state[2] is not None and not math.isfinite(state[2]):
+        raise InvalidValueError(f"gauss_next is {state[2]}", path=where, rule=RULE)
+    return Group(kind=PYTHON, version=state[0], state=list(state[1]), gauss_next=state[2])
 
 
 def encode_numpy(state: Any, *, where: str) -> Group:
@@ -149,7 +151,9 @@ def _numpy_member(value: Any, where: str) -> Any:
                                 path=where, rule=RULE)
     if isinstance(value, int) and abs(value) > MAX_SAFE_INTEGER:
         return str(value)  # exact, where a JSON number would be rounded (R071)
-    return jsonvalues.encode(value, where=where)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidValueError(f"{value} is no generator state", path=where, rule=RULE)
+    return value
 
 
 # -- the group -> Python ------------------------------------------------------------------
@@ -229,16 +233,13 @@ def decode_generator(node: Any, *, where: str, kind: str | None = None) -> Any:
     if found:
         raise FormatError("; ".join(found), rule=RULE, path=where)
     if values["kind"] == PYTHON:
-        gauss = jsonvalues.decode(values["gauss_next"], where=where)
-        return (values["version"], tuple(values["state"]), gauss)
+        return (values["version"], tuple(values["state"]), values["gauss_next"])
     state: dict[str, Any] = {"bit_generator": values["bit_generator"]}
     members = {**{k: v for k, v in values.items() if k not in ("kind", "bit_generator")},
                **{k: np.array(a) for k, a in arrays.items()}}
     for name, value in members.items():
         if isinstance(value, str):
             value = int(value)  # a decimal integer beyond 2**53 (the schema checked it)
-        elif not isinstance(value, np.ndarray):
-            value = jsonvalues.decode(value, where=where)
         head, dot, sub = name.partition(".")
         if dot and head == "state":
             state.setdefault("state", {})[sub] = value
