@@ -143,11 +143,17 @@ def test_s3_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch,
     assert "internal error" not in err and "ucpformat[s3]" in err
 
 
-def test_s3_without_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_without_s3fs_names_the_extra() -> None:
     pytest.importorskip("fsspec")
-    monkeypatch.setitem(sys.modules, "s3fs", None)
-    with pytest.raises(MissingDependencyError, match=r"ucpformat\[s3\]"):
-        ucpformat.open("s3://bucket/ckpt")
+    # a fresh interpreter: fsspec caches the S3 file system class once it has imported it
+    proc = subprocess.run([sys.executable, "-c", (
+        "import sys; sys.modules['s3fs'] = None\n"
+        "import ucpformat\n"
+        "try:\n    ucpformat.open('s3://bucket/ckpt')\n"
+        "except ucpformat.errors.MissingDependencyError as exc:\n    print(exc)\n")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'ucpformat[s3]'" in proc.stdout
 
 
 # -- command-line wording -----------------------------------------------------------------------
