@@ -140,3 +140,16 @@ def test_update_doc_replaces_only_the_generated_part(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "old" not in text and "new table" in text
     assert text.startswith("# Title\n\nintro") and text.endswith("## Notes\nmine\n")
+
+
+@pytest.mark.torch
+def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    from benchmarks import bench_flat
+
+    (table,) = bench_flat.run(quick=True, size_mib=2, repeats=1, directory=tmp_path,
+                              durable=False)
+    operations = [row[0] for row in table.rows]
+    assert operations[0].startswith("`save_file`") and len(operations) == 4
+    assert any("get_slice" in op for op in operations)
+    assert set(table.data["flat"]) == set(operations)

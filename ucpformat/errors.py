@@ -89,6 +89,10 @@ class ResourceLimitError(UCPError):
     """Honouring the request would allocate beyond a configured or physical limit."""
 
 
+class MissingDependencyError(UCPError, ImportError):
+    """An optional dependency that the request needs is not installed; names the extra."""
+
+
 class TensorNotFoundError(UCPError, KeyError):
     """No tensor, group or value of that name exists in the checkpoint."""
 

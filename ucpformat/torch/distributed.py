@@ -87,6 +87,7 @@ from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors, whole
 from ucpformat.torch.state import (
     LoadResult,
     Stateful,
+    non_persistent_buffers,
     qualified_name,
     tied_aliases,
     to_json,
@@ -477,7 +478,8 @@ class _LoadPlan:
 def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool) -> None:
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
-    plan.model = plan_model(ckpt, msd, strict=strict, owner="the model's state dict")
+    plan.model = plan_model(ckpt, msd, strict=strict, owner="the model's state dict",
+                            skip=non_persistent_buffers(model, msd))
     for fqn, path in plan.model.tensors.items():
         plan.reads.append(_Read(path, msd[fqn]))
     msd.update(plan.model.values)
@@ -656,6 +658,7 @@ def load_distributed(
             metadata=ckpt.metadata,
             missing_keys=mp.missing if mp else [],
             unexpected_keys=mp.unexpected if mp else [],
+            ignored_keys=mp.ignored if mp else [],
             missing_optimizer_params=op.missing if op else [],
             unexpected_optimizer_params=op.unexpected if op else [],
             bytes_read=ckpt.stats.bytes_read - start,

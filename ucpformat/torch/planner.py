@@ -26,7 +26,7 @@ import collections
 import copy
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,11 +107,12 @@ def optimizer_entries(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
 def saved_param_groups(
     ckpt: Checkpoint, optimizer_type: str, *, strict: bool
 ) -> list[Mapping[str, Any]]:
-    """The param groups of a checkpoint's optimizer, checked; with ``strict``, its type
-    must be ``optimizer_type`` (a qualified class name)."""
+    """The param groups of a checkpoint's optimizer, checked; with ``strict``, its type,
+    if it names one (R081: optional; DCP and the importers do not know it), must be
+    ``optimizer_type`` (a qualified class name)."""
     saved: dict[str, Any] = ckpt.values("optimizer")
     saved_type = saved.get("type")
-    if strict and saved_type != optimizer_type:
+    if strict and saved_type is not None and saved_type != optimizer_type:
         raise LoadError(
             f"the checkpoint holds the state of a {saved_type!r} optimizer, not of a "
             f"{optimizer_type!r}; pass strict=False to load it anyway",
@@ -297,13 +298,18 @@ class ModelPlan:
     missing: list[str] = field(default_factory=list)
     #: Names in the checkpoint that the state dict lacks (only with ``strict=False``).
     unexpected: list[str] = field(default_factory=list)
+    #: Stored tensors of names the load skips (the model's non-persistent buffers).
+    ignored: list[str] = field(default_factory=list)
 
 
 def plan_model(
-    ckpt: Checkpoint, state_dict: Mapping[str, Any], *, strict: bool, owner: str
+    ckpt: Checkpoint, state_dict: Mapping[str, Any], *, strict: bool, owner: str,
+    skip: Collection[str] = (),
 ) -> ModelPlan:
     """Match a model's state dict (``owner`` names it in messages) with ``model/``.
 
+    ``skip``: names that are neither loaded nor unexpected when stored (a module's
+    non-persistent buffers, which it never loads); they are listed in ``ignored``.
     Raises ``KeyMismatchError`` (with ``strict``), ``ShapeMismatchError``, or
     ``LoadError`` for a stored tensor where the model holds something else, or a stored
     value of another kind than the model's.
@@ -319,9 +325,11 @@ def plan_model(
         if isinstance(target, str) and target in stored and alias not in stored:
             stored[str(alias)] = stored[target]  # a tied tensor stored once (R108)
     values = group_values(ckpt, "model")
+    skipped = {k for k in skip if k not in state_dict}
     plan = ModelPlan(
         missing=[k for k in state_dict if k not in stored and k not in values],
-        unexpected=[k for k in [*stored, *values] if k not in state_dict],
+        unexpected=[k for k in [*stored, *values] if k not in state_dict and k not in skipped],
+        ignored=[k for k in stored if k in skipped],
     )
     if strict:
         _refuse_mismatch(f"the checkpoint's model tensors differ from {owner}",
