@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.state import (
     LoadResult,
+    MetaTensorWarning,
     load,
     load_state_dict,
     optimizer_fqns,
@@ -69,6 +70,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncSaver",
     "LoadResult",
+    "MetaTensorWarning",
     "data_type",
     "from_numpy",
     "load",
