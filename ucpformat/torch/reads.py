@@ -126,7 +126,10 @@ def named(paths: Sequence[str]) -> str:
 def partly_changed(exc: BaseException, written: Sequence[str]) -> BaseException:
     """``exc`` restated to say that an in-place load changed the tensors at ``written``
     (a UCPError of the same class; anything else becomes a LoadError)."""
-    note = (f"; the load was in place (in_place=True), so the model was partly changed: "
+    owners = [o for o in ("model", "optimizer") if any(p.startswith(o + "/") for p in written)]
+    what = " and the ".join(owners or ["model"])
+    were = "were" if len(owners) > 1 else "was"
+    note = (f"; the load was in place (in_place=True), so the {what} {were} partly changed: "
             f"{len(written)} tensor(s) may hold some or all of the checkpoint's data: "
             f"{named(written)} (everything else is as it was; load a good checkpoint to "
             "make the state whole again)")
