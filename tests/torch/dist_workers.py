@@ -399,7 +399,7 @@ def meta_loads(rank: int, world: int, root: str) -> dict[str, Any]:
     assert result.step == 2 and result.on_meta == []
     out["fsdp meta + to_empty"] = check_state(path, meta, meta_opt)
     # by assignment, then an optimizer on the new parameters, which trains
-    for layout in ("fsdp", "tp"):
+    for layout in ("fsdp", "tp", "2x2"):
         meta = on_meta(layout)
         try:
             load_distributed(path, model=meta, optimizer=make_optimizer(meta), assign=True)

@@ -93,7 +93,7 @@ def test_fsdp2_and_tp_built_on_meta(tmp_path: Path) -> None:
     out = spawn(w.meta_loads, 2, str(tmp_path), timeout=240)
     for rank in range(2):
         assert set(out[rank]) == {"fsdp meta + to_empty", "fsdp meta + assign",
-                                  "tp meta + assign"}, out[rank]
+                                  "tp meta + assign", "2x2 meta + assign"}, out[rank]
         assert all(v["checked"] >= 8 for v in out[rank].values()), out[rank]
 
 

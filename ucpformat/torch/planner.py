@@ -17,7 +17,12 @@ A stored JSON value must be of the kind the live object holds (a mapping for a m
 a number for a number; :func:`value_like`). A load then reads every tensor into staging
 (:mod:`ucpformat.torch.reads`) and only then changes the objects, in the order of
 :func:`apply_steps`: a checkpoint that does not fit, or whose data is damaged or missing,
-changes nothing.
+changes nothing. (With ``in_place=True`` the model's tensors are read into directly: a
+damaged or missing chunk then leaves them partly changed, and the error says so.)
+
+Tensors on the meta device hold nothing to copy into: the model's are refused unless the
+load assigns new ones (``assign=True``, :mod:`ucpformat.torch.assign`), an optimizer's
+always (:func:`refuse_meta_parameters`).
 """
 
 from __future__ import annotations
