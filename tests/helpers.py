@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.dtypes import DataType
+from ucpformat.metadata import encode_root
 
 # -- comparing -----------------------------------------------------------------------
 
@@ -60,11 +61,19 @@ def write_json(path: Path, doc: Any) -> None:
     path.write_bytes(json.dumps(doc, indent=2, ensure_ascii=False).encode())
 
 
-def edit_root(ckpt: Path, fn: Callable[[dict[str, Any]], Any]) -> None:
-    """Change the root zarr.json in place (``fn`` mutates the document)."""
+def edit_root(ckpt: Path, fn: Callable[[dict[str, Any]], Any], *, seal: bool = True) -> None:
+    """Change the root zarr.json in place (``fn`` mutates the document).
+
+    ``seal``: give it the digest of its new bytes (UCP-1.0-R058), so that only ``fn``'s
+    change is wrong; without, the edit is damage that ``open`` refuses (R058).
+    """
     doc = read_json(ckpt / "zarr.json")
     fn(doc)
-    write_json(ckpt / "zarr.json", doc)
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    if seal and isinstance(attributes, dict) and isinstance(attributes.get("ucp"), dict):
+        (ckpt / "zarr.json").write_bytes(encode_root(doc))
+    else:
+        write_json(ckpt / "zarr.json", doc)
 
 
 def node_dir(ckpt: Path, node: str) -> Path:

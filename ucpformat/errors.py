@@ -81,6 +81,12 @@ class CheckpointNotFoundError(FormatError, FileNotFoundError):
     """Nothing that could be a checkpoint exists at the given location."""
 
 
+class StorageError(UCPError, OSError):
+    """The storage refused a read: permission denied, a file where a directory should be,
+    a name too long for the file system, an I/O error (UCP-1.0-R099). Names the file and
+    the operating system's reason; also an OSError, for callers that catch those."""
+
+
 class SelectionError(UCPError, IndexError):
     """A slice or index does not fit the tensor it selects from."""
 

@@ -38,6 +38,8 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_root_digest,
+    check_root_digest_member,
     check_values,
     gc_paused,
     loads,
@@ -46,10 +48,18 @@ from ucpformat.metadata import (
     parse_version,
 )
 from ucpformat.schemas import DATE_TIME
-from ucpformat.storage import Store, open_store
+from ucpformat.storage import Store, read_guarded
 
-#: Root metadata larger than this is refused before parsing (hostile input).
-MAX_ROOT_METADATA_BYTES = 1 << 30
+#: Largest metadata document (root zarr.json, manifest, node zarr.json) read by default;
+#: a larger one is refused before it is read (UCP-1.0-R098). The root of 100,000 tensors
+#: is about 40 MiB.
+MAX_METADATA_BYTES = 256 << 20
+#: Peak memory of parsing a metadata document, in bytes per byte of it, at most: CPython's
+#: json reaches 37 on the worst structures (nested one-element lists), 10 on real roots
+#: (docs/reliability.md). The default limit keeps a parse within ``max_read_bytes``.
+METADATA_MEMORY_FACTOR = 48
+#: The default limit is never below this (a small max_read_bytes still opens small roots).
+MIN_METADATA_BYTES = 64 << 10
 #: Chunks (or stored objects) handed to the thread pool at a time.
 MAP_BATCH = 256
 #: Features a 1.x reader understands (``attributes.ucp.must_understand``).
@@ -456,38 +466,73 @@ def open_checkpoint(
     *,
     max_read_bytes: int | None = None,
     workers: int | None = None,
+    max_metadata_bytes: int | None = None,
 ) -> Checkpoint:
-    """Open a committed checkpoint: one read of the root metadata, checked strictly."""
-    store = open_store(path, durable=False)
-    size = store.size(ZARR_JSON)
-    if size is None:
-        if store.exists(IN_PROGRESS_KEY):
-            raise IncompleteCheckpointError(
-                "this checkpoint was never committed (a save is in progress or was "
-                "interrupted): it has no root zarr.json",
-                rule="UCP-1.0-R051",
-                path=store.location,
-            )
-        if store.is_empty():
-            raise CheckpointNotFoundError("no checkpoint here", rule="UCP-1.0-R051",
-                                          path=store.location)
-        raise IncompleteCheckpointError(
-            "no root zarr.json: not a committed UCP checkpoint", rule="UCP-1.0-R051",
-            path=store.location,
-        )
-    if size > MAX_ROOT_METADATA_BYTES:
-        raise ResourceLimitError(
-            f"root metadata is {size} bytes, over the limit of {MAX_ROOT_METADATA_BYTES}",
-            rule="UCP-1.0-R090",
-            path=store.location,
-        )
-    raw = store.get(ZARR_JSON)
-    if raw is None:  # removed between the two calls
-        raise IncompleteCheckpointError("root zarr.json vanished", rule="UCP-1.0-R051",
-                                        path=store.location)
+    """Open a committed checkpoint: one read of the root metadata, checked strictly.
+
+    ``max_metadata_bytes``: the largest root zarr.json read (default
+    :func:`metadata_limit`); a larger one is refused before it is read (UCP-1.0-R098).
+    """
+    store = read_guarded(path)
+    limit = metadata_limit(max_metadata_bytes, max_read_bytes)
+    raw = read_root(store, limit=limit)
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
+    check_root_digest(raw, doc, where=store.location)
+    del raw
     root, arrays, groups = parse_root(doc, where=store.location)
     return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+
+
+def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -> int:
+    """The largest metadata document a reader reads (UCP-1.0-R098): ``max_metadata_bytes``
+    if given, else :data:`MAX_METADATA_BYTES`, and never so large that parsing it (at most
+    :data:`METADATA_MEMORY_FACTOR` bytes of memory per byte) could exceed ``max_read_bytes``
+    (but at least :data:`MIN_METADATA_BYTES`)."""
+    if max_metadata_bytes is not None:
+        return max_metadata_bytes
+    memory = max_read_bytes if max_read_bytes is not None else physical_memory()
+    return min(MAX_METADATA_BYTES, max(MIN_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
+
+
+def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> bytes | None:
+    """A metadata document's bytes (None if absent), refused before it is read when it is
+    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read."""
+    size = store.size(key)
+    if size is None:
+        return None
+    too_big = ResourceLimitError(
+        f"{what or key} is {size} bytes or more, over the limit of {limit} for a metadata "
+        "document (refused unread; raise max_metadata_bytes to read it)",
+        rule="UCP-1.0-R098",
+        path=f"{store.location}/{key}",
+    )
+    if size > limit:
+        raise too_big
+    raw = store.get_range(key, 0, limit + 1)  # the file may have grown since
+    if raw is not None and len(raw) > limit:
+        raise too_big
+    return raw
+
+
+def read_root(store: Store, *, limit: int) -> bytes:
+    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (R051)."""
+    raw = read_metadata(store, ZARR_JSON, limit=limit, what="the root zarr.json")
+    if raw is not None:
+        return raw
+    if store.exists(IN_PROGRESS_KEY):
+        raise IncompleteCheckpointError(
+            "this checkpoint was never committed (a save is in progress or was "
+            "interrupted): it has no root zarr.json",
+            rule="UCP-1.0-R051",
+            path=store.location,
+        )
+    if store.is_empty():
+        raise CheckpointNotFoundError("no checkpoint here", rule="UCP-1.0-R051",
+                                      path=store.location)
+    raise IncompleteCheckpointError(
+        "no root zarr.json: not a committed UCP checkpoint", rule="UCP-1.0-R051",
+        path=store.location,
+    )
 
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -510,6 +555,7 @@ def parse_root(
             path=where,
         )
     parse_version(ucp.get("version"), where=where)
+    check_root_digest_member(ucp, where=where)
     must = ucp.get("must_understand", [])
     if (
         not isinstance(must, list)

@@ -50,6 +50,7 @@ from ucpformat.metadata import (
     GroupMeta,
     build_root_ucp,
     dumps,
+    encode_root,
     loads,
     parse_array,
     parse_group,
@@ -169,8 +170,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    # Compact: the root holds every node's metadata; it is parsed on every open.
-    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
+    store.put(ZARR_JSON, [encode_root(root)], atomic=True)  # sealed by its digest (R058)
     store.delete(IN_PROGRESS_KEY)
     return root
 

@@ -29,6 +29,15 @@ if TYPE_CHECKING:
 #: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
 #: checks that the stored object is really that large.
 UNCHECKED_SCRATCH_BYTES = 1 << 20
+#: Bytes an encoded chunk may hold beyond twice its decoded size (UCP-1.0-R098): no
+#: compressor of the closed list needs that much (zstd, gzip and blosc add at most a
+#: few bytes per block, and headers).
+ENCODING_SLACK = 1 << 16
+
+
+def max_encoded_nbytes(decoded: int) -> int:
+    """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), R098."""
+    return 2 * decoded + ENCODING_SLACK
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,15 @@ class ArrayReader:
             tensor=self.path,
         )
 
+    def _oversized(self, label: str, size: str, bound: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"chunk {label} is stored in {size}, more than any encoding of its "
+            f"{math.prod(self.meta.chunk_shape) * self.meta.dtype.itemsize} bytes takes "
+            f"({bound}: twice its size plus {ENCODING_SLACK}); refused unread",
+            rule="UCP-1.0-R098",
+            tensor=self.path,
+        )
+
     def _overlap(
         self, chunk_lo: Sequence[int], req_lo: Sequence[int], req_hi: Sequence[int]
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
@@ -189,7 +207,9 @@ class ArrayReader:
                 tensor=self.path,
             )
         index = decode_index(raw_index, cps, tensor=self.path, shard=key)
+        max_encoded = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
         reads = []
+        shard_size: int | None = None  # asked for once an entry needs it
         for local in needed:
             offset, nbytes = (int(v) for v in index[local])
             glo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
@@ -199,11 +219,36 @@ class ArrayReader:
                     self._place(glo, None, req_lo, req_hi, out)
                     continue
                 raise self._missing(f"inner chunk {self._chunk_label(gchunk, key)}")
+            if nbytes > max_encoded and offset < 2**62 and nbytes < 2**62:
+                size = self.store.size(key)
+                if size is not None and offset + nbytes > size:
+                    raise CorruptDataError(
+                        f"inner chunk {self._chunk_label(gchunk, key)} is cut short: its "
+                        f"shard is {size} bytes, its index says it ends at {offset + nbytes}",
+                        rule="UCP-1.0-R094",
+                        tensor=self.path,
+                    )
+                raise self._oversized(self._chunk_label(gchunk, key), f"{nbytes} bytes",
+                                      max_encoded)
             if offset >= 2**62 or nbytes >= 2**62:
                 raise CorruptDataError(
                     f"inner chunk {self._chunk_label(gchunk, key)} has an impossible index entry "
                     f"(offset {offset}, {nbytes} bytes)",
                     rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
+            if shard_size is None:
+                shard_size = self.store.size(key)
+            if shard_size is not None and offset + nbytes > shard_size - isize:
+                # inner chunks lie before the index (UCP-1.0-R048), and inside the shard (R094)
+                beyond = offset + nbytes > shard_size
+                raise CorruptDataError(
+                    f"inner chunk {self._chunk_label(gchunk, key)} has the index entry (offset "
+                    f"{offset}, {nbytes} bytes), which reaches "
+                    f"{'beyond the end of its shard' if beyond else 'into the shard index'} "
+                    f"(a shard of {shard_size} bytes whose index starts at byte "
+                    f"{shard_size - isize})",
+                    rule="UCP-1.0-R094" if beyond else "UCP-1.0-R048",
                     tensor=self.path,
                 )
             reads.append(ChunkRead(key, offset, nbytes, glo, gchunk))
@@ -230,12 +275,15 @@ class ArrayReader:
             self._read_rows_into(read, src, view, payload, label)
             return
         if read.nbytes is None:
-            data = self._get(read.key)
+            bound = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
+            data = self._get_range(read.key, 0, bound + 1)
             if data is None:
                 if meta.sparse:
                     self._place(read.lo, None, req_lo, req_hi, out)
                     return
                 raise self._missing(f"chunk {label}")
+            if len(data) > bound:
+                raise self._oversized(label, f"{len(data)} bytes or more", bound)
         else:
             data = self._get_range(read.key, read.offset, read.nbytes)
             if data is None or len(data) != read.nbytes:
@@ -301,8 +349,8 @@ class ArrayReader:
         """
         meta = self.meta
         cs = meta.chunk_shape
-        if meta.compression is not None:
-            return None
+        if meta.compression is not None or meta.dtype.kind == "bool":
+            return None  # (bool chunks are decoded: every byte is checked, UCP-1.0-R008)
         if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
             return None
         payload = math.prod(cs) * meta.dtype.itemsize
