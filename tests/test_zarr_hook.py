@@ -25,11 +25,16 @@ TYPES = {"w16": ml_dtypes.bfloat16, "w8": ml_dtypes.float8_e4m3fn, "w5": ml_dtyp
 
 
 def run(script: str, site: Path | None) -> subprocess.CompletedProcess[str]:
-    """``script`` in a fresh interpreter; with ``site``, that directory is a site directory
-    (its .pth files processed as they are in site-packages)."""
-    prelude = f"import site; site.addsitedir({str(site)!r})\n" if site else ""
+    """``script`` in a fresh interpreter whose site-packages are on the path without their
+    .pth files (so the hook an installed wheel put there does not run: ``-S``); with
+    ``site``, that directory is a site directory (its .pth files processed as they are in
+    site-packages)."""
+    packages = [p for p in sys.path if p.endswith("site-packages")]
+    prelude = f"import site, sys; sys.path.extend({packages!r})\n"
+    if site:
+        prelude += f"site.addsitedir({str(site)!r})\n"
     return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script)],
+        [sys.executable, "-S", "-c", prelude + textwrap.dedent(script)],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
     )

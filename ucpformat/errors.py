@@ -36,6 +36,12 @@ class UCPError(Exception):
         return " ".join(parts)
 
 
+def restated(error: UCPError, message: str) -> UCPError:
+    """A new error of ``error``'s class, rule, path and tensor, with another message (to
+    raise ``from error`` where a caller has something to add)."""
+    return type(error)(message, rule=error.rule, path=error.path, tensor=error.tensor)
+
+
 # -- reading and validating ---------------------------------------------------------
 
 

@@ -41,6 +41,7 @@ from ucpformat.torch.flat import SafeOpen, load_file, safe_open, save_file  # no
 from ucpformat.torch.rng import rng_state, set_rng_state  # noqa: E402
 from ucpformat.torch.state import (  # noqa: E402
     LoadResult,
+    MetaTensorWarning,
     load,
     load_state_dict,
     optimizer_fqns,
@@ -80,6 +81,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncSaver",
     "LoadResult",
+    "MetaTensorWarning",
     "SafeOpen",
     "data_type",
     "from_numpy",

@@ -30,6 +30,7 @@ from ucpformat.errors import InvalidValueError, LoadError, TensorNotFoundError, 
 from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
 from ucpformat.storage import Store
 from ucpformat.torch.convert import from_numpy
+from ucpformat.torch.planner import check_device
 from ucpformat.torch.reads import TensorRead, read_tensors
 from ucpformat.writer import SaveResult
 
@@ -161,6 +162,7 @@ class SafeOpen:
         self._device = _device(device)
         if self._numpy and self._device.type != "cpu":
             raise LoadError(f"numpy arrays live on the CPU, not on {self._device}")
+        check_device(self._device)  # the meta device would hold nothing
         self._owned = not isinstance(path, Checkpoint)
         self.checkpoint: Checkpoint = (
             path if isinstance(path, Checkpoint) else open_checkpoint(path))

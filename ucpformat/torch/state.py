@@ -26,6 +26,7 @@ it is stored under.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,6 +43,14 @@ from ucpformat.errors import (
     TensorNotFoundError,
 )
 from ucpformat.storage import Store
+from ucpformat.torch.assign import (
+    AssignGroup,
+    assign_groups,
+    assign_step,
+    assigned_state,
+    live_tensors,
+    still_on_meta,
+)
 from ucpformat.torch.convert import to_numpy
 from ucpformat.torch.planner import (
     Device,
@@ -49,19 +58,25 @@ from ucpformat.torch.planner import (
     PathOrCheckpoint,
     Step,
     apply_steps,
+    check_device,
     opened,
     plan_model,
     plan_optimizer,
     plan_scheduler,
+    refuse_optimizer_with_assign,
     scheduler_step,
     tree_to_torch,
 )
-from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors
+from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
 from ucpformat.torch.rng import from_layout as rng_from_layout
 from ucpformat.torch.rng import rng_state, set_rng_state
 from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.writer import Group, SaveResult
 from ucpformat.writer import save as _save
+
+
+class MetaTensorWarning(UserWarning):
+    """A load left some of the model's tensors on the meta device (:attr:`LoadResult.on_meta`)."""
 
 
 class Stateful(Protocol):
@@ -98,6 +113,10 @@ class LoadResult:
     #: The random-number generators' state stored in ``training/rng`` (the form of
     #: :func:`ucpformat.torch.rng_state`), or None; ``load(..., rng=True)`` restored it.
     rng: dict[str, Any] | None = None
+    #: The model's parameters and buffers still on the meta device after the load (the
+    #: checkpoint has nothing for them: non-persistent buffers, missing keys with
+    #: ``strict=False``); a warning names them too.
+    on_meta: list[str] = field(default_factory=list)
 
 
 def qualified_name(obj: object) -> str:
@@ -182,17 +201,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` under every one of its names."""
-    live: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    live.update(model.named_buffers(remove_duplicate=False))
-    return live
-
-
 def tied_aliases(model: torch.nn.Module, state_keys: Sequence[str]) -> dict[str, str]:
     """alias -> target for tied tensors: a state_dict name of a tensor that an earlier
     name (in state_dict order) already holds maps to that earlier name (UCP-1.0-R108)."""
-    live = _live_tensors(model)
+    live = live_tensors(model)
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for key in state_keys:
@@ -478,22 +490,31 @@ def load(
     strict: bool = True,
     map_location: Device = "cpu",
     rng: bool = False,
+    assign: bool = False,
+    in_place: bool = False,
 ) -> LoadResult:
-    """Load a checkpoint in place into the given objects; read nothing else.
+    """Load a checkpoint into the given objects; read nothing else.
 
-    The model's parameters and buffers are copied into (dtype and device kept). The
-    optimizer's state is matched by parameter FQN and handed to
-    ``optimizer.load_state_dict`` with the optimizer's current integer ids. The
-    scheduler is restored from ``training/scheduler``. Every name, shape and stored
-    value is checked (``KeyMismatchError``, ``ShapeMismatchError``, ``LoadError``) and
-    every tensor read, each chunk's checksum checked, before anything is modified: a
-    load that fails changes nothing. ``strict=False`` loads what matches and lists the
-    rest in the result. Tensors of ``training/`` come back on ``map_location``.
+    The model's parameters and buffers are copied into (dtype and device kept); with
+    ``assign``, replaced by new tensors of the checkpoint's dtype on ``map_location``
+    (:mod:`ucpformat.torch.assign`: how a model built on the meta device is loaded; a
+    meta tensor is refused without it). The optimizer's state is matched by parameter
+    FQN and handed to ``optimizer.load_state_dict`` with the optimizer's current integer
+    ids. The scheduler is restored from ``training/scheduler``. Every name, shape and
+    stored value is checked (``KeyMismatchError``, ``ShapeMismatchError``, ``LoadError``)
+    and every tensor read, each chunk's checksum checked, before anything is modified: a
+    load that fails changes nothing. ``in_place`` reads straight into the model's tensors
+    instead (no staging copy): faster and lighter, but a damaged or missing chunk then
+    leaves the model partly changed, and the error says so and names the tensors.
+    ``strict=False`` loads what matches and lists the rest in the result. Tensors of
+    ``training/`` come back on ``map_location``.
 
     ``rng=True`` restores the random-number generators from ``training/rng`` (what
     ``save(..., rng=True)`` stored; :func:`set_rng_state`, strict as the load); the
     result's ``rng`` holds the stored state either way, for generators of your own.
     """
+    check_device(map_location)
+    refuse_optimizer_with_assign(assign, optimizer)
     if model is not None:
         if not isinstance(model, torch.nn.Module):
             raise LoadError(f"model is a {type(model).__name__}, not an nn.Module to load "
@@ -505,11 +526,15 @@ def load(
         model_plan = None
         copies: list[tuple[str, torch.Tensor]] = []
         hooked: dict[str, str] = {}
+        groups: list[AssignGroup] = []
         if model is not None:
             sd = model.state_dict()
             model_plan = plan_model(ckpt, sd, strict=strict, owner="model.state_dict()",
-                                    skip=non_persistent_buffers(model, sd))
-            copies, hooked = _model_targets(model, sd, model_plan.tensors)
+                                    skip=non_persistent_buffers(model, sd), assign=assign)
+            if assign:
+                groups = assign_groups(live_tensors(model), model_plan.tensors)
+            else:
+                copies, hooked = _model_targets(model, sd, model_plan.tensors)
         opt_plan = previous = None
         if optimizer is not None:
             view, previous = _optimizer_view(optimizer, model)
@@ -523,22 +548,46 @@ def load(
                                    "(training/rng); pass strict=False to load the rest "
                                    "anyway", path=ckpt.location)
         # Everything is checked: read it all as one batch, into staging for the model's
-        # own tensors (copied last) and into new tensors for the rest.
+        # own tensors (copied last; in place: into them) and into new tensors for the rest.
         arrays = opt_plan.stored_arrays() if opt_plan else []
         hooked_keys = list(hooked)
-        read = read_tensors(ckpt, [TensorRead(p, target) for p, target in copies]
-                            + [TensorRead(hooked[k]) for k in hooked_keys]
-                            + [TensorRead(a.path) for *_, a in arrays])
-        new = read.tensors[len(copies):]
+        model_reads = (
+            [TensorRead(g.path, device=map_location) for g in groups]
+            + [TensorRead(p, target) for p, target in copies]
+            + [TensorRead(hooked[k]) for k in hooked_keys]
+        )
+        read = read_tensors(ckpt, model_reads + [TensorRead(a.path) for *_, a in arrays],
+                            in_place=in_place)
+        new = read.tensors[len(groups) + len(copies):]
         hooked_values: dict[str, Any] = dict(zip(hooked_keys, new, strict=False))
         for (_, entry, name, _), tensor in zip(arrays, new[len(hooked_keys):], strict=True):
             entry[name] = tensor
         training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
         step = training.get("step")
         stored_rng = _stored_rng(training, required=rng)
-        result = LoadResult(
+        training = tree_to_torch(training, map_location, "training")
+        # Everything is read and checked: now modify, what can be undone first (in place,
+        # the model's tensors already are: a later failure says so).
+        steps: list[Step] = []
+        if read.written:
+            steps.append(Step("the model (read in place)", "model", lambda: None))
+        if optimizer is not None and opt_plan is not None and opt_plan.state_dict is not None:
+            steps.append(_optimizer_step(optimizer, opt_plan.state_dict, previous))
+        if scheduler is not None and load_scheduler:
+            steps.append(scheduler_step(scheduler, scheduler_state))
+        if rng and stored_rng is not None:
+            steps.append(_rng_step(stored_rng, strict=strict))
+        if model is not None and model_plan is not None:
+            if assign:
+                state = assigned_state(groups, read.tensors[:len(groups)])
+                steps.append(assign_step(model, {**state, **model_plan.values}))
+            else:
+                hooked_values.update(model_plan.values)
+                steps.append(_model_step(model, hooked_values, read))
+        apply_steps(steps)
+        return LoadResult(
             step=int(step) if isinstance(step, int) else None,
-            training=tree_to_torch(training, map_location, "training"),
+            training=training,
             metadata=ckpt.metadata,
             missing_keys=model_plan.missing if model_plan else [],
             unexpected_keys=model_plan.unexpected if model_plan else [],
@@ -547,20 +596,24 @@ def load(
             unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
             bytes_read=ckpt.stats.bytes_read - start,
             rng=stored_rng,
+            on_meta=meta_left(model),
         )
-        # Everything is read and checked: now modify, what can be undone first.
-        steps: list[Step] = []
-        if optimizer is not None and opt_plan is not None and opt_plan.state_dict is not None:
-            steps.append(_optimizer_step(optimizer, opt_plan.state_dict, previous))
-        if scheduler is not None and load_scheduler:
-            steps.append(scheduler_step(scheduler, scheduler_state))
-        if rng and stored_rng is not None:
-            steps.append(_rng_step(stored_rng, strict=strict))
-        if model is not None and model_plan is not None:
-            hooked_values.update(model_plan.values)
-            steps.append(_model_step(model, hooked_values, read))
-        apply_steps(steps)
-        return result
+
+
+def meta_left(model: torch.nn.Module | None) -> list[str]:
+    """The model's tensors still on the meta device after a load, with a warning naming
+    them (:attr:`LoadResult.on_meta`)."""
+    if model is None:
+        return []
+    left = still_on_meta(model)
+    if left:
+        warnings.warn(
+            f"{len(left)} parameter(s) or buffer(s) of the model are still on the meta "
+            f"device after the load, the checkpoint having nothing for them: {named(left)} "
+            "(non-persistent buffers are never saved: make them as the model's own "
+            "initialisation does)", MetaTensorWarning, stacklevel=3,
+        )
+    return left
 
 
 def _stored_rng(training: Mapping[str, Any], *, required: bool) -> dict[str, Any] | None:
@@ -598,7 +651,7 @@ def _model_targets(
     """(node path, live tensor) for the entries of ``sd`` that are the model's own
     parameters and buffers (a tied tensor once), and FQN -> node path of the entries a
     state-dict hook made (they are loaded through ``model.load_state_dict``)."""
-    live = _live_tensors(model)
+    live = live_tensors(model)
     copies: list[tuple[str, torch.Tensor]] = []
     hooked: dict[str, str] = {}
     seen: set[tuple[str, int]] = set()
@@ -662,6 +715,7 @@ def read_optimizer_state(
     Unlike ``optimizer.state_dict()``, ``param_groups[i]["params"]`` and the keys of
     ``state`` are parameter FQNs; tuples come back as lists.
     """
+    check_device(map_location)
     with opened(path) as ckpt:
         if "optimizer" not in ckpt.groups:
             raise TensorNotFoundError("the checkpoint has no optimizer group",
