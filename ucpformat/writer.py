@@ -66,6 +66,13 @@ HASH_ALGORITHMS = ("sha256",)
 
 def prepare_destination(store: Store, *, overwrite: bool) -> None:
     """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
+    clear_destination(store, committed=mark_destination(store, overwrite=overwrite))
+
+
+def mark_destination(store: Store, *, overwrite: bool) -> bool:
+    """The first half of :func:`prepare_destination`: refuse as it does, else write the
+    in-progress marker (R056), which leaves a committed checkpoint committed (R053).
+    True if a committed checkpoint is here, to be replaced."""
     committed = store.exists(ZARR_JSON)
     in_progress = store.exists(IN_PROGRESS_KEY)
     if committed and not overwrite:
@@ -82,17 +89,29 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    marker = _in_progress_marker()
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
     # committed checkpoint intact or something every reader refuses. The marker is not
     # written atomically: a crash while writing it leaves a partial marker, which still
     # marks the location as ours to retry into (an atomic write would leave a temporary
     # file that a retry must refuse as foreign).
-    store.put(IN_PROGRESS_KEY, [marker])
+    store.put(IN_PROGRESS_KEY, [_in_progress_marker()])
+    return committed
+
+
+def clear_destination(store: Store, *, committed: bool) -> None:
+    """The second half of :func:`prepare_destination`, after :func:`mark_destination`:
+    un-commit the checkpoint being replaced (``committed``), then remove all but the
+    marker."""
     if committed:
         store.delete(ZARR_JSON)
     store.delete_keys([key for key in store.list() if key != IN_PROGRESS_KEY])
     store.flush()
+
+
+def unmark_destination(store: Store) -> None:
+    """Withdraw the marker of a save abandoned between :func:`mark_destination` and
+    :func:`clear_destination`: a checkpoint it was to replace is then as it was."""
+    store.delete(IN_PROGRESS_KEY)
 
 
 def _in_progress_marker() -> bytes:

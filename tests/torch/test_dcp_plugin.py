@@ -638,3 +638,26 @@ def test_failure_in_one_rank_commits_nothing(runs: Path) -> None:
     assert not (runs / "failed" / "zarr.json").exists()
     with pytest.raises(IncompleteCheckpointError):
         ucpformat.open(runs / "failed")
+
+
+@pytest.mark.distributed
+def test_a_rank_failing_mid_exchange_commits_nothing_and_keeps_the_old_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's tensors become unreadable after DCP planned, while rank 0 expects cells
+    from it: no rank hangs (the launch's time limit), every rank raises, nothing is
+    committed, and the checkpoint being replaced (overwrite=True) is untouched."""
+    _launch("exchange_failure", tmp_path, 2, timeout=120)
+    outcomes = json.loads((tmp_path / "exchange_failure.json").read_text())["outcomes"]
+    assert [o["raised"] for o in outcomes] == [True, True]
+    assert all("injected: this rank's tensor could not be read" in o["message"]
+               for o in outcomes)
+    before = json.loads((tmp_path / "replaced_files.json").read_text())
+    after = {str(p.relative_to(tmp_path / "replaced")): p.read_bytes().hex()
+             for p in sorted((tmp_path / "replaced").rglob("*")) if p.is_file()}
+    assert after == before  # not a file added, removed or changed
+    reference = _npz(tmp_path / "replaced_reference.npz")
+    ckpt = ucpformat.open(tmp_path / "replaced")
+    for path, want in reference.items():
+        assert np.array_equal(ckpt[path].read(), want), path
+
