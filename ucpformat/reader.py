@@ -500,17 +500,20 @@ def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> byte
     size = store.size(key)
     if size is None:
         return None
-    too_big = ResourceLimitError(
-        f"{what or key} is {size} bytes or more, over the limit of {limit} for a metadata "
-        "document (refused unread; raise max_metadata_bytes to read it)",
-        rule="UCP-1.0-R098",
-        path=f"{store.location}/{key}",
-    )
+
+    def too_big(size: int) -> ResourceLimitError:
+        return ResourceLimitError(
+            f"{what or key} is {size} bytes or more, over the limit of {limit} for a "
+            "metadata document (refused unread; raise max_metadata_bytes to read it)",
+            rule="UCP-1.0-R098",
+            path=f"{store.location}/{key}",
+        )
+
     if size > limit:
-        raise too_big
+        raise too_big(size)
     raw = store.get_range(key, 0, limit + 1)  # the file may have grown since
     if raw is not None and len(raw) > limit:
-        raise too_big
+        raise too_big(size)
     return raw
 
 

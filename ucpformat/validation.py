@@ -22,6 +22,7 @@ from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
+    MAX_DOCUMENT_DEPTH,
     RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
     ROOT_DIGEST,
@@ -238,10 +239,14 @@ def root_violations(doc: Any) -> list[schemas.SchemaViolation]:
     """The violations of ``root.schema.json`` by a root document, the same as
     ``schemas.violations("root", doc)`` gives, in time linear in the number of nodes.
 
-    Each node of the consolidated metadata is checked against the array or group schema
-    on its own (as the root schema's ``if``/``then``/``else`` does), once per distinct
-    document: the states of one parameter, or the experts of one layer, share theirs.
+    A root the compiled validator accepts has none (see :mod:`ucpformat.schemas`).
+    Otherwise each node of the consolidated metadata is checked against the array or group
+    schema on its own (as the root schema's ``if``/``then``/``else`` does), once per
+    distinct document: the states of one parameter, or the experts of one layer, share
+    theirs.
     """
+    if schemas.fast_accepts("root", doc):  # the whole root in one pass of the compiled check
+        return []
     cm = doc.get("consolidated_metadata") if isinstance(doc, Mapping) else None
     nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
     if not isinstance(doc, Mapping) or not isinstance(cm, Mapping) or not isinstance(
@@ -347,7 +352,9 @@ def _check_node_files(
             continue
         try:
             own = loads(raw, what=key)
-            check_depth(own, what=key)
+            # a value nests no deeper than it has brackets: most documents need no walk
+            if raw.count(b"[") + raw.count(b"{") > MAX_DOCUMENT_DEPTH:
+                check_depth(own, what=key)
         except UCPError as exc:
             report.add_error(exc, path)
             continue
@@ -356,11 +363,32 @@ def _check_node_files(
 
 
 def json_equal(a: Any, b: Any) -> bool:
-    """Equality of JSON values: ``1``, ``1.0`` and ``true`` are three different values."""
+    """Equality of parsed JSON values: ``1``, ``1.0`` and ``true`` are three different
+    values.
+
+    Values whose canonical texts (keys sorted) are the same are equal: the text tells
+    each value's type and, for a float, its exact value. Only values whose texts differ
+    (or that have no text) are compared member by member: ``0.0`` and ``-0.0`` are equal.
+    """
+    try:
+        if _canonical(a) == _canonical(b):
+            return True
+    except (TypeError, ValueError, RecursionError):
+        pass
+    return _json_equal_walk(a, b)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
+def _json_equal_walk(a: Any, b: Any) -> bool:
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_json_equal_walk(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(
+            _json_equal_walk(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
 
 
@@ -590,13 +618,18 @@ def _check_manifest(
             if key not in files:
                 report.add("UCP-1.0-R030", meta.path,
                            f"stored object {key} is not in the manifest (never written)")
+    # one listing gives every file and most sizes (a path check per file costs more than
+    # the rest of a shallow validation); a size the listing does not give is asked for
+    listed = dict(store.list_sizes())
     for key, entry in files.items():
-        try:
-            found = store.size(key)
-        except UCPError as exc:
-            report.add_error(exc, key)
-            damaged.add(key)
-            continue
+        found = listed.get(key)
+        if found is None:
+            try:
+                found = store.size(key)
+            except UCPError as exc:
+                report.add_error(exc, key)
+                damaged.add(key)
+                continue
         if found is None:
             report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
         elif found != entry.get("nbytes"):
@@ -604,7 +637,7 @@ def _check_manifest(
                        f"is {found} bytes, the manifest says {entry.get('nbytes')}")
             damaged.add(key)
     known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
-    for key in store.list():
+    for key in listed:
         if key not in known:
             report.add("UCP-1.0-R044", key, "a file that the manifest does not list", "warning")
     return dict(manifest), damaged
