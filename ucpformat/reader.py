@@ -494,10 +494,13 @@ def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -
     return min(MAX_METADATA_BYTES, max(MIN_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
 
 
-def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> bytes | None:
+def read_metadata(
+    store: Store, key: str, *, limit: int, what: str = "", size: int | None = None
+) -> bytes | None:
     """A metadata document's bytes (None if absent), refused before it is read when it is
-    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read."""
-    size = store.size(key)
+    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read.
+    ``size``: the document's size, if the caller has it from a listing (not asked again)."""
+    size = store.size(key) if size is None else size
     if size is None:
         return None
 

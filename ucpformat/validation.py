@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -218,8 +218,9 @@ def _validate(
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     _check_model_group(arrays, groups, report)
-    manifest, damaged = _check_manifest(store, ucp, arrays, report, limit=limit)
-    _check_node_files(store, doc, report, damaged=damaged, limit=limit)
+    manifest, damaged, listed = _check_manifest(store, ucp, arrays, report, limit=limit)
+    _check_node_files(store, doc, report, parsed=arrays.keys() | groups.keys(), damaged=damaged,
+                      listed=listed, limit=limit)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
     cm = doc.get("consolidated_metadata")
@@ -324,14 +325,17 @@ def _check_node_files(
     doc: Mapping[str, Any],
     report: Report,
     *,
+    parsed: Set[str],
     damaged: set[str],
+    listed: Mapping[str, int | None],
     limit: int,
 ) -> None:
     """R055: every node's own zarr.json equals its entry in the consolidated metadata.
 
     A node document is read only up to the metadata limit (UCP-1.0-R098), and not at all
     when the manifest check found it missing or of another size than the manifest says
-    (``damaged``: reported there, R043).
+    (``damaged``: reported there, R043). ``listed``: the sizes the manifest check's
+    listing gave (not asked again); ``parsed``: the nodes whose paths were checked already.
     """
     cm = doc.get("consolidated_metadata")
     meta = cm.get("metadata") if isinstance(cm, Mapping) else None
@@ -342,8 +346,9 @@ def _check_node_files(
         if key in damaged:
             continue
         try:
-            names.check_path(path)
-            raw = read_metadata(store, key, limit=limit)
+            if path not in parsed:
+                names.check_path(path)
+            raw = read_metadata(store, key, limit=limit, size=listed.get(key))
         except UCPError as exc:
             report.add_error(exc, path)
             continue
@@ -561,9 +566,10 @@ def _check_manifest(
     report: Report,
     *,
     limit: int,
-) -> tuple[dict[str, Any] | None, set[str]]:
+) -> tuple[dict[str, Any] | None, set[str], dict[str, int | None]]:
     """The manifest checks (R042, R043, R030, R031, R044): the manifest, if it could be
-    checked, and the listed files found of another size or unreadable (``damaged``).
+    checked, the listed files found of another size or unreadable (``damaged``), and the
+    files of the checkpoint with the sizes its listing gave (empty if not listed).
 
     The manifest is read only if its size is the one the root gives (R043) and within the
     metadata limit (UCP-1.0-R098).
@@ -571,19 +577,19 @@ def _check_manifest(
     damaged: set[str] = set()
     ref = ucp.get("manifest")
     if not isinstance(ref, Mapping) or ref.get("path") != MANIFEST_KEY:
-        return None, damaged  # reported by the schema
+        return None, damaged, {}  # reported by the schema
     size = store.size(MANIFEST_KEY)
     if size is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None, damaged
+        return None, damaged, {}
     if size != ref.get("nbytes"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    f"the manifest is {size} bytes, the root says {ref.get('nbytes')} (not read)")
-        return None, damaged
+        return None, damaged, {}
     raw = read_metadata(store, MANIFEST_KEY, limit=limit, what="the manifest")
     if raw is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None, damaged
+        return None, damaged, {}
     if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    "the manifest's SHA-256 differs from the one in the root")
@@ -592,13 +598,13 @@ def _check_manifest(
         check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
-        return None, damaged
+        return None, damaged, {}
     del raw
     violations = schemas.violations("manifest", manifest)
     for v in violations:
         report.add(v.rule, MANIFEST_KEY, f"{v.message} (at {v.pointer})")
     if violations:
-        return None, damaged
+        return None, damaged, {}
     files: Mapping[str, Any] = manifest["files"]
     for meta in arrays.values():
         listed_node = f"{meta.path}/{ZARR_JSON}"
@@ -640,7 +646,7 @@ def _check_manifest(
     for key in listed:
         if key not in known:
             report.add("UCP-1.0-R044", key, "a file that the manifest does not list", "warning")
-    return dict(manifest), damaged
+    return dict(manifest), damaged, listed
 
 
 def _deep(
