@@ -27,7 +27,7 @@ from ucpformat import schemas
 from ucpformat.metadata import MAX_DOCUMENT_DEPTH, json_depth
 from ucpformat.storage import LocalStore
 from ucpformat.testing.hostile import dump, mutated
-from ucpformat.validation import json_equal, root_violations
+from ucpformat.validation import root_violations
 
 CASES = Path(__file__).resolve().parent.parent / "conformance" / "cases"
 
@@ -238,8 +238,22 @@ def test_list_sizes_leaves_an_overridden_size_to_be_asked(tmp_path: Path) -> Non
     assert list(store.list_sizes("linked")) == [("linked/f", None)]
 
 
-def test_json_equal_by_text_and_by_member() -> None:
-    assert json_equal({"a": [1, 2.5, "x"], "b": None}, {"b": None, "a": [1, 2.5, "x"]})
-    assert not json_equal({"a": 1}, {"a": 1.0}) and not json_equal([True], [1])
-    assert json_equal({"a": 0.0}, {"a": -0.0})  # texts differ, values are equal
-    assert not json_equal({"a": 1}, {"a": 1, "b": 2}) and not json_equal([1], [1, 1])
+def test_node_documents_compared_by_text_as_json_equal_would(tmp_path: Path) -> None:
+    """R055 (and R073's equality): a node file that differs from its consolidated copy only
+    in a number's kind or a zero's sign is reported; one that differs only in the order of
+    its members or its indentation is not."""
+    path = tmp_path / "ckpt"
+    ucpformat.save(path, {"model": {"w": np.ones(4, np.float32), "v": np.ones(4, np.float32)},
+                          "training": {"step": 1, "lr": 0.0}}, durable=False)
+
+    def rewrite(key: str, edit: Any) -> None:  # at the size the manifest lists (R043)
+        raw = (path / key).read_bytes()
+        text = edit(json.loads(raw)).encode()
+        assert len(text) <= len(raw)
+        (path / key).write_bytes(text + b" " * (len(raw) - len(text)))
+
+    rewrite("model/w/zarr.json", lambda d: json.dumps(dict(reversed(list(d.items())))))
+    rewrite("model/v/zarr.json", lambda d: json.dumps({**d, "zarr_format": 3.0}))
+    rewrite("training/zarr.json", lambda d: json.dumps(d).replace('"lr": 0.0', '"lr": -0.0'))
+    found = {i.path for i in ucpformat.validate(path).errors if i.rule == "UCP-1.0-R055"}
+    assert found == {"model/v", "training"}

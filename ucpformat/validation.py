@@ -18,11 +18,11 @@ from typing import Any, Literal
 from ucpformat import names, schemas
 from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
 from ucpformat.errors import UCPError
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_equal
 from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
-    MAX_DOCUMENT_DEPTH,
     RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
     ROOT_DIGEST,
@@ -363,38 +363,24 @@ def _check_node_files(
         except UCPError as exc:
             report.add_error(exc, path)
             continue
-        if not json_equal(own, node):
+        if not (_same_text(own, node) or json_equal(own, node)):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
 
 
-def json_equal(a: Any, b: Any) -> bool:
-    """Equality of parsed JSON values: ``1``, ``1.0`` and ``true`` are three different
-    values.
-
-    Values whose canonical texts (keys sorted) are the same are equal: the text tells
-    each value's type and, for a float, its exact value. Only values whose texts differ
-    (or that have no text) are compared member by member: ``0.0`` and ``-0.0`` are equal.
-    """
+def _same_text(a: Any, b: Any) -> bool:
+    """True if two parsed JSON values have the same canonical text (keys sorted), which
+    tells every value's kind and every number exactly: then they are equal (UCP-1.0-R073),
+    as :func:`~ucpformat.jsonvalues.json_equal` would find member by member, 5 to 10 times
+    slower. False says nothing."""
     try:
-        if _canonical(a) == _canonical(b):
-            return True
+        return _canonical(a) == _canonical(b)
     except (TypeError, ValueError, RecursionError):
-        pass
-    return _json_equal_walk(a, b)
+        return False
 
 
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False)
-
-
-def _json_equal_walk(a: Any, b: Any) -> bool:
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_json_equal_walk(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(
-            _json_equal_walk(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
 
 
 def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:
