@@ -76,9 +76,9 @@ MiB = 1 << 20
 FULL_DP = (8, 32, 128)
 QUICK_DP = (1,)
 QUICK_LLAMA = dataclasses.replace(L.LLAMA_405B, name="Llama-405B-16L", layers=16)
-#: The "before" protocol (every rank plans everything) is run up to this many ranks; above,
-#: its per-rank time is the coordinator's plan time, which it equals.
-BEFORE_MAX_RANKS = 1 << 14
+#: The "before" protocol (every rank plans everything) is run for the dense model at every
+#: scale, for the others up to this many ranks (it is the coordinator's plan again).
+BEFORE_MAX_RANKS = 4096
 
 
 def measured(fn: Callable[[], T]) -> tuple[T, float, int]:
@@ -185,7 +185,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
         "moves": len(plan.moves), "open_s": open_s, "open_peak": open_peak,
     }
     del root
-    if before and world <= BEFORE_MAX_RANKS:
+    if before:
         descs = decode_descriptions(blobs)
         raw = [len(json.dumps({**d, "specs": d["specs"]}, separators=(",", ":"))) for d in descs]
         (_, before_s, before_peak) = rss_growth(
@@ -376,9 +376,11 @@ def _s(x: float) -> str:
 def run(quick: bool = False, *, dps: Sequence[int] | None = None,
         moe: bool = True, fsdp: bool = True, dcp: bool = True,
         model: L.Transformer | None = None,
-        directory: str | Path | None = None) -> list[Table]:
+        directory: str | Path | None = None,
+        progress: Path | None = None) -> list[Table]:
     """The tables; ``quick``: 128 ranks of a 16-layer Llama-405B-shaped model (one layer
-    per stage) and small MoE and FSDP2 runs, instead of 1,024 to 16,384 ranks."""
+    per stage) and small MoE and FSDP2 runs, instead of 1,024 to 16,384 ranks.
+    ``progress``: a JSON file rewritten with the figures after each scenario."""
     dps = tuple(dps or (QUICK_DP if quick else FULL_DP))
     llama = model or (QUICK_LLAMA if quick else L.LLAMA_405B)
     rows: list[dict[str, Any]] = []
@@ -391,7 +393,8 @@ def run(quick: bool = False, *, dps: Sequence[int] | None = None,
         if fsdp:
             scenarios += [L.fsdp2(llama, 16 if quick else 128, 8)]
         for sc in scenarios:
-            row = save_figures(sc, scratch, before=True)
+            row = save_figures(sc, scratch,
+                               before=sc.kind == "megatron" or sc.world <= BEFORE_MAX_RANKS)
             if dcp:
                 target = None
                 if sc.kind == "megatron":
@@ -414,6 +417,8 @@ def run(quick: bool = False, *, dps: Sequence[int] | None = None,
                     loads[-2]["dcp_rank_load_s"] = row.get("dcp_rank_load_s", float("nan"))
             ckpt_holder.clear()
             gc.collect()
+            if progress is not None:
+                progress.write_text(json.dumps({"save": rows, "load": loads}, indent=1))
     return tables(rows, loads)
 
 
@@ -526,7 +531,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
-    tables_out = run(quick=args.quick)
+    tables_out = run(quick=args.quick, progress=args.json)
     for table in tables_out:
         print(table.to_markdown())
     if args.json:
