@@ -241,7 +241,7 @@ def read_plan(ckpt: Checkpoint, model: L.Transformer, cfg: ParallelConfig,
     for p in params:
         path = L.model_path(p.name)
         t = ckpt[path]
-        m = local_map(t.shape, layout_of(t.attributes.get("ucp", {}), t.shape, tensor=path),
+        m = local_map(t.shape, layout_of(t.attributes, t.shape, tensor=path),
                       conventions[p.name], cfg, c, zero3=False, tensor=path)
         if m is not None:
             held.append((p.name, m))
