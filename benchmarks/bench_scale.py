@@ -492,7 +492,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
                                                           "rank receives, before"),
                    ("root_bytes", "root zarr.json"), ("manifest_bytes", "manifest"),
                    ("dcp_metadata_bytes", "DCP .metadata")]),
-        ("tracemalloc peak bytes", [("rank_save_peak", "one rank"),
+        ("peak bytes (one rank: tracemalloc; others: RSS growth)", [
+            ("rank_save_peak", "one rank"),
                                     ("coord_plan_peak", "coordinator"),
                                     ("before_rank_peak", "one rank, before")]),
     ]
