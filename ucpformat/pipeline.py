@@ -577,7 +577,8 @@ def plan_shares(
     try:
         plan = plan_from_descriptions(descriptions, options)
         tensors = len(plan.tensors)
-        shares = {r: json.dumps({"tasks": t.to_json(), "tensors": tensors},
+        docs = {path: tp.meta.to_zarr_json() for path, tp in plan.tensors.items()}
+        shares = {r: json.dumps({"tasks": t.to_json(docs), "tensors": tensors},
                                 separators=(",", ":")).encode()
                   for r, t in enumerate(plan.all_tasks()) if r != 0}
     except BaseException as exc:

@@ -136,11 +136,14 @@ class RankTasks:
             out[peer] = out.get(peer, 0) + box_size(cell) * self.arrays[path].dtype.itemsize
         return out
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON document (array metadata as ``zarr.json``), e.g. for another process."""
+    def to_json(self, array_docs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A JSON document (array metadata as ``zarr.json``), e.g. for another process.
+        ``array_docs``: the ``zarr.json`` documents by path, made once for many shares."""
+        docs = array_docs or {}
         return {
             "rank": self.rank,
-            "arrays": {p: m.to_zarr_json() for p, m in self.arrays.items()},
+            "arrays": {p: docs[p] if p in docs else m.to_zarr_json()
+                       for p, m in self.arrays.items()},
             "objects": [[o.path, list(o.coords), _box_json(o.region),
                          [[s, _box_json(c)] for s, c in o.remote]] for o in self.objects],
             "sends": [[r, p, _box_json(c)] for r, p, c in self.sends],
