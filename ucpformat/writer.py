@@ -21,6 +21,8 @@ import platform
 import re
 import socket
 import threading
+import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from ucpformat._version import __version__
 from ucpformat.codecs import EMPTY, Compression, encode_index
 from ucpformat.errors import (
     CheckpointExistsError,
+    ConcurrentWriteError,
     InvalidValueError,
     UCPError,
     WriteError,
@@ -49,7 +52,7 @@ from ucpformat.metadata import (
     dumps,
     parse_array,
 )
-from ucpformat.storage import Store, open_store
+from ucpformat.storage import Store, StoreClaim, is_safe_key, open_store
 
 HASH_ALGORITHMS = ("sha256",)
 
@@ -158,7 +161,10 @@ def write_object(
     *,
     hash_algorithm: str | None = None,
 ) -> StoredObject:
-    """Encode and write one stored object; the caller owns it alone (one writer per shard)."""
+    """Encode and write one stored object; the caller owns it alone (one writer per shard).
+
+    The object is created, never replaced: if it is already there (another writer put it
+    there during this save), FileExistsError is raised (UCP-1.0-R058)."""
     buffers = encode_object(meta, coords, data)
     digest = None
     if hash_algorithm == "sha256":
@@ -167,7 +173,7 @@ def write_object(
             h.update(b)
         digest = h.hexdigest()
     key = meta.object_key(coords)
-    nbytes = store.put(key, buffers)
+    nbytes = store.create(key, buffers)
     return StoredObject(key, nbytes, digest)
 
 
@@ -185,46 +191,163 @@ def object_region(meta: ArrayMeta, coords: Sequence[int]) -> tuple[slice, ...]:
 # -- the commit protocol -----------------------------------------------------------------
 
 
-def prepare_destination(store: Store, *, overwrite: bool) -> None:
-    """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
-    committed = store.exists(ZARR_JSON)
-    in_progress = store.exists(IN_PROGRESS_KEY)
+@dataclass
+class WriteClaim:
+    """A save's hold on its location, from :func:`prepare_destination` until :func:`commit`
+    or :func:`abandon` (UCP-1.0-R058): the token its in-progress marker carries, and the
+    store's lock where the store has locks."""
+
+    token: str
+    held: StoreClaim
+    #: A committed checkpoint was here and this save un-committed it (``overwrite=True``).
+    replaced: bool = False
+    #: Committed, or abandoned: the location is no longer held.
+    done: bool = False
+
+
+#: The claim of the save in progress on each store of this process (so that commit and
+#: abandon find the claim prepare_destination took, whoever calls them).
+_CLAIMS: weakref.WeakKeyDictionary[Store, WriteClaim] = weakref.WeakKeyDictionary()
+#: The bytes of a marker read to describe its writer.
+_MARKER_READ_LIMIT = 64 << 10
+
+
+def prepare_destination(store: Store, *, overwrite: bool) -> WriteClaim:
+    """Make ``store`` ready for a new checkpoint and hold it, or refuse (never damaging a
+    committed one).
+
+    Everything that can refuse the save is checked before anything changes (UCP-1.0-R059):
+    a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
+    the writer could not remove. Then the in-progress marker is written as this save's
+    claim (UCP-1.0-R058): a second writer is refused while the first runs (on a local file
+    system the marker is locked for the whole save; on an object store a marker already
+    there is taken over only with ``overwrite``). Then the checks are repeated, the old
+    root is deleted and made durable (R053), and everything else is removed.
+
+    Returns the claim; :func:`commit` checks it before it writes the root and releases it,
+    and :func:`abandon` (called by every writer of this library when a save fails) removes
+    what the save wrote.
+    """
+    _check_destination(store, overwrite=overwrite)  # refuse before touching anything
+    held = _hold(store, token := uuid.uuid4().hex, take_over=overwrite)
+    claim = WriteClaim(token, held)
+    try:  # again, now that no other writer can change the location
+        committed, keys = _check_destination(store, overwrite=overwrite)
+    except BaseException:
+        if not held.took_over:  # leave the location as we found it
+            with contextlib.suppress(OSError, UCPError):
+                store.delete(IN_PROGRESS_KEY)
+        held.release()
+        raise
+    _CLAIMS[store] = claim
+    with explain_failure(store, claim):
+        # Mark first (above), then un-commit, then clear: a crash at any point leaves
+        # either the old committed checkpoint intact or something every reader refuses.
+        if committed:
+            store.delete(ZARR_JSON)
+            claim.replaced = True
+        store.delete_keys([k for k in keys if k not in (IN_PROGRESS_KEY, ZARR_JSON)])
+        store.flush()
+    return claim
+
+
+def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str]]:
+    """(whether a checkpoint is committed here, every key here), or the refusal."""
+    keys = list(store.list())
+    committed = ZARR_JSON in keys
     if committed and not overwrite:
         raise CheckpointExistsError(
             "a committed checkpoint is already here; pass overwrite=True to replace it",
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    if not in_progress and not store.is_empty() and not (committed and _holds_checkpoint(store)):
+    if keys and IN_PROGRESS_KEY not in keys and not (committed and _holds_checkpoint(store)):
         # overwrite=True replaces a checkpoint; it never deletes a directory of other files.
         raise CheckpointExistsError(
-            "the destination holds files that are not a UCP checkpoint; refusing to mix them "
-            "with a checkpoint or to delete them (even with overwrite=True)",
+            "the destination holds files that are not a UCP checkpoint (the first: "
+            f"{sorted(keys)[0]!r}); refusing to mix them with a checkpoint or to delete them "
+            "(even with overwrite=True)",
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    marker = _in_progress_marker()
-    # Mark first, then un-commit, then clear: a crash at any point leaves either the old
-    # committed checkpoint intact or something every reader refuses. The marker is not
-    # written atomically: a crash while writing it leaves a partial marker, which still
-    # marks the location as ours to retry into (an atomic write would leave a temporary
-    # file that a retry must refuse as foreign).
-    store.put(IN_PROGRESS_KEY, [marker])
-    if committed:
-        store.delete(ZARR_JSON)
-    store.delete_keys([key for key in store.list() if key != IN_PROGRESS_KEY])
-    store.flush()
+    unsafe = sorted(k for k in keys if not is_safe_key(k))
+    if unsafe:
+        raise CheckpointExistsError(
+            f"{len(unsafe)} file(s) here have names that no checkpoint file has, so the writer "
+            f"will not remove them (the first: {unsafe[0]!r}); remove them and save again. "
+            "Nothing was changed",
+            rule="UCP-1.0-R059",
+            path=store.location,
+        )
+    return committed, keys
 
 
-def _in_progress_marker() -> bytes:
+def _hold(store: Store, token: str, *, take_over: bool, keep: bool = False) -> StoreClaim:
+    """The store's claim on the location, its marker carrying ``token`` (or, if ``keep``,
+    a marker already there kept as it is); refused with a ConcurrentWriteError naming the
+    writer that holds it."""
+    try:
+        return store.claim(IN_PROGRESS_KEY, _in_progress_marker(token), take_over=take_over,
+                           keep=keep)
+    except BlockingIOError:
+        raise ConcurrentWriteError(
+            f"another writer is saving here ({_describe_marker(store)}) and holds the "
+            "location until it ends; nothing was changed",
+            rule="UCP-1.0-R058", path=store.location,
+        ) from None
+    except FileExistsError:
+        raise ConcurrentWriteError(
+            f"a save is in progress here, or stopped before it ended "
+            f"({_describe_marker(store)}): this store cannot tell which. If no other writer "
+            "is saving here, pass overwrite=True to take the location over; nothing was "
+            "changed",
+            rule="UCP-1.0-R058", path=store.location,
+        ) from None
+
+
+def _in_progress_marker(token: str) -> bytes:
     return dumps(
         {
             "writer": f"ucpformat {__version__}",
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": _now(),
+            "token": token,
         }
     )
+
+
+def _marker(store: Store) -> Mapping[str, Any] | None:
+    """The in-progress marker's document, or None if it is absent or not one."""
+    try:
+        raw = store.get_range(IN_PROGRESS_KEY, 0, _MARKER_READ_LIMIT)
+        doc = json.loads(raw or b"")
+    except (ValueError, OSError, UCPError):
+        return None
+    return doc if isinstance(doc, Mapping) else None
+
+
+def _describe_marker(store: Store) -> str:
+    doc = _marker(store)
+    if doc is None:
+        return "its marker says nothing more"
+    said = [f"{k} {str(doc[k])[:80]}" for k in ("writer", "host", "pid", "started") if k in doc]
+    return ", ".join(said) or "its marker says nothing more"
+
+
+def _owns(store: Store, claim: WriteClaim) -> bool:
+    """True if the in-progress marker still carries this claim's token."""
+    doc = _marker(store)
+    return doc is not None and doc.get("token") == claim.token
+
+
+def _check_owner(store: Store, claim: WriteClaim) -> None:
+    if not _owns(store, claim):
+        raise ConcurrentWriteError(
+            f"another writer took this location over during this save (its marker: "
+            f"{_describe_marker(store)}); this save commits nothing",
+            rule="UCP-1.0-R058", path=store.location,
+        )
 
 
 def _holds_checkpoint(store: Store) -> bool:
@@ -247,11 +370,16 @@ def commit(
     root_ucp: Mapping[str, Any],
     root_attributes: Mapping[str, Any] | None = None,
     hash_algorithm: str | None = None,
+    claim: WriteClaim | None = None,
 ) -> dict[str, Any]:
     """Write node metadata, the manifest and, last, the root: the checkpoint exists after this.
 
-    Returns the root ``zarr.json`` document.
+    ``claim`` (default: the one :func:`prepare_destination` took on ``store``) is checked
+    before the root is written: a save whose location another writer took over commits
+    nothing (UCP-1.0-R058). Returns the root ``zarr.json`` document.
     """
+    if claim is None:
+        claim = _CLAIMS.get(store)
     files: dict[str, dict[str, Any]] = {o.key: o.to_json() for o in objects}
     consolidated: dict[str, Any] = {}
     nodes: list[ArrayMeta | GroupMeta] = [*groups, *arrays]
@@ -292,9 +420,157 @@ def commit(
         },
     }
     # Compact: the root holds every node's metadata; it is parsed on every open.
-    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
-    store.delete(IN_PROGRESS_KEY)
+    body = dumps(root, compact=True)
+    if claim is None:
+        store.put(ZARR_JSON, [body], atomic=True)
+    else:
+        _commit_root(store, claim, body, expected={*files, MANIFEST_KEY, IN_PROGRESS_KEY})
+    try:
+        store.delete(IN_PROGRESS_KEY)
+    except OSError as exc:
+        raise WriteError(
+            f"the checkpoint is committed, but its in-progress marker could not be removed "
+            f"({exc}); readers accept the checkpoint, validators warn (UCP-1.0-R056)",
+            path=store.location,
+        ) from exc
+    finally:
+        _release(store, claim)
     return root
+
+
+def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str]) -> None:
+    """Write the root if this save still holds the location (UCP-1.0-R058).
+
+    With a lock (a local file system), checking the marker's token suffices. Without one
+    (object stores), the location must also hold no object this save did not write, the
+    root is created conditionally (it fails if another writer's root is there), and the
+    token is checked once more after it: a writer that lost the location in between
+    deletes the root it has just written.
+    """
+    _check_owner(store, claim)
+    if claim.held.locked:
+        store.put(ZARR_JSON, [body], atomic=True)
+        claim.done = True
+        return
+    foreign = sorted(k for k in store.list() if k not in expected)
+    if foreign:
+        raise ConcurrentWriteError(
+            f"{len(foreign)} object(s) that this save did not write are in its location (the "
+            f"first: {foreign[0]!r}): another writer wrote there; this save commits nothing",
+            rule="UCP-1.0-R058", path=store.location,
+        )
+    if store.exists(ZARR_JSON):  # a plain zarr root that adopt replaces
+        store.put(ZARR_JSON, [body], atomic=True)
+    else:
+        try:
+            store.create(ZARR_JSON, [body], atomic=True)
+        except FileExistsError:
+            raise ConcurrentWriteError(
+                "another writer committed a checkpoint here during this save; this save "
+                "commits nothing", rule="UCP-1.0-R058", path=store.location,
+            ) from None
+    if not _owns(store, claim):
+        store.delete(ZARR_JSON)  # ours (created just now): un-commit it
+        _check_owner(store, claim)
+    claim.done = True
+
+
+def _release(store: Store, claim: WriteClaim | None) -> None:
+    if claim is None:
+        return
+    claim.held.release()
+    if _CLAIMS.get(store) is claim:
+        del _CLAIMS[store]
+
+
+def abandon(store: Store, claim: WriteClaim | None = None) -> str:
+    """Undo a save that will not be committed: remove what it wrote and, last, its marker,
+    if the location is still its own, and release the location (UCP-1.0-R059).
+
+    ``claim`` defaults to the one :func:`prepare_destination` took on ``store``. Returns
+    what became of the location, as a sentence for an error message. Removes nothing once
+    the save has committed, or if another writer has taken the location over.
+    """
+    if claim is None:
+        claim = _CLAIMS.get(store)
+    if claim is None or claim.done:
+        return ""
+    try:
+        if not _owns(store, claim):
+            return "another writer has taken the location over, so nothing of it was removed"
+        store.delete_keys(
+            [k for k in store.list() if k != IN_PROGRESS_KEY and is_safe_key(k)]
+        )
+        store.flush()
+        store.delete_all()  # what is left: empty directories and, last, the marker
+    except (OSError, UCPError) as exc:
+        return (
+            f"its partial files could not all be removed ({exc}): they remain at "
+            f"{store.location}, with the marker {IN_PROGRESS_KEY} that every reader refuses; "
+            "the next save to that location removes them"
+        )
+    finally:
+        claim.done = True
+        _release(store, claim)
+    return "the files it had written were removed"
+
+
+@contextlib.contextmanager
+def explain_failure(store: Store, claim: WriteClaim) -> Iterator[None]:
+    """On any failure inside: :func:`abandon` the save, and say in the error what the
+    location holds now (nothing committed; the replaced checkpoint gone; its files
+    removed, or where they are)."""
+    try:
+        yield
+    except BaseException as exc:
+        if claim.done:
+            raise
+        fate = abandon(store, claim)
+        if claim.replaced:
+            text = (
+                "nothing was committed, and the checkpoint that was here is gone: this save "
+                "deleted it when it began (overwrite=True, UCP-1.0-R053), so the location "
+                "holds no checkpoint now"
+            )
+        else:
+            text = "nothing was committed"
+        text = f"{text}; {fate}" if fate else text
+        if isinstance(exc, UCPError):
+            exc.extend(text)
+        elif isinstance(exc, OSError):
+            raise WriteError(f"the save failed: {exc}; {text}", path=store.location) from exc
+        else:
+            exc.add_note(f"ucpformat: {text}")
+        raise
+
+
+def delete_checkpoint(store: Store) -> None:
+    """Delete the checkpoint, or the remains of a save, at ``store``.
+
+    Refuses what is neither (files that are not a checkpoint's, names no checkpoint has:
+    UCP-1.0-R059) and a location another writer holds (R058); then claims the location,
+    un-commits (R053), removes every file, the marker last, and releases it. The marker
+    of the remains of a save is claimed as it is, so that a full disk does not stop the
+    deletion that frees it. Links are removed, never followed. The location's directory
+    itself stays.
+    """
+    committed, keys = _check_destination(store, overwrite=True)
+    if not keys:
+        return
+    keep = IN_PROGRESS_KEY in keys and not committed
+    claim = WriteClaim(token := uuid.uuid4().hex,
+                       _hold(store, token, take_over=True, keep=keep))
+    try:
+        committed, keys = _check_destination(store, overwrite=True)
+        if committed:
+            store.delete(ZARR_JSON)
+            store.flush()
+        store.delete_keys([k for k in keys if k not in (IN_PROGRESS_KEY, ZARR_JSON)])
+        store.flush()
+        store.delete_all()
+    finally:
+        claim.done = True
+        claim.held.release()
 
 
 def _describe(body: bytes, hash_algorithm: str | None) -> dict[str, Any]:
@@ -564,8 +840,9 @@ def save(
     if the_plan.root_values:
         root_ucp["values"] = the_plan.root_values
     store = open_store(path, durable=durable)
-    with _storage_errors(store):
-        prepare_destination(store, overwrite=overwrite)
+    with _storage_errors(store, untouched=True):
+        claim = prepare_destination(store, overwrite=overwrite)
+    with explain_failure(store, claim), _storage_errors(store):
         objects = write_arrays(
             store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
             progress=progress,
@@ -577,21 +854,27 @@ def save(
             objects=objects,
             root_ucp=root_ucp,
             hash_algorithm=hash_algorithm,
+            claim=claim,
         )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
 
 
 @contextlib.contextmanager
-def _storage_errors(store: Store) -> Iterator[None]:
-    """Report a failure of the storage (OSError) as a WriteError naming the checkpoint."""
+def _storage_errors(store: Store, *, untouched: bool = False) -> Iterator[None]:
+    """Report a failure of the storage (OSError) as a WriteError naming the checkpoint
+    (``untouched``: and saying that nothing was changed)."""
     try:
         yield
     except UCPError:
         raise
-    except OSError as exc:
-        raise WriteError(
-            f"the save failed and nothing was committed: {exc}", path=store.location
+    except FileExistsError as exc:
+        raise ConcurrentWriteError(
+            f"{exc.filename or 'an object'} was written by another writer during this save",
+            rule="UCP-1.0-R058", path=store.location,
         ) from exc
+    except OSError as exc:
+        text = f"the save failed: {exc}" + ("; nothing was changed" if untouched else "")
+        raise WriteError(text, path=store.location) from exc
 
 
 def default_workers() -> int:
@@ -627,6 +910,11 @@ def write_arrays(
                 obj = write_object(store, meta, coords, le, hash_algorithm=hash_algorithm)
             except UCPError:
                 raise
+            except FileExistsError as exc:
+                raise ConcurrentWriteError(
+                    f"{meta.object_key(coords)} was written by another writer during this "
+                    "save", rule="UCP-1.0-R058", path=store.location,
+                ) from exc
             except OSError as exc:
                 raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
                                  path=store.location) from exc
@@ -777,17 +1065,21 @@ def adopt(
                 rule="UCP-1.0-R044",
                 path=store.location,
             )
-        store.put(IN_PROGRESS_KEY, [_in_progress_marker()], atomic=True)
+        claim = WriteClaim(token := uuid.uuid4().hex, _hold(store, token, take_over=True))
         ordered = sorted(arrays.values(), key=lambda m: m.path)
-        commit(
-            store,
-            arrays=ordered,
-            groups=sorted(groups.values(), key=lambda g: g.path),
-            objects=objects,
-            root_ucp=root_ucp,
-            root_attributes=root_attributes,
-            hash_algorithm=hash_algorithm,
-        )
+        try:
+            commit(
+                store,
+                arrays=ordered,
+                groups=sorted(groups.values(), key=lambda g: g.path),
+                objects=objects,
+                root_ucp=root_ucp,
+                root_attributes=root_attributes,
+                hash_algorithm=hash_algorithm,
+                claim=claim,
+            )
+        finally:  # adopt removes nothing: the arrays are another writer's
+            _release(store, claim)
     return SaveResult(store.location, len(ordered), sum(m.nbytes for m in ordered), len(objects))
 
 # -- streaming: declare every array first, then give each tensor's data ------------------
@@ -801,8 +1093,9 @@ class StreamingWriter:
     :meth:`write` (the whole tensor) or :meth:`write_object` (one stored object, for
     tensors too large to hold at once), in any order and from any number of threads.
     :meth:`commit` refuses unless every stored object of every declared array was
-    written exactly once; a writer that is never committed leaves a directory every
-    reader refuses (the in-progress marker), as a failed :func:`save` does::
+    written exactly once. The writer holds its location from its creation to its commit
+    (UCP-1.0-R058); leaving the ``with`` block without a commit (or :meth:`abort`) removes
+    what it wrote, as a failed :func:`save` does, and releases the location::
 
         with StreamingWriter("ckpt") as w:
             w.declare("model/fc.weight", (4096, 4096), "bfloat16")
@@ -835,7 +1128,8 @@ class StreamingWriter:
         self._objects: list[StoredObject] = []
         self._lock = threading.Lock()
         self._committed = False
-        prepare_destination(self.store, overwrite=overwrite)
+        with _storage_errors(self.store, untouched=True):
+            self._claim = prepare_destination(self.store, overwrite=overwrite)
 
     @property
     def location(self) -> str:
@@ -973,9 +1267,14 @@ class StreamingWriter:
         try:
             obj = write_object(self.store, meta, key, self._checked(meta, data),
                                hash_algorithm=self.hash_algorithm)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._pending[path].add(key)
+            if isinstance(exc, FileExistsError):
+                raise ConcurrentWriteError(
+                    f"{meta.object_key(key)} was written by another writer during this save",
+                    rule="UCP-1.0-R058", tensor=path,
+                ) from exc
             raise
         with self._lock:
             self._objects.append(obj)
@@ -1047,15 +1346,17 @@ class StreamingWriter:
             root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
         if root_values:
             root_ucp["values"] = jsonvalues.encode(dict(root_values), where="values")
-        commit(
-            self.store,
-            arrays=list(self._arrays.values()),
-            groups=list(groups.values()),
-            objects=self._objects,
-            root_ucp=root_ucp,
-            root_attributes=root_attributes,
-            hash_algorithm=self.hash_algorithm,
-        )
+        with explain_failure(self.store, self._claim), _storage_errors(self.store):
+            commit(
+                self.store,
+                arrays=list(self._arrays.values()),
+                groups=list(groups.values()),
+                objects=self._objects,
+                root_ucp=root_ucp,
+                root_attributes=root_attributes,
+                hash_algorithm=self.hash_algorithm,
+                claim=self._claim,
+            )
         self._committed = True
         return SaveResult(
             self.store.location,
@@ -1067,6 +1368,24 @@ class StreamingWriter:
     def __enter__(self) -> StreamingWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        # Not committed: the in-progress marker stays, and every reader refuses the directory.
-        return None
+    def abort(self) -> str:
+        """Give the save up: remove what it wrote and release the location (nothing if it
+        is committed). Returns what became of the location, as a sentence."""
+        if self._committed:
+            return ""
+        fate = abandon(self.store, self._claim)
+        if self._claim.replaced:
+            fate = f"the checkpoint that was here is gone (overwrite=True); {fate}"
+        return fate
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._committed or self._claim.done:
+            return
+        fate = self.abort()
+        if exc is None or not fate:
+            return
+        text = f"nothing was committed; {fate}"
+        if isinstance(exc, UCPError):
+            exc.extend(text)
+        else:
+            exc.add_note(f"ucpformat: {text}")

@@ -24,7 +24,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import ucpformat
-from ucpformat.errors import IncompleteCheckpointError, UCPError
+from ucpformat.errors import ConcurrentWriteError, IncompleteCheckpointError, UCPError
 from ucpformat.storage import open_store
 from ucpformat.storage_fsspec import FsspecStore
 from ucpformat.testing import faults
@@ -118,7 +118,12 @@ def test_crash_mid_upload_is_refused_and_retried(
         ucpformat.open(target)
     assert info.value.rule == "UCP-1.0-R051"
     assert "UCP-1.0-R051" in ucpformat.validate(target).rules()
-    ucpformat.save(target, small_state(4), compression="zstd", **SMALL_CHUNKING)
+    # An object store has no locks: a stopped writer's marker cannot be told from a
+    # running one's (UCP-1.0-R058), so the retry must say it takes the location over.
+    with pytest.raises(ConcurrentWriteError) as busy:
+        ucpformat.save(target, small_state(4), compression="zstd", **SMALL_CHUNKING)
+    assert busy.value.rule == "UCP-1.0-R058" and "overwrite=True" in str(busy.value)
+    ucpformat.save(target, small_state(4), compression="zstd", overwrite=True, **SMALL_CHUNKING)
     assert _loads_as(target, small_state(4))
 
 
