@@ -52,7 +52,9 @@ from ucpformat.reader import Checkpoint, Region
 from ucpformat.storage import Store, open_store
 from ucpformat.writer import (
     StoredObject,
+    WriteClaim,
     _now,
+    abandon,
     commit,
     default_producer,
     default_workers,
@@ -448,9 +450,10 @@ def save_distributed(
 
     # rank 0 prepares the destination; nobody writes before it has
     prep_error: BaseException | None = None
+    claim: WriteClaim | None = None  # rank 0's hold on the location (UCP-1.0-R058)
     if rank == 0:
         try:
-            prepare_destination(store, overwrite=overwrite)
+            claim = prepare_destination(store, overwrite=overwrite)
         except BaseException as exc:
             prep_error = exc
     _raise_if_failed(gather_failures(comm, prep_error), "preparing the destination", prep_error)
@@ -542,7 +545,10 @@ def save_distributed(
             "objects": [[o.key, o.nbytes, o.sha256] for o in objects],
         }
     )
-    _raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", write_error)
+    failed = failed_ranks([r["error"] for r in results])
+    if failed and claim is not None:
+        abandon(store, claim)  # remove what every rank wrote, release the location
+    _raise_if_failed(failed, "writing shards", write_error)
 
     commit_error: BaseException | None = None
     if rank == 0:
@@ -567,6 +573,8 @@ def save_distributed(
             )
         except BaseException as exc:
             commit_error = exc
+            if claim is not None:
+                abandon(store, claim)
     _raise_if_failed(gather_failures(comm, commit_error), "committing", commit_error)
     return DistributedSaveResult(
         store.location,

@@ -63,6 +63,12 @@ CHECKS: dict[str, CheckInfo] = {
         CheckInfo("writer.existing",
                   "a committed checkpoint at the destination is kept whole or replaced whole",
                   _r(53,)),
+        CheckInfo("writer.stray",
+                  "a committed checkpoint beside a file no checkpoint has: a refusal changes "
+                  "nothing", _r(59,)),
+        CheckInfo("writer.concurrent",
+                  "two writers started at once into one location: one checkpoint, never "
+                  "both, never mixed", _r(58,)),
         # validator suite
         CheckInfo("validator.capabilities", "the adapter describes itself", _r(203, 230)),
         CheckInfo("validator.cases",

@@ -201,8 +201,9 @@ def _local_duration(root: Path) -> float:
 
 
 def run(trials: int, *, seed: int = 0, modes: Sequence[str] = ("proc", "thread"),
-        progress: bool = False) -> Figures:
-    """``trials`` trials, spread over ``modes`` and the overwrite/old scenarios."""
+        progress: bool = False, s3_options: dict[str, Any] | None = None) -> Figures:
+    """``trials`` trials, spread over ``modes`` and the overwrite/old scenarios (``s3``:
+    against the server of ``s3_options``, or a local one started for the run)."""
     rng = random.Random(seed)
     figures = Figures()
     scenarios = [(m, ow, old) for m in modes for ow in (False, True)
@@ -211,7 +212,8 @@ def run(trials: int, *, seed: int = 0, modes: Sequence[str] = ("proc", "thread")
         root = Path(tmp)
         duration = _local_duration(root)
         s3: Any = None
-        if "s3" in modes:
+        options = s3_options or {}
+        if "s3" in modes and s3_options is None:
             from ucpformat.testing.s3 import s3_server
 
             s3 = s3_server()

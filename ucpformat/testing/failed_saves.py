@@ -272,15 +272,16 @@ def _writes_of_a_save(root: Path) -> int:
 
 
 def run(trials: int, *, seed: int = 0, kinds: Sequence[str] = KINDS,
-        progress: bool = False) -> Figures:
-    """``trials`` trials of every kind (the manager's and s3's: a fifth as many)."""
+        progress: bool = False, s3_options: dict[str, Any] | None = None) -> Figures:
+    """``trials`` trials of every kind (the manager's and s3's: a fifth as many; s3's
+    against the server of ``s3_options``, or a local one started for the run)."""
     rng = random.Random(seed)
     figures = Figures()
     with tempfile.TemporaryDirectory() as tmp:
         writes = _writes_of_a_save(Path(tmp))
         s3: Any = None
-        options: dict[str, Any] = {}
-        if "s3-stray" in kinds:
+        options: dict[str, Any] = s3_options or {}
+        if "s3-stray" in kinds and s3_options is None:
             from ucpformat.testing.s3 import s3_server
 
             s3 = s3_server()

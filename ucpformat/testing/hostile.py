@@ -49,7 +49,7 @@ from ucpformat.codecs import crc_bytes
 from ucpformat.errors import UCPError
 from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 from ucpformat.reader import open_checkpoint
-from ucpformat.testing.common import tree_bytes
+from ucpformat.testing.common import OutsideWatch, tree_bytes
 from ucpformat.validation import validate
 
 #: Readers get this limit: a hostile input must never make them allocate much more.
@@ -109,9 +109,15 @@ class Guard:
 
     def check_path(self, event: str, target: Any, args: tuple[Any, ...]) -> None:
         try:
-            path = os.path.realpath(os.fsdecode(target))
+            name = os.fsdecode(target)
         except (TypeError, ValueError):
             return
+        if not os.path.isabs(name):
+            # opened relative to a directory descriptor (the local store opens every path
+            # component by component without following links, UCP-1.0-R098): the hook
+            # cannot place it; the link target's watch (inotify) sees any access outside
+            return
+        path = os.path.realpath(name)
         root = os.path.realpath(self.root)
         inside = path == root or path.startswith(root + os.sep)
         if inside:
@@ -189,6 +195,19 @@ def exercise(root: Path, *, limit: int = LIMIT) -> list[str]:
         # deep validation runs every shallow check first
         report = validate(root, deep=True, max_read_bytes=limit, workers=1)
         outcomes.extend(f"{i.rule} {i.path}: {i.message}" for i in report.errors)
+    return outcomes
+
+
+def exercise_watching(root: Path, outside: Path) -> list[str]:
+    """:func:`exercise`, failing if anything under ``outside`` is opened or changed, as the
+    kernel reports it (inotify, where there is one)."""
+    if not OutsideWatch.available():
+        return exercise(root)
+    with OutsideWatch(outside) as watch:
+        outcomes = exercise(root)
+        touched = watch.events()
+    if touched:
+        raise HostileInputFailure(f"files outside the checkpoint were touched: {touched[:3]}")
     return outcomes
 
 
@@ -638,7 +657,7 @@ def fuzz_target(name: str, fx: Fixture, examples: int, figures: Figures,
         new = make(value)
         if "__link__" in new:
             with fx.linked(new["__link__"].decode(), fx.canary):  # type: ignore[union-attr]
-                outcomes = exercise(fx.root)
+                outcomes = exercise_watching(fx.root, fx.canary.parent)
         elif new:
             with fx.replaced(new):
                 outcomes = exercise(fx.root)

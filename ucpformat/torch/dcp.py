@@ -109,6 +109,7 @@ from ucpformat.torch.state import like, qualified_name, unwrap
 from ucpformat.writer import (
     StoredObject,
     _now,
+    abandon,
     commit,
     default_producer,
     default_workers,
@@ -247,6 +248,8 @@ class UCPWriter(StorageWriter):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        if self._store is not None:  # a save of this writer that never finished: remove
+            abandon(self._store)      # its remains, give its location up (UCP-1.0-R058)
         if checkpoint_id is not None:
             self.path = checkpoint_id
         self._state = None
