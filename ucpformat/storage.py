@@ -538,8 +538,10 @@ class LocalStore(Store):
                         if self.durable:
                             os.fsync(fd)
                             os.fsync(parent)
-                    except BaseException:
+                    except BaseException:  # a full disk, say: leave no empty marker
                         os.close(fd)
+                        with contextlib.suppress(OSError):
+                            os.unlink(leaf, dir_fd=parent)
                         raise
                     if locked:
                         return StoreClaim(key, lock_fd=fd)
@@ -625,15 +627,15 @@ class LocalStore(Store):
         return key.rpartition("/")[0]
 
     def delete_all(self) -> None:
-        """Remove everything under the location (the in-progress marker last); the
-        location's directory itself stays. Nothing is followed: a link is removed."""
+        """Remove everything under the location; the location's directory itself stays.
+        Nothing is followed: a link is removed. (Writers remove every other file first and
+        the in-progress marker last, with this.)"""
         try:
             fd = self._open_location(create=False)
         except FileNotFoundError:
             return
         try:
-            names = sorted(os.listdir(fd), key=lambda n: n == _MARKER_NAME)
-            for name in names:
+            for name in sorted(os.listdir(fd)):
                 if _is_dir(fd, name):
                     shutil.rmtree(name, dir_fd=fd)
                 else:
@@ -699,7 +701,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_MARKER_NAME = "write-in-progress.ucp.json"  # metadata.IN_PROGRESS_KEY (imports storage)
 
 
 def _is_link(parent: int, name: str) -> bool:

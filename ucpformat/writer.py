@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -371,12 +371,15 @@ def commit(
     root_attributes: Mapping[str, Any] | None = None,
     hash_algorithm: str | None = None,
     claim: WriteClaim | None = None,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Write node metadata, the manifest and, last, the root: the checkpoint exists after this.
 
     ``claim`` (default: the one :func:`prepare_destination` took on ``store``) is checked
     before the root is written: a save whose location another writer took over commits
-    nothing (UCP-1.0-R058). Returns the root ``zarr.json`` document.
+    nothing (UCP-1.0-R058). Metadata documents are created, as stored objects are, unless
+    ``replace`` (:func:`adopt`: the node documents and a plain zarr root of the arrays'
+    writer are there, and are rewritten). Returns the root ``zarr.json`` document.
     """
     if claim is None:
         claim = _CLAIMS.get(store)
@@ -391,8 +394,14 @@ def commit(
         files[f"{node.path}/{ZARR_JSON}"] = _describe(body, hash_algorithm)
         consolidated[node.path] = doc
     # Creating files is system calls (the GIL is released): a few threads overlap them.
+    def write(key: str, body: bytes) -> None:
+        if replace:
+            store.put(key, [body])
+        else:
+            create_owned(store, claim, key, lambda: store.create(key, [body]))
+
     with ThreadPoolExecutor(min(8, max(1, len(bodies)))) as pool:
-        for _ in pool.map(lambda kb: store.put(kb[0], [kb[1]]), bodies):
+        for _ in pool.map(lambda kb: write(*kb), bodies):
             pass
     ucp = dict(root_ucp)
     ucp["version"] = FORMAT_VERSION
@@ -407,7 +416,7 @@ def commit(
         "files": dict(sorted(files.items())),
     }
     manifest_body = dumps(manifest)
-    store.put(MANIFEST_KEY, [manifest_body])
+    write(MANIFEST_KEY, manifest_body)
     store.flush()  # every byte before the commit is durable before the commit is written
     ucp = {**ucp, "manifest": {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}}
     attributes = {**attributes, "ucp": ucp}
@@ -424,9 +433,11 @@ def commit(
     if claim is None:
         store.put(ZARR_JSON, [body], atomic=True)
     else:
-        _commit_root(store, claim, body, expected={*files, MANIFEST_KEY, IN_PROGRESS_KEY})
+        _commit_root(store, claim, body, expected={*files, MANIFEST_KEY, IN_PROGRESS_KEY},
+                     replace=replace)
     try:
-        store.delete(IN_PROGRESS_KEY)
+        if claim is None or claim.held.locked or _owns(store, claim):
+            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (R058)
     except OSError as exc:
         raise WriteError(
             f"the checkpoint is committed, but its in-progress marker could not be removed "
@@ -438,14 +449,15 @@ def commit(
     return root
 
 
-def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str]) -> None:
+def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str],
+                 replace: bool) -> None:
     """Write the root if this save still holds the location (UCP-1.0-R058).
 
     With a lock (a local file system), checking the marker's token suffices. Without one
     (object stores), the location must also hold no object this save did not write, the
-    root is created conditionally (it fails if another writer's root is there), and the
-    token is checked once more after it: a writer that lost the location in between
-    deletes the root it has just written.
+    root is created conditionally, and the token is checked once more after it: a writer
+    that lost the location in between deletes the root it has just written, if it is
+    still its own.
     """
     _check_owner(store, claim)
     if claim.held.locked:
@@ -453,26 +465,55 @@ def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[
         claim.done = True
         return
     foreign = sorted(k for k in store.list() if k not in expected)
-    if foreign:
+    if foreign and foreign != [ZARR_JSON]:
         raise ConcurrentWriteError(
             f"{len(foreign)} object(s) that this save did not write are in its location (the "
             f"first: {foreign[0]!r}): another writer wrote there; this save commits nothing",
             rule="UCP-1.0-R058", path=store.location,
         )
-    if store.exists(ZARR_JSON):  # a plain zarr root that adopt replaces
+    if replace:
         store.put(ZARR_JSON, [body], atomic=True)
     else:
-        try:
-            store.create(ZARR_JSON, [body], atomic=True)
-        except FileExistsError:
-            raise ConcurrentWriteError(
-                "another writer committed a checkpoint here during this save; this save "
-                "commits nothing", rule="UCP-1.0-R058", path=store.location,
-            ) from None
+        create_owned(store, claim, ZARR_JSON,
+                     lambda: store.create(ZARR_JSON, [body], atomic=True))
     if not _owns(store, claim):
-        store.delete(ZARR_JSON)  # ours (created just now): un-commit it
+        if store.get(ZARR_JSON) == body:  # ours, written just now: un-commit it
+            store.delete(ZARR_JSON)
         _check_owner(store, claim)
     claim.done = True
+
+
+_T = TypeVar("_T")
+
+
+def create_owned(store: Store, claim: WriteClaim | None, key: str, create: Callable[[], _T]
+                 ) -> _T:
+    """Run ``create`` (a create-only write of ``key``). If ``key`` is already there, it was
+    put there by another writer during this save: if this save still holds the location,
+    that writer was displaced by it and its object is removed and ``create`` run again;
+    otherwise ConcurrentWriteError (UCP-1.0-R058)."""
+    try:
+        return create()
+    except FileExistsError as exc:
+        if claim is None:
+            raise ConcurrentWriteError(
+                f"{key} was written by another writer during this save",
+                rule="UCP-1.0-R058", path=store.location,
+            ) from exc
+        if not _owns(store, claim):
+            raise ConcurrentWriteError(
+                f"another writer took this location over during this save ({key} is its; "
+                f"its marker: {_describe_marker(store)}); this save commits nothing",
+                rule="UCP-1.0-R058", path=store.location,
+            ) from exc
+    store.delete(key)
+    try:
+        return create()
+    except FileExistsError as exc:
+        raise ConcurrentWriteError(
+            f"{key} was written by another writer during this save, twice",
+            rule="UCP-1.0-R058", path=store.location,
+        ) from exc
 
 
 def _release(store: Store, claim: WriteClaim | None) -> None:
@@ -898,30 +939,41 @@ def write_arrays(
     total = sum(meta.nbytes for meta, _ in arrays)
     from ucpformat.progress import byte_progress
 
-    with byte_progress(progress, total, "saving") as advance, ThreadPoolExecutor(
-        workers or default_workers()
-    ) as pool:
+    claim = _CLAIMS.get(store)
+
+    def write(meta: ArrayMeta, coords: tuple[int, ...], le: np.ndarray[Any, Any]
+              ) -> StoredObject:
+        return create_owned(
+            store, claim, meta.object_key(coords),
+            lambda: write_object(store, meta, coords, le, hash_algorithm=hash_algorithm),
+        )
+
+    with byte_progress(progress, total, "saving") as advance:
 
         def run(task: tuple[ArrayMeta, tuple[int, ...], np.ndarray[Any, Any]]) -> StoredObject:
             meta, coords, data = task
             region = data[object_region(meta, coords)]
             le = region.astype(meta.dtype.numpy, copy=False)
             try:
-                obj = write_object(store, meta, coords, le, hash_algorithm=hash_algorithm)
+                obj = write(meta, coords, le)
             except UCPError:
                 raise
-            except FileExistsError as exc:
-                raise ConcurrentWriteError(
-                    f"{meta.object_key(coords)} was written by another writer during this "
-                    "save", rule="UCP-1.0-R058", path=store.location,
-                ) from exc
             except OSError as exc:
                 raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
                                  path=store.location) from exc
             advance(region.nbytes)
             return obj
 
-        return list(pool.map(run, tasks))
+        pool = ThreadPoolExecutor(workers or default_workers())
+        try:
+            return list(pool.map(run, tasks))
+        except BaseException:
+            # the first failure ends the save: the objects not yet started are not
+            # written (on a full disk, each would only fail in turn)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
 
 # -- adopting arrays written by another writer ----------------------------------------------
@@ -1077,6 +1129,7 @@ def adopt(
                 root_attributes=root_attributes,
                 hash_algorithm=hash_algorithm,
                 claim=claim,
+                replace=True,
             )
         finally:  # adopt removes nothing: the arrays are another writer's
             _release(store, claim)

@@ -164,6 +164,26 @@ def test_a_failed_save_into_a_new_location_leaves_no_file(tmp_path: Path) -> Non
     assert _files(dest) == []
 
 
+def test_a_marker_that_cannot_be_written_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while the marker itself is written: the save changed nothing, and no
+    empty marker is left next to the checkpoint."""
+    dest = tmp_path / "ckpt"
+    ucpformat.save(dest, small_state(1), **SMALL_CHUNKING)
+    before = _files(dest)
+
+    def full(fd: int, buffers: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("ucpformat.storage._write_all", full)
+    with pytest.raises(WriteError) as info:
+        ucpformat.save(dest, small_state(2), overwrite=True, **SMALL_CHUNKING)
+    monkeypatch.undo()
+    assert "nothing was changed" in str(info.value)
+    assert _files(dest) == before and same_state(dest, small_state(1))
+
+
 def test_a_failure_that_keeps_the_files_says_where_they_are(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,8 @@ checkpoint (``old``). Afterwards:
 - what the location holds: exactly the state of the writer that returned "saved" last,
   the old checkpoint, or nothing a reader accepts (R051) — anything else that opens is a
   *mixed* checkpoint (some of one writer's objects, some of the other's), and a location
-  that does not hold what its last "saved" writer wrote is *wrong*. Both must be zero.
+  that does not hold what its last "saved" writer wrote is *wrong*. Both must be zero;
+- and that a later save into the location (``overwrite=True``) succeeds.
 
 Run ``python -m ucpformat.testing.concurrency --trials 100`` (``make stress``); the test
 suite runs a quick mode.
@@ -158,6 +159,10 @@ def run_trial(trial: Trial, make_inner: Callable[[], Store], rng: random.Random,
     elif not saved and trial.holds not in ("old", "nothing"):
         trial.problems.append(f"no writer said saved, but the location holds {trial.holds}")
         trial.holds = "WRONG"
+    try:  # and a later save can always write there (R059)
+        save(make_inner(), small_state(seeds[0] + 1), overwrite=True, **SMALL_CHUNKING)
+    except UCPError as exc:
+        trial.problems.append(f"the location cannot be saved into any more: {exc}")
 
 
 @dataclass
@@ -165,6 +170,7 @@ class Figures:
     trials: Counter[str] = field(default_factory=Counter)
     writers: Counter[str] = field(default_factory=Counter)
     holds: Counter[str] = field(default_factory=Counter)
+    by_scenario: dict[str, Counter[str]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     def add(self, trial: Trial) -> None:
@@ -174,6 +180,8 @@ class Figures:
         for outcome, _, _ in trial.results:
             self.writers[outcome] += 1
         self.holds[trial.holds] += 1
+        saved = sum(outcome == "saved" for outcome, _, _ in trial.results)
+        self.by_scenario.setdefault(label, Counter())[f"{saved} saved, holds {trial.holds}"] += 1
         if trial.problems:
             self.failures.append(f"{label} offset={trial.offset:.2f}: "
                                  f"{'; '.join(trial.problems)}")
@@ -189,7 +197,8 @@ class Figures:
                 f"{self.writers['crashed']}"
             ),
             "the location holds": dict(sorted(self.holds.items())),
-            "trials per scenario": dict(sorted(self.trials.items())),
+            "per scenario (writers saved, what the location holds)": {
+                k: dict(sorted(v.items())) for k, v in sorted(self.by_scenario.items())},
         }
 
 
