@@ -3,9 +3,10 @@
 Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
 Every key is checked before use (UCP-1.0-R091). On a file system, nothing under the
 location is ever reached through a symbolic link (UCP-1.0-R098): every directory and file
-is opened one component at a time relative to its parent's descriptor, without following
-links, and a file read is checked on its descriptor (``fstat``), not on its path, so that
-a link planted between a check and an open is never followed. Writes create new files
+is opened relative to the location's descriptor without following links (Linux's
+``openat2`` with ``RESOLVE_NO_SYMLINKS``, else one component at a time with
+``O_NOFOLLOW``), and a file read is checked on its descriptor (``fstat``), not on its
+path, so that a link planted between a check and an open is never followed. Writes create new files
 (a file already there is replaced, never written through: it may be a hard link).
 """
 
@@ -272,6 +273,18 @@ class LocalStore(Store):
         check_key(key)
         parts = key.split("/")
         fd = self._open_location(create=create)
+        if len(parts) > 1 and _OPENAT2 is not None:
+            # one system call for the whole directory path, refusing any link on it
+            # (openat2 RESOLVE_NO_SYMLINKS): the walk below only when it fails (a directory
+            # to make, or a link or a file on the way, each said precisely there)
+            try:
+                nxt = _OPENAT2(fd, "/".join(parts[:-1]), _DIR_FLAGS)
+            except OSError:
+                pass
+            else:
+                os.close(fd)
+                fd = nxt
+                parts = parts[-1:]
         try:
             for i, part in enumerate(parts[:-1]):
                 try:
@@ -827,6 +840,48 @@ def _load_sync_file_range() -> Callable[[int], None] | None:
 
 
 _SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _load_openat2() -> Callable[[int, str, int], int] | None:
+    """Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: a path
+    opened relative to a directory descriptor in one system call, refused (ELOOP, EXDEV)
+    if any component is a link or leads out. None where it is missing or not allowed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return None
+    syscall.restype = ctypes.c_long
+
+    class OpenHow(ctypes.Structure):
+        _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                    ("resolve", ctypes.c_uint64)]
+
+    sys_openat2 = 437  # the same number on every architecture (added in Linux 5.6)
+    resolve = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+
+    def openat2(dir_fd: int, path: str, flags: int) -> int:
+        how = OpenHow(flags, 0, resolve)
+        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
+                     ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return int(fd)
+
+    root = os.open("/", _DIR_FLAGS)
+    try:  # a probe: ENOSYS (old kernel) or EPERM (a seccomp filter) mean unavailable
+        os.close(openat2(root, ".", _DIR_FLAGS))
+    except OSError:
+        return None
+    finally:
+        os.close(root)
+    return openat2
+
+
+_OPENAT2 = _load_openat2()
 
 
 def start_writeback(fd: int) -> None:
