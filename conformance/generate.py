@@ -41,23 +41,20 @@ from typing import Any
 import numpy as np
 
 from ucpformat import dtypes, names
-from ucpformat.codecs import ChunkCodec, Compression
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_array, source_maps
+from ucpformat.engine.checksum import crc_bytes
+from ucpformat.engine.codecs import ChunkCodec
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region
+from ucpformat.engine.sharding import pack_shard
+from ucpformat.engine.write import StoredObject, encode_object, write_object
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.metadata import ArrayMeta, GroupMeta
+from ucpformat.metadata import ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.storage import LocalStore
-from ucpformat.writer import (
-    StoredObject,
-    commit,
-    encode_object,
-    object_coords,
-    object_region,
-    pack_shard,
-    write_object,
-)
+from ucpformat.writer import commit
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_ID = "https://ucpformat.org/schemas/1.0/conformance-expected.schema.json"
@@ -235,11 +232,8 @@ def write_reference(
             else:
                 objects.append(write_object(store, meta, coords, region,
                                             hash_algorithm=hash_algorithm))
-    root_ucp: dict[str, Any] = {"producer": dict(PRODUCER), "created": CREATED}
-    if metadata is not None:
-        root_ucp["metadata"] = dict(metadata)
-    if root_values:
-        root_ucp["values"] = dict(root_values)
+    root_ucp = build_root_ucp(metadata=metadata, values=root_values, producer=PRODUCER,
+                              created=CREATED)
     root_ucp.update(root_extra or {})
     commit(
         store,
@@ -316,7 +310,7 @@ def commit_foreign(dest: Path, root_ucp: Mapping[str, Any],
         "consolidated_metadata": {"kind": "inline", "must_understand": False,
                                   "metadata": dict(sorted(nodes.items()))},
     }
-    (dest / "zarr.json").write_bytes(dump(root))
+    (dest / "zarr.json").write_bytes(root_bytes(root))  # sealed by its digest (R058)
 
 
 # -- expected results ------------------------------------------------------------------------
@@ -475,6 +469,33 @@ def _json(doc: Any) -> bytes:
     return json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
 
 
+#: Stands for the root's digest while the digest is computed (any 64 hex digits would do).
+_DIGEST_PLACEHOLDER = hashlib.sha256(b"the root's digest goes here").hexdigest()
+
+
+def seal_root_bytes(body: bytes, at: str) -> bytes:
+    """UCP-1.0-R058 with hashlib alone: ``body`` with the 64 hex digits ``at`` (found once,
+    quoted) replaced by the SHA-256 of ``body`` in which they are 64 ``0`` characters."""
+    token = f'"{at}"'.encode()
+    pos = body.find(token) + 1
+    if pos == 0 or body.find(token, pos) >= 0:
+        raise AssertionError("the digest must appear exactly once in the root")
+    zeroed = body[:pos] + b"0" * 64 + body[pos + 64 :]
+    return zeroed[:pos] + hashlib.sha256(zeroed).hexdigest().encode() + zeroed[pos + 64 :]
+
+
+def root_bytes(doc: Mapping[str, Any], *, digest: bool = True) -> bytes:
+    """A root document's bytes; ``digest``: with its ``root_sha256`` (R058) computed (a
+    root without an ``attributes.ucp`` object is written as it is)."""
+    attributes = doc.get("attributes")
+    if not digest or not isinstance(attributes, dict) or not isinstance(
+            attributes.get("ucp"), dict):
+        return _json(doc)
+    ucp = {**attributes["ucp"], "root_sha256": _DIGEST_PLACEHOLDER}
+    body = _json({**doc, "attributes": {**attributes, "ucp": ucp}})
+    return seal_root_bytes(body, _DIGEST_PLACEHOLDER)
+
+
 class Damage:
     """Edit a committed checkpoint in place, keeping every other part consistent.
 
@@ -497,21 +518,28 @@ class Damage:
         doc: dict[str, Any] = json.loads(self.read("zarr.json"))
         return doc
 
-    def write_root(self, doc: Mapping[str, Any]) -> None:
-        self.path("zarr.json").write_bytes(_json(doc))
+    def write_root(self, doc: Mapping[str, Any], *, digest: bool = True) -> None:
+        """Write the root; ``digest``: with its digest of the new bytes (R058)."""
+        self.path("zarr.json").write_bytes(root_bytes(doc, digest=digest))
 
     def replace_in_root(self, old: str, new: str) -> None:
-        """A textual edit of the root (for what JSON values cannot express)."""
-        text = _json(self.root_doc()).decode("utf-8")
+        """A textual edit of the root (for what JSON values cannot express), its digest
+        computed again over the edited bytes (R058)."""
+        doc = self.root_doc()
+        text = root_bytes(doc).decode("utf-8")
         if old not in text:
             raise AssertionError(f"{old!r} is not in the root zarr.json")
-        self.path("zarr.json").write_text(text.replace(old, new, 1), encoding="utf-8")
+        body = text.replace(old, new, 1).encode("utf-8")
+        digest = json.loads(text)["attributes"]["ucp"]["root_sha256"]
+        self.path("zarr.json").write_bytes(seal_root_bytes(body, digest))
 
-    def edit_root(self, fn: Callable[[dict[str, Any]], None], *, seal: bool = True) -> None:
-        """Edit the root; ``seal``: keep the manifest's copy of its attributes in step (R045)."""
+    def edit_root(self, fn: Callable[[dict[str, Any]], None], *, seal: bool = True,
+                  digest: bool = True) -> None:
+        """Edit the root; ``seal``: keep the manifest's copy of its attributes in step (R045);
+        ``digest``: give the root the digest of its new bytes (R058)."""
         doc = self.root_doc()
         fn(doc)
-        self.write_root(doc)
+        self.write_root(doc, digest=digest)
         if seal:
             self.reseal()
 
@@ -519,11 +547,13 @@ class Damage:
         self.edit_root(lambda doc: fn(doc["attributes"]["ucp"]), seal=seal)
 
     def reseal(self) -> None:
-        """Copy the root's attributes (minus the manifest reference) into the manifest."""
+        """Copy the root's attributes (minus the manifest reference and the root's digest)
+        into the manifest."""
         attributes = json.loads(json.dumps(self.root_doc().get("attributes", {})))
         if not isinstance(attributes, dict) or not isinstance(attributes.get("ucp"), dict):
             return  # nothing to seal: the case breaks the root's attributes on purpose
         attributes["ucp"].pop("manifest", None)
+        attributes["ucp"].pop("root_sha256", None)
         doc = self.manifest()
         doc["root_attributes"] = attributes
         self.write_manifest(doc)
@@ -631,7 +661,7 @@ class Damage:
                       listed: bool = True, offset: int = 0, length: int | None = None) -> None:
         """Replace the payload of the chunk at ``[offset, offset + length)`` of a stored
         object (the whole object by default), then append a correct (or the old) CRC."""
-        from ucpformat.codecs import crc_bytes
+        from ucpformat.engine.checksum import crc_bytes
 
         data = self.read(key)
         end = len(data) if length is None else offset + length
@@ -648,7 +678,7 @@ class Damage:
 
     def set_shard_index(self, key: str, index: np.ndarray[Any, Any], *, recrc: bool = True
                         ) -> None:
-        from ucpformat.codecs import crc_bytes
+        from ucpformat.engine.checksum import crc_bytes
 
         data = self.read(key)
         n = index.size * 8 + 4
@@ -1158,6 +1188,9 @@ R = "UCP-1.0-R"
 
 #: Other requirements an implementation may name for a case (what a reader sees of it).
 ALSO: dict[str, list[str]] = {
+    "chunk-parent-is-file": ["031", "072"],
+    "root-edited-data-type": ["055"],
+    "root-edited-sparse": ["055", "031"],
     "chunk-never-written": ["031"],
     "sparse-not-boolean": ["029"],
     "name-dot-dot": ["091"],
@@ -1524,7 +1557,7 @@ def _(d: Damage) -> None:
     os.symlink("../../../../expected.json", d.path(key))
 
 
-@invalid("symlink-inside", "read", ["098"],
+@invalid("symlink-inside", "read", ["089"],
          "A chunk file that is a symbolic link to a file inside the checkpoint with the "
          "same bytes: no link under a checkpoint is followed.")
 def _(d: Damage) -> None:
@@ -1613,6 +1646,69 @@ def _(d: Damage) -> None:
          "consolidated_metadata.")
 def _(d: Damage) -> None:
     d.edit_root(_set(["x_extra"], {"hidden": True}))
+
+
+# issue 13: the root is checked by its digest on open (R058); strings are Unicode (R006)
+
+
+@invalid("root-digest-missing", "open", ["058"],
+         "The root has no attributes.ucp.root_sha256: damage to it could not be detected.")
+def _(d: Damage) -> None:
+    d.edit_root(_del("attributes", "ucp", "root_sha256"), seal=False, digest=False)
+
+
+@invalid("root-edited-data-type", "open", ["058"],
+         "The root alone was edited after the commit: model/emb.weight's data type reads "
+         "float16 instead of bfloat16 (same size, other values); its digest no longer "
+         "matches.")
+def _(d: Damage) -> None:
+    d.edit_root(_set(["consolidated_metadata", "metadata", "model/emb.weight", "data_type"],
+                     "float16"), seal=False, digest=False)
+
+
+@invalid("root-edited-sparse", "open", ["058"],
+         "The root alone was edited after the commit: model/fc.bias is marked sparse and its "
+         "chunk deleted, so it would read as fill values; the root's digest no longer "
+         "matches.")
+def _(d: Damage) -> None:
+    d.delete("model/fc.bias/c/0")
+    d.edit_root(_set(["consolidated_metadata", "metadata", "model/fc.bias", "attributes",
+                      "ucp", "sparse"], True), seal=False, digest=False)
+
+
+@invalid("value-lone-surrogate", "open", ["006"],
+         "A JSON value of the root holds the escape \\ud800, an unpaired surrogate: not "
+         "Unicode text (no UTF-8 encoding).")
+def _(d: Damage) -> None:
+    d.replace_in_root('"step": 3', '"step": "\\ud800"')
+
+
+@invalid("member-name-lone-surrogate", "open", ["006"],
+         "A member name in the root's values holds the escape \\udc00, an unpaired "
+         "surrogate.")
+def _(d: Damage) -> None:
+    d.replace_in_root('"step": 3', '"\\udc00step": 3')
+
+
+@invalid("chunk-oversized", "read", ["098"],
+         "An unsharded zstd chunk of 96 bytes is stored in 70,000 bytes: a valid frame, then "
+         "a skippable frame of padding. No compressor needs more than twice a chunk's size "
+         "plus 64 KiB; a reader refuses it unread.")
+def _(d: Damage) -> None:
+    key = "optimizer/state/fc.weight/exp_avg/c/0/0"
+    payload = d.read(key)[:-4]
+    padding = 70_000 - len(payload) - 12
+    skippable = (0x184D2A50).to_bytes(4, "little") + padding.to_bytes(4, "little")
+    body = payload + skippable + bytes(padding)
+    d.put(key, body + crc_bytes(body))  # standard zstd: any decoder skips the padding
+
+
+@invalid("chunk-parent-is-file", "read", ["099"],
+         "Where model/fc.bias/c/ should be a directory holding the chunk 0, a file stands: "
+         "the chunk cannot be read (the file system says 'not a directory').")
+def _(d: Damage) -> None:
+    d.delete("model/fc.bias/c")
+    d.put("model/fc.bias/c", b"not a directory\n", listed=False)
 
 
 @invalid("deep-nesting", "validate", ["096"],

@@ -32,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking, dtypes, jsonvalues, names
-from ucpformat.codecs import Compression
+from ucpformat import dtypes, jsonvalues, names
 from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import LayoutError, UCPError, WriteError
 from ucpformat.layout.boxes import (
     Box,
@@ -46,21 +49,16 @@ from ucpformat.layout.boxes import (
     full_box,
     intersect,
 )
-from ucpformat.metadata import ArrayMeta, GroupMeta
+from ucpformat.metadata import ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.progress import byte_progress
 from ucpformat.reader import Checkpoint, Region
 from ucpformat.storage import Store, open_store
 from ucpformat.writer import (
-    StoredObject,
     WriteClaim,
-    _now,
     abandon,
     commit,
-    default_producer,
     default_workers,
-    object_coords,
     prepare_destination,
-    write_object,
     zero_bits,
 )
 
@@ -450,7 +448,7 @@ def save_distributed(
 
     # rank 0 prepares the destination; nobody writes before it has
     prep_error: BaseException | None = None
-    claim: WriteClaim | None = None  # rank 0's hold on the location (UCP-1.0-R058)
+    claim: WriteClaim | None = None  # rank 0's hold on the location (UCP-1.0-R059)
     if rank == 0:
         try:
             claim = prepare_destination(store, overwrite=overwrite)
@@ -554,15 +552,8 @@ def save_distributed(
     if rank == 0:
         try:
             all_objects = [StoredObject(k, n, h) for item in results for k, n, h in item["objects"]]
-            root_ucp: dict[str, Any] = {
-                "producer": default_producer(),
-                "created": _now(),
-                "saved_by": {"world_size": comm.world_size},
-            }
-            if metadata is not None:
-                root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-            if root_values:
-                root_ucp["values"] = jsonvalues.encode(dict(root_values), where="values")
+            root_ucp = build_root_ucp(metadata=metadata, values=root_values,
+                                      saved_by={"world_size": comm.world_size})
             commit(
                 store,
                 arrays=[tp.meta for tp in plan.tensors.values()],

@@ -7,7 +7,6 @@ The spec's data-type table (spec/ucp-1.0.md) and the schema enum
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -200,8 +199,3 @@ def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) 
     if not math.isfinite(float(value)) and math.isfinite(as_float):
         raise bad("out of range")
     return value
-
-
-def float_bits(value: float, fmt: str) -> int:
-    """The IEEE bit pattern of ``value`` as float32 (``fmt='f'``) or float64 (``'d'``)."""
-    return int.from_bytes(struct.pack("<" + fmt, value), "little")

@@ -56,10 +56,6 @@ class VersionError(FormatError):
     """The format version is missing, malformed, or of a major version this reader refuses."""
 
 
-class SchemaError(FormatError):
-    """A metadata object violates its JSON Schema."""
-
-
 class UnsupportedFeatureError(FormatError):
     """The checkpoint uses a data type, codec or feature outside the spec's closed lists."""
 
@@ -82,6 +78,12 @@ class ChecksumError(CorruptDataError):
 
 class CheckpointNotFoundError(FormatError, FileNotFoundError):
     """Nothing that could be a checkpoint exists at the given location."""
+
+
+class StorageError(UCPError, OSError):
+    """The storage refused a read: permission denied, a file where a directory should be,
+    a name too long for the file system, an I/O error (UCP-1.0-R099). Names the file and
+    the operating system's reason; also an OSError, for callers that catch those."""
 
 
 class SelectionError(UCPError, IndexError):

@@ -2,7 +2,7 @@
 
 Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
 Every key is checked before use (UCP-1.0-R091). On a file system, nothing under the
-location is ever reached through a symbolic link (UCP-1.0-R098): every directory and file
+location is ever reached through a symbolic link (UCP-1.0-R089): every directory and file
 is opened relative to the location's descriptor without following links (Linux's
 ``openat2`` with ``RESOLVE_NO_SYMLINKS``, else one component at a time with
 ``O_NOFOLLOW``), and a file read is checked on its descriptor (``fstat``), not on its
@@ -31,7 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ucpformat.errors import UnsafePathError
+from ucpformat.errors import (
+    CheckpointNotFoundError,
+    StorageError,
+    UCPError,
+    UnsafePathError,
+)
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
 
@@ -215,7 +220,7 @@ class LocalStore(Store):
     writer calls :meth:`flush` before it writes the root. An atomic put (the commit
     marker, the root) is made durable before it returns, its directory too.
 
-    Nothing under the location is reached through a symbolic link (UCP-1.0-R098): each
+    Nothing under the location is reached through a symbolic link (UCP-1.0-R089): each
     path is opened component by component from the location's descriptor with
     ``O_NOFOLLOW``, so a link met on the way is refused, whenever it was planted. The
     location itself may be a link (it is the caller's path) unless ``follow_link=False``.
@@ -258,7 +263,7 @@ class LocalStore(Store):
             ):
                 raise UnsafePathError(
                     "the checkpoint location is a symbolic link, which this store does not "
-                    "follow", rule="UCP-1.0-R098", path=self.location,
+                    "follow", rule="UCP-1.0-R089", path=self.location,
                 ) from exc
             raise
 
@@ -322,7 +327,7 @@ class LocalStore(Store):
 
     def _refuse_link(self, parent: int, parts: Sequence[str], key: str) -> None:
         """Raise UnsafePathError for ``key``, whose part ``parts`` is a link (R091 if it
-        points outside the checkpoint, else R098)."""
+        points outside the checkpoint, else R089)."""
         link = "/".join(parts)
         what = f"{key!r} is" if link == key else f"{key!r}: its directory {link!r} is"
         try:
@@ -343,7 +348,7 @@ class LocalStore(Store):
             )
         raise UnsafePathError(
             f"{what} a symbolic link (to {target!r}); a checkpoint holds no links, and none "
-            "is followed", rule="UCP-1.0-R098", path=self.location,
+            "is followed", rule="UCP-1.0-R089", path=self.location,
         )
 
     # -- reads ------------------------------------------------------------------------
@@ -352,7 +357,7 @@ class LocalStore(Store):
         """A descriptor of the object's regular file, or None if it is absent.
 
         Opened without following a link at any component, and checked on the descriptor
-        (UCP-1.0-R098): what was opened is what is read, whatever replaced the path since.
+        (UCP-1.0-R089): what was opened is what is read, whatever replaced the path since.
         """
         try:
             with self._directory(key, create=False) as (parent, leaf):
@@ -914,3 +919,109 @@ def open_store(
     if text.startswith("file://"):
         text = text[len("file://") :]
     return LocalStore(text, durable=durable)
+
+
+class ReadGuard(Store):
+    """The reads of another store, with every failure of the operating system (permission
+    denied, a file where a directory should be, a name too long, an I/O error) raised as a
+    :class:`~ucpformat.errors.StorageError` that names the file (UCP-1.0-R099).
+
+    ``open`` and ``validate`` read through it, so that no public read call lets a raw
+    ``OSError`` escape; writes pass through unchanged (the writer reports its own).
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.location = inner.location
+
+    def _error(self, key: str, exc: OSError) -> UCPError:
+        if isinstance(exc, NotADirectoryError) and key.count("/") == 0:
+            return CheckpointNotFoundError(
+                "not a directory: a checkpoint is a directory", rule="UCP-1.0-R051",
+                path=self.location,
+            )
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        where = self.location if key in ("", ".") else f"{self.location}/{key}"
+        return StorageError(f"cannot read it: {reason}", rule="UCP-1.0-R099", path=where)
+
+    def _call(self, key: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except UCPError:
+            raise
+        except OSError as exc:
+            raise self._error(key, exc) from exc
+
+    def get(self, key: str) -> bytes | None:
+        result: bytes | None = self._call(key, lambda: self.inner.get(key))
+        return result
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        result: bytes | None = self._call(key, lambda: self.inner.get_range(key, offset, length))
+        return result
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        result: bytes | None = self._call(key, lambda: self.inner.get_suffix(key, length))
+        return result
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        result: int | None = self._call(key, lambda: self.inner.read_into(key, offset, buffers))
+        return result
+
+    def size(self, key: str) -> int | None:
+        result: int | None = self._call(key, lambda: self.inner.size(key))
+        return result
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call(key, lambda: self.inner.exists(key)))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        keys = iter(self._call(prefix or ".", lambda: self.inner.list(prefix)))
+        while True:
+            try:
+                key = next(keys)
+            except StopIteration:
+                return
+            except UCPError:
+                raise
+            except OSError as exc:
+                raise self._error(prefix or ".", exc) from exc
+            yield key
+
+    def is_empty(self) -> bool:
+        return bool(self._call(".", self.inner.is_empty))
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        return self.inner.put(key, buffers, atomic=atomic)
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        return self.inner.atomic_create
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        return self.inner.create(key, buffers, atomic=atomic)
+
+    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
+              ) -> StoreClaim:
+        return self.inner.claim(key, body, take_over=take_over, keep=keep)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def delete_keys(self, keys: Iterable[str]) -> None:
+        self.inner.delete_keys(keys)
+
+    def delete_all(self) -> None:
+        self.inner.delete_all()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+def read_guarded(location: str | os.PathLike[str] | Store) -> Store:
+    """The store of a location for reading (``durable=False``), behind a :class:`ReadGuard`."""
+    if not isinstance(location, Store) and "\x00" in os.fspath(location):
+        raise StorageError("a location cannot contain a NUL character", rule="UCP-1.0-R099",
+                           path=repr(os.fspath(location)))
+    store = open_store(location, durable=False)
+    return store if isinstance(store, ReadGuard) else ReadGuard(store)

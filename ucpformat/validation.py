@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ucpformat import names, schemas
+from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
 from ucpformat.errors import UCPError
 from ucpformat.metadata import (
     FORMAT_MAJOR,
@@ -23,19 +24,26 @@ from ucpformat.metadata import (
     MANIFEST_KEY,
     RESERVED_GROUPS,
     RESERVED_ROOT_SUFFIX,
+    ROOT_DIGEST,
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
     check_depth,
+    check_root_digest,
     loads,
     parse_array,
     parse_group,
     parse_version,
-    stored_object_coords,
 )
 from ucpformat.progress import byte_progress
-from ucpformat.reader import UNDERSTOOD_FEATURES, Checkpoint, Tensor
-from ucpformat.storage import Store, open_store
+from ucpformat.reader import (
+    UNDERSTOOD_FEATURES,
+    Checkpoint,
+    Tensor,
+    metadata_limit,
+    read_metadata,
+)
+from ucpformat.storage import Store, read_guarded
 
 Level = Literal["error", "warning"]
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -69,6 +77,11 @@ class Report:
     issues: list[Issue] = field(default_factory=list)
     deep: bool = False
     checked_objects: int = 0
+    #: The issues already reported (a set: a report of 100,000 issues is built in linear time).
+    _seen: set[Issue] = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._seen.update(self.issues)
 
     @property
     def errors(self) -> list[Issue]:
@@ -95,11 +108,15 @@ class Report:
 
     def add(self, rule: str | None, path: str, message: str, level: Level = "error") -> None:
         issue = Issue(rule, path or "/", message, level)
-        if issue not in self.issues:
+        if issue not in self._seen:
+            self._seen.add(issue)
             self.issues.append(issue)
 
     def add_error(self, exc: UCPError, path: str) -> None:
-        self.add(exc.rule, exc.tensor or exc.path or path, exc.message)
+        where = exc.tensor or exc.path or path
+        if where.startswith(self.location + "/"):  # a file of this checkpoint: its key
+            where = where[len(self.location) + 1 :]
+        self.add(exc.rule, where, exc.message)
 
 
 def _node_of_pointer(pointer: str) -> str:
@@ -116,17 +133,26 @@ def validate(
     progress: bool | Callable[[int], None] = False,
     workers: int = 4,
     max_read_bytes: int | None = None,
+    max_metadata_bytes: int | None = None,
 ) -> Report:
     """Check a checkpoint; never raises for a bad checkpoint (problems go in the report).
 
     ``max_read_bytes`` bounds what a deep validation decodes at once (one stored object;
-    default: the physical memory, as for ``open``).
+    default: the physical memory, as for ``open``); ``max_metadata_bytes`` the largest
+    metadata document read (as for ``open``, UCP-1.0-R098). A file the storage refuses to
+    read is an error of the report (UCP-1.0-R099), never an exception.
     """
-    store = open_store(path, durable=False)
+    try:
+        store = read_guarded(path)
+    except UCPError as exc:
+        report = Report(str(path), deep=deep)
+        report.add_error(exc, "/")
+        return report
     report = Report(store.location, deep=deep)
     try:
         _validate(store, report, deep=deep, progress=progress, workers=workers,
-                  max_read_bytes=max_read_bytes)
+                  max_read_bytes=max_read_bytes,
+                  limit=metadata_limit(max_metadata_bytes, max_read_bytes))
     except UCPError as exc:  # a problem that stops validation early
         report.add_error(exc, "/")
     return report
@@ -140,8 +166,9 @@ def _validate(
     progress: bool | Callable[[int], None],
     workers: int,
     max_read_bytes: int | None = None,
+    limit: int,
 ) -> None:
-    raw = store.get(ZARR_JSON)
+    raw = read_metadata(store, ZARR_JSON, limit=limit, what="the root zarr.json")
     if raw is None:
         why = (
             "a save was interrupted or is in progress"
@@ -152,7 +179,7 @@ def _validate(
         return
     doc = loads(raw, what=ZARR_JSON)
     check_depth(doc, what=ZARR_JSON)  # before any recursive walk (R096)
-    for v in schemas.violations("root", doc):
+    for v in root_violations(doc):
         report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
     if not isinstance(doc, Mapping):
         return
@@ -162,6 +189,11 @@ def _validate(
         report.add("UCP-1.0-R002", "/", "the root has no attributes.ucp object")
         return
     try:
+        check_root_digest(raw, doc, where=ZARR_JSON)
+    except UCPError as exc:
+        report.add_error(exc, ZARR_JSON)
+    del raw
+    try:
         parse_version(ucp.get("version"), where=store.location)
     except UCPError as exc:
         report.add_error(exc, "/")
@@ -169,9 +201,9 @@ def _validate(
     must = ucp.get("must_understand", [])
     features = {m for m in must if isinstance(m, str)} if isinstance(must, list) else set()
     unknown = sorted(features - UNDERSTOOD_FEATURES)
-    if unknown:
+    if unknown:  # (a must_understand that is not a list of strings: the schema reports it)
         report.add("UCP-1.0-R061", "/",
-                   f"needs features this reader does not implement: {unknown}")
+                   f"must_understand lists features this reader does not implement: {unknown}")
     if store.exists(IN_PROGRESS_KEY):
         report.add(
             "UCP-1.0-R056", "/",
@@ -181,12 +213,12 @@ def _validate(
         )
     arrays, groups = _parse_nodes(doc, report)
     _check_tree(arrays, groups, report)
-    _check_node_files(store, doc, report)
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     _check_layouts(arrays, groups, report)
-    _check_conformance_extras(ucp, arrays, groups, report)
-    manifest = _check_manifest(store, ucp, arrays, report)
+    _check_model_group(arrays, groups, report)
+    manifest, damaged = _check_manifest(store, ucp, arrays, report, limit=limit)
+    _check_node_files(store, doc, report, damaged=damaged, limit=limit)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
     cm = doc.get("consolidated_metadata")
@@ -198,7 +230,44 @@ def _validate(
         # read, so one run reports all the damage.
         root = parse_group("", doc, root=True)
         ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
-        _deep(ckpt, manifest, report, progress=progress, workers=workers)
+        _deep(ckpt, manifest, damaged, report, progress=progress, workers=workers,
+              block=min(HASH_BLOCK, ckpt.max_read_bytes))
+
+
+def root_violations(doc: Any) -> list[schemas.SchemaViolation]:
+    """The violations of ``root.schema.json`` by a root document, the same as
+    ``schemas.violations("root", doc)`` gives, in time linear in the number of nodes.
+
+    Each node of the consolidated metadata is checked against the array or group schema
+    on its own (as the root schema's ``if``/``then``/``else`` does), once per distinct
+    document: the states of one parameter, or the experts of one layer, share theirs.
+    """
+    cm = doc.get("consolidated_metadata") if isinstance(doc, Mapping) else None
+    nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
+    if not isinstance(doc, Mapping) or not isinstance(cm, Mapping) or not isinstance(
+            nodes, Mapping) or not nodes:
+        return schemas.violations("root", doc)
+    # the root with a minimal valid group for every node: checks everything but the nodes
+    stand_in = {"zarr_format": 3, "node_type": "group"}
+    shell = {**doc, "consolidated_metadata": {**cm, "metadata": dict.fromkeys(nodes, stand_in)}}
+    out = schemas.violations("root", shell)
+    seen: dict[tuple[str, str], list[schemas.SchemaViolation]] = {}
+    for path, node in nodes.items():
+        kind = ("array" if isinstance(node, Mapping) and node.get("node_type") == "array"
+                else "group")
+        key = (kind, json.dumps(node, separators=(",", ":"), ensure_ascii=False))
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = schemas.violations(kind, node)
+        if found:
+            prefix = "/consolidated_metadata/metadata/" + str(path).replace(
+                "~", "~0").replace("/", "~1")
+            out.extend(
+                schemas.SchemaViolation(v.rule, prefix + (v.pointer if v.pointer != "/" else ""),
+                                        v.message)
+                for v in found
+            )
+    return out
 
 
 def _parse_nodes(
@@ -245,15 +314,31 @@ def _check_tree(
             report.add_error(exc, parent or "/")
 
 
-def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> None:
+def _check_node_files(
+    store: Store,
+    doc: Mapping[str, Any],
+    report: Report,
+    *,
+    damaged: set[str],
+    limit: int,
+) -> None:
+    """R055: every node's own zarr.json equals its entry in the consolidated metadata.
+
+    A node document is read only up to the metadata limit (UCP-1.0-R098), and not at all
+    when the manifest check found it missing or of another size than the manifest says
+    (``damaged``: reported there, R043).
+    """
     cm = doc.get("consolidated_metadata")
     meta = cm.get("metadata") if isinstance(cm, Mapping) else None
     if not isinstance(meta, Mapping):
         return
     for path, node in meta.items():
+        key = f"{path}/{ZARR_JSON}"
+        if key in damaged:
+            continue
         try:
             names.check_path(path)
-            raw = store.get(f"{path}/{ZARR_JSON}")
+            raw = read_metadata(store, key, limit=limit)
         except UCPError as exc:
             report.add_error(exc, path)
             continue
@@ -261,8 +346,8 @@ def _check_node_files(store: Store, doc: Mapping[str, Any], report: Report) -> N
             report.add("UCP-1.0-R055", path, "its own zarr.json is missing")
             continue
         try:
-            own = loads(raw, what=f"{path}/{ZARR_JSON}")
-            check_depth(own, what=f"{path}/{ZARR_JSON}")
+            own = loads(raw, what=key)
+            check_depth(own, what=key)
         except UCPError as exc:
             report.add_error(exc, path)
             continue
@@ -284,7 +369,8 @@ def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report
     attrs = doc.get("attributes")
     if not isinstance(attrs, Mapping) or not isinstance(attrs.get("ucp"), Mapping):
         return  # reported already (R002)
-    actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items() if k != "manifest"}}
+    actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items()
+                               if k not in ("manifest", ROOT_DIGEST)}}
     sealed = manifest.get("root_attributes")
     if sealed is None:
         report.add("UCP-1.0-R045", ZARR_JSON,
@@ -437,24 +523,39 @@ def expected_objects(meta: ArrayMeta) -> list[str]:
     """
     if math.prod(meta.shape) == 0:
         return []
-    from ucpformat.writer import object_coords
-
     return [meta.object_key(c) for c in object_coords(meta)]
 
 
 def _check_manifest(
-    store: Store, ucp: Mapping[str, Any], arrays: Mapping[str, ArrayMeta], report: Report
-) -> dict[str, Any] | None:
+    store: Store,
+    ucp: Mapping[str, Any],
+    arrays: Mapping[str, ArrayMeta],
+    report: Report,
+    *,
+    limit: int,
+) -> tuple[dict[str, Any] | None, set[str]]:
+    """The manifest checks (R042, R043, R030, R031, R044): the manifest, if it could be
+    checked, and the listed files found of another size or unreadable (``damaged``).
+
+    The manifest is read only if its size is the one the root gives (R043) and within the
+    metadata limit (UCP-1.0-R098).
+    """
+    damaged: set[str] = set()
     ref = ucp.get("manifest")
     if not isinstance(ref, Mapping) or ref.get("path") != MANIFEST_KEY:
-        return None  # reported by the schema
-    raw = store.get(MANIFEST_KEY)
+        return None, damaged  # reported by the schema
+    size = store.size(MANIFEST_KEY)
+    if size is None:
+        report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
+        return None, damaged
+    if size != ref.get("nbytes"):
+        report.add("UCP-1.0-R043", MANIFEST_KEY,
+                   f"the manifest is {size} bytes, the root says {ref.get('nbytes')} (not read)")
+        return None, damaged
+    raw = read_metadata(store, MANIFEST_KEY, limit=limit, what="the manifest")
     if raw is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None
-    if len(raw) != ref.get("nbytes"):
-        report.add("UCP-1.0-R043", MANIFEST_KEY,
-                   f"the manifest is {len(raw)} bytes, the root says {ref.get('nbytes')}")
+        return None, damaged
     if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    "the manifest's SHA-256 differs from the one in the root")
@@ -463,12 +564,13 @@ def _check_manifest(
         check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
-        return None
+        return None, damaged
+    del raw
     violations = schemas.violations("manifest", manifest)
     for v in violations:
         report.add(v.rule, MANIFEST_KEY, f"{v.message} (at {v.pointer})")
     if violations:
-        return None
+        return None, damaged
     files: Mapping[str, Any] = manifest["files"]
     for meta in arrays.values():
         listed_node = f"{meta.path}/{ZARR_JSON}"
@@ -490,50 +592,54 @@ def _check_manifest(
                            f"stored object {key} is not in the manifest (never written)")
     for key, entry in files.items():
         try:
-            size = store.size(key)
+            found = store.size(key)
         except UCPError as exc:
             report.add_error(exc, key)
+            damaged.add(key)
             continue
-        if size is None:
+        if found is None:
             report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
-        elif size != entry.get("nbytes"):
+        elif found != entry.get("nbytes"):
             report.add("UCP-1.0-R043", key,
-                       f"is {size} bytes, the manifest says {entry.get('nbytes')}")
+                       f"is {found} bytes, the manifest says {entry.get('nbytes')}")
+            damaged.add(key)
     known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
     for key in store.list():
         if key not in known:
             report.add("UCP-1.0-R044", key, "a file that the manifest does not list", "warning")
-    return dict(manifest)
+    return dict(manifest), damaged
 
 
 def _deep(
     ckpt: Checkpoint,
     manifest: Mapping[str, Any] | None,
+    damaged: set[str],
     report: Report,
     *,
     progress: bool | Callable[[int], None],
     workers: int,
+    block: int,
 ) -> None:
-    """Read every stored object: SHA-256 against the manifest, CRC32C of every chunk."""
+    """Read every stored object: SHA-256 against the manifest, CRC32C of every chunk.
+
+    Digests are computed over blocks of ``block`` bytes, so that a file, however large,
+    costs one block of memory (UCP-1.0-R098); files the manifest check found of another
+    size (``damaged``) are not read again.
+    """
     files: Mapping[str, Any] = (manifest or {}).get("files", {})
     total = sum(int(e.get("nbytes", 0)) for e in files.values())
 
-    def check_file(key: str) -> tuple[int, Issue | None]:
+    def check_file(key: str) -> tuple[int, UCPError | Issue | None]:
         entry = files[key]
-        try:
-            data = ckpt.store.get(key)
-        except UCPError as exc:
-            return 0, Issue(exc.rule, key, exc.message)
-        if data is None:
-            return 0, Issue("UCP-1.0-R031", key, "missing")
         digest = entry.get("sha256")
-        if digest is not None and hashlib.sha256(data).hexdigest() != digest:
-            return len(data), Issue("UCP-1.0-R043", key, "its SHA-256 differs from the manifest's")
-        return len(data), None
+        if key in damaged or digest is None:
+            return int(entry.get("nbytes", 0)), None
+        try:
+            return sha256_matches(ckpt.store, key, int(entry["nbytes"]), digest, block)
+        except UCPError as exc:
+            return 0, exc
 
     tasks: list[tuple[Tensor, list[int], list[int]]] = []
-    from ucpformat.writer import object_coords
-
     # Never enumerate more objects than the manifest lists (a hostile shape can describe
     # 2**60): a non-sparse array that needs more is already reported (R030).
     bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
@@ -546,71 +652,63 @@ def _deep(
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
             tasks.append((tensor, lo, hi))
 
-    def check_object(task: tuple[Tensor, list[int], list[int]]) -> Issue | None:
+    def check_object(task: tuple[Tensor, list[int], list[int]]) -> UCPError | None:
         tensor, lo, hi = task
         try:
             tensor.read_region(lo, hi)
         except UCPError as exc:
-            return Issue(exc.rule, exc.tensor or tensor.path, exc.message)
+            return exc
         return None
+
+    def record(found: UCPError | Issue | None, path: str) -> None:
+        if isinstance(found, Issue):
+            report.add(found.rule, found.path, found.message)
+        elif found is not None:
+            report.add_error(found, path)
 
     with (
         byte_progress(progress, 2 * total, "verifying") as advance,
         ThreadPoolExecutor(workers) as pool,
     ):
-        for nbytes, issue in pool.map(check_file, list(files)):
+        for key, (nbytes, problem) in zip(files, pool.map(check_file, list(files)),
+                                          strict=True):
             advance(nbytes)
-            if issue:
-                report.add(issue.rule, issue.path, issue.message)
-        for issue2 in pool.map(check_object, tasks):
+            record(problem, key)
+        for task, error in zip(tasks, pool.map(check_object, tasks), strict=True):
             report.checked_objects += 1
-            if issue2:
-                report.add(issue2.rule, issue2.path, issue2.message)
+            record(error, task[0].path)
         advance(total)
 
 
-def _listed_coords(meta: ArrayMeta, keys: Iterable[str]) -> list[tuple[int, ...]]:
-    """Grid coordinates of the stored objects of ``meta`` among ``keys``."""
-    out = []
-    prefix = f"{meta.path}/c"
-    for key in keys:
-        coords = _coords_of_key(meta, key, prefix)
-        if coords is not None:
-            out.append(coords)
-    return sorted(out)
+#: Bytes a digest is computed over at a time (deep validation).
+HASH_BLOCK = 1 << 20
 
 
-def _coords_of_key(meta: ArrayMeta, key: str, prefix: str) -> tuple[int, ...] | None:
-    """The grid coordinates named by a storage key, if it is a stored object of ``meta``."""
-    if key == prefix:
-        return () if not meta.shape else None
-    if not key.startswith(prefix + "/"):
-        return None
-    parts = key[len(prefix) + 1 :].split("/")
-    if len(parts) != len(meta.shape) or not all(p.isdigit() and (p == "0" or p[0] != "0")
-                                                 for p in parts):
-        return None
-    coords = tuple(int(p) for p in parts)
-    if any(c >= g for c, g in zip(coords, meta.object_grid, strict=True)):
-        return None
-    return coords
+def sha256_matches(
+    store: Store, key: str, nbytes: int, digest: str, block: int
+) -> tuple[int, Issue | None]:
+    """Bytes read, and an issue if the SHA-256 of the ``nbytes`` bytes of ``key``, read
+    ``block`` bytes at a time, is not ``digest`` (R043) or the file is shorter (R031)."""
+    h = hashlib.sha256()
+    buffer = bytearray(max(1, min(block, nbytes)))
+    offset = 0
+    while offset < nbytes:
+        want = memoryview(buffer)[: min(len(buffer), nbytes - offset)]
+        got = store.read_into(key, offset, [want])
+        if not got:
+            what = "missing" if got is None else f"shorter ({offset} bytes) than listed"
+            return offset, Issue("UCP-1.0-R031", key, what)
+        h.update(want[:got])
+        offset += got
+    if h.hexdigest() != digest:
+        return offset, Issue("UCP-1.0-R043", key, "its SHA-256 differs from the manifest's")
+    return offset, None
 
 
-def _check_conformance_extras(
-    ucp: Mapping[str, Any],
-    arrays: Mapping[str, ArrayMeta],
-    groups: Mapping[str, GroupMeta],
-    report: Report,
+def _check_model_group(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """R061 (features a 1.0 reader lacks) and R080 (model/ holds its tensors directly)."""
-    from ucpformat.reader import UNDERSTOOD_FEATURES
-
-    must = ucp.get("must_understand", [])
-    if isinstance(must, list):
-        unknown = sorted({m for m in must if isinstance(m, str)} - UNDERSTOOD_FEATURES)
-        if unknown:
-            report.add("UCP-1.0-R061", "/",
-                       f"must_understand lists features this reader does not implement: {unknown}")
+    """R080: model/ holds its tensors directly."""
     for path in [*arrays, *groups]:
         parts = path.split("/")
         if parts[0] == "model" and len(parts) > 2:
@@ -644,7 +742,7 @@ def _check_foreign_files(
         owner = _owner_of(key, nodes)
         if owner is not None:
             meta = arrays.get(owner)
-            if meta is None or _coords_of_key(meta, key, f"{owner}/c") is not None:
+            if meta is None or coords_of_key(meta, key) is not None:
                 continue  # a stored object (or an array reported already)
         report.add(
             "UCP-1.0-R072", key,
@@ -660,10 +758,6 @@ def _owner_of(key: str, nodes: set[str]) -> str | None:
         if parts[i] == "c" and "/".join(parts[:i]) in nodes:
             return "/".join(parts[:i])
     return None
-
-
-def main_json(report: Report) -> str:
-    return json.dumps(report.to_json(), indent=2, ensure_ascii=False)
 
 
 __all__ = ["FORMAT_MAJOR", "Issue", "Report", "validate"]

@@ -6,37 +6,39 @@ then the manifest, and finally the root ``zarr.json`` with the consolidated meta
 Until that last write succeeds, what is on disk is not a checkpoint and every reader
 refuses it. A committed checkpoint is never modified; ``overwrite=True`` first
 un-commits it (deletes the root) before anything else is touched.
+
+This module holds the API (save, adopt, StreamingWriter, the commit); how a stored
+object's bytes are encoded is the array engine's (:mod:`ucpformat.engine.write`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import hashlib
-import itertools
 import json
-import math
 import os
-import platform
-import re
 import socket
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ucpformat import chunking, dtypes, jsonvalues, names
+from ucpformat import dtypes, jsonvalues, names
 from ucpformat._version import __version__
-from ucpformat.codecs import EMPTY, Compression, encode_index
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region, stored_object_coords
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     CheckpointExistsError,
     ConcurrentWriteError,
     InvalidValueError,
+    MissingChunkError,
     UCPError,
     WriteError,
 )
@@ -49,143 +51,17 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    build_root_ucp,
     dumps,
+    encode_root,
+    loads,
     parse_array,
+    parse_group,
+    utc_now,
 )
 from ucpformat.storage import Store, StoreClaim, is_safe_key, open_store
 
 HASH_ALGORITHMS = ("sha256",)
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    """One file (object) written into the checkpoint, as the manifest records it."""
-
-    key: str
-    nbytes: int
-    sha256: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"nbytes": self.nbytes}
-        if self.sha256 is not None:
-            doc["sha256"] = self.sha256
-        return doc
-
-
-# -- encoding stored objects -----------------------------------------------------------
-
-
-def _region_of(meta: ArrayMeta, coords: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """The part of the array covered by the stored object at ``coords``, clipped."""
-    return tuple(
-        (c * e, min((c + 1) * e, s))
-        for c, e, s in zip(coords, meta.object_shape, meta.shape, strict=True)
-    )
-
-
-def _padded(block: np.ndarray[Any, Any], shape: Sequence[int], fill: Any) -> np.ndarray[Any, Any]:
-    """``block`` extended to ``shape`` with the fill value (zarr edge chunks are full size)."""
-    if tuple(block.shape) == tuple(shape):
-        return block
-    out = np.full(tuple(shape), fill, dtype=block.dtype)
-    out[tuple(slice(0, n) for n in block.shape)] = block
-    return out
-
-
-def encode_object(
-    meta: ArrayMeta,
-    coords: Sequence[int],
-    data: np.ndarray[Any, Any],
-    *,
-    pad: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None = None,
-) -> list[Any]:
-    """Buffers of the stored object at ``coords``, given ``data`` = that object's region.
-
-    ``pad`` makes a whole chunk of an edge chunk's block (default: the fill value beyond
-    the array, R034).
-    """
-    if pad is None:
-        def pad(block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-            return _padded(block, meta.chunk_shape, meta.fill_value)
-    region = _region_of(meta, coords)
-    expected = tuple(b - a for a, b in region)
-    if tuple(data.shape) != expected:
-        raise WriteError(
-            f"object {coords} needs data of shape {expected}, got {tuple(data.shape)}",
-            tensor=meta.path,
-        )
-    codec = meta.codec
-    if meta.shard_shape is None:
-        return codec.encode(pad(data))
-
-    def chunks() -> Iterator[tuple[tuple[int, ...], list[Any]]]:
-        for local in itertools.product(*(range(n) for n in meta.chunks_per_shard)):
-            lo = [i * c for i, c in zip(local, meta.chunk_shape, strict=True)]
-            if any(low >= n for low, n in zip(lo, expected, strict=True)):
-                continue  # wholly outside the array: not stored (zarr semantics)
-            if math.prod(meta.chunk_shape) == 0:
-                continue
-            block = data[
-                tuple(
-                    slice(low, min(low + c, n))
-                    for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True)
-                )
-            ]
-            yield local, codec.encode(pad(block))
-
-    return pack_shard(meta.chunks_per_shard, chunks())
-
-
-def pack_shard(
-    chunks_per_shard: Sequence[int], chunks: Iterable[tuple[tuple[int, ...], list[Any]]]
-) -> list[Any]:
-    """A shard's buffers: each encoded chunk (its coordinates in the shard, its buffers),
-    back to back in the order given, then the index; chunks not given are absent."""
-    index = np.full((*chunks_per_shard, 2), EMPTY, dtype="<u8")
-    buffers: list[Any] = []
-    offset = 0
-    for local, parts in chunks:
-        size = sum(memoryview(p).nbytes for p in parts)
-        index[local] = (offset, size)
-        offset += size
-        buffers.extend(parts)
-    buffers.append(encode_index(index))
-    return buffers
-
-
-def write_object(
-    store: Store,
-    meta: ArrayMeta,
-    coords: Sequence[int],
-    data: np.ndarray[Any, Any],
-    *,
-    hash_algorithm: str | None = None,
-) -> StoredObject:
-    """Encode and write one stored object; the caller owns it alone (one writer per shard).
-
-    The object is created, never replaced: if it is already there (another writer put it
-    there during this save), FileExistsError is raised (UCP-1.0-R058)."""
-    buffers = encode_object(meta, coords, data)
-    digest = None
-    if hash_algorithm == "sha256":
-        h = hashlib.sha256()
-        for b in buffers:
-            h.update(b)
-        digest = h.hexdigest()
-    key = meta.object_key(coords)
-    nbytes = store.create(key, buffers)
-    return StoredObject(key, nbytes, digest)
-
-
-def object_coords(meta: ArrayMeta) -> Iterator[tuple[int, ...]]:
-    """Grid coordinates of every stored object of an array (none if it has no elements)."""
-    if math.prod(meta.shape) == 0:
-        return iter(())
-    return itertools.product(*(range(n) for n in meta.object_grid))
-
-
-def object_region(meta: ArrayMeta, coords: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in _region_of(meta, coords))
 
 
 # -- the commit protocol -----------------------------------------------------------------
@@ -194,7 +70,7 @@ def object_region(meta: ArrayMeta, coords: Sequence[int]) -> tuple[slice, ...]:
 @dataclass
 class WriteClaim:
     """A save's hold on its location, from :func:`prepare_destination` until :func:`commit`
-    or :func:`abandon` (UCP-1.0-R058): the token its in-progress marker carries, and the
+    or :func:`abandon` (UCP-1.0-R059): the token its in-progress marker carries, and the
     store's lock where the store has locks."""
 
     token: str
@@ -216,10 +92,10 @@ def prepare_destination(store: Store, *, overwrite: bool) -> WriteClaim:
     """Make ``store`` ready for a new checkpoint and hold it, or refuse (never damaging a
     committed one).
 
-    Everything that can refuse the save is checked before anything changes (UCP-1.0-R059):
+    Everything that can refuse the save is checked before anything changes (UCP-1.0-R049):
     a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
     the writer could not remove. Then the in-progress marker is written as this save's
-    claim (UCP-1.0-R058): a second writer is refused while the first runs (on a local file
+    claim (UCP-1.0-R059): a second writer is refused while the first runs (on a local file
     system the marker is locked for the whole save; on an object store a marker already
     there is taken over only with ``overwrite``). Then the checks are repeated, the old
     root is deleted and made durable (R053), and everything else is removed.
@@ -276,7 +152,7 @@ def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str
             f"{len(unsafe)} file(s) here have names that no checkpoint file has, so the writer "
             f"will not remove them (the first: {unsafe[0]!r}); remove them and save again. "
             "Nothing was changed",
-            rule="UCP-1.0-R059",
+            rule="UCP-1.0-R049",
             path=store.location,
         )
     return committed, keys
@@ -293,7 +169,7 @@ def _hold(store: Store, token: str, *, take_over: bool, keep: bool = False) -> S
         raise ConcurrentWriteError(
             f"another writer is saving here ({_describe_marker(store)}) and holds the "
             "location until it ends; nothing was changed",
-            rule="UCP-1.0-R058", path=store.location,
+            rule="UCP-1.0-R059", path=store.location,
         ) from None
     except FileExistsError:
         raise ConcurrentWriteError(
@@ -301,7 +177,7 @@ def _hold(store: Store, token: str, *, take_over: bool, keep: bool = False) -> S
             f"({_describe_marker(store)}): this store cannot tell which. If no other writer "
             "is saving here, pass overwrite=True to take the location over; nothing was "
             "changed",
-            rule="UCP-1.0-R058", path=store.location,
+            rule="UCP-1.0-R059", path=store.location,
         ) from None
 
 
@@ -311,7 +187,7 @@ def _in_progress_marker(token: str) -> bytes:
             "writer": f"ucpformat {__version__}",
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "started": _now(),
+            "started": utc_now(),
             "token": token,
         }
     )
@@ -346,7 +222,7 @@ def _check_owner(store: Store, claim: WriteClaim) -> None:
         raise ConcurrentWriteError(
             f"another writer took this location over during this save (its marker: "
             f"{_describe_marker(store)}); this save commits nothing",
-            rule="UCP-1.0-R058", path=store.location,
+            rule="UCP-1.0-R059", path=store.location,
         )
 
 
@@ -377,7 +253,7 @@ def commit(
 
     ``claim`` (default: the one :func:`prepare_destination` took on ``store``) is checked
     before the root is written: a save whose location another writer took over commits
-    nothing (UCP-1.0-R058). Metadata documents are created, as stored objects are, unless
+    nothing (UCP-1.0-R059). Metadata documents are created, as stored objects are, unless
     ``replace`` (:func:`adopt`: the node documents and a plain zarr root of the arrays'
     writer are there, and are rewritten). Returns the root ``zarr.json`` document.
     """
@@ -428,8 +304,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    # Compact: the root holds every node's metadata; it is parsed on every open.
-    body = dumps(root, compact=True)
+    body = encode_root(root)  # sealed by its digest (R058)
     if claim is None:
         store.put(ZARR_JSON, [body], atomic=True)
     else:
@@ -437,7 +312,7 @@ def commit(
                      replace=replace)
     try:
         if claim is None or claim.held.locked or _owns(store, claim):
-            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (R058)
+            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (R059)
     except OSError as exc:
         raise WriteError(
             f"the checkpoint is committed, but its in-progress marker could not be removed "
@@ -451,7 +326,7 @@ def commit(
 
 def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str],
                  replace: bool) -> None:
-    """Write the root if this save still holds the location (UCP-1.0-R058).
+    """Write the root if this save still holds the location (UCP-1.0-R059).
 
     With a lock (a local file system), checking the marker's token suffices. Without one
     (object stores), the location must also hold no object this save did not write, the
@@ -469,7 +344,7 @@ def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[
         raise ConcurrentWriteError(
             f"{len(foreign)} object(s) that this save did not write are in its location (the "
             f"first: {foreign[0]!r}): another writer wrote there; this save commits nothing",
-            rule="UCP-1.0-R058", path=store.location,
+            rule="UCP-1.0-R059", path=store.location,
         )
     if replace:
         store.put(ZARR_JSON, [body], atomic=True)
@@ -491,20 +366,20 @@ def create_owned(store: Store, claim: WriteClaim | None, key: str, create: Calla
     """Run ``create`` (a create-only write of ``key``). If ``key`` is already there, it was
     put there by another writer during this save: if this save still holds the location,
     that writer was displaced by it and its object is removed and ``create`` run again;
-    otherwise ConcurrentWriteError (UCP-1.0-R058)."""
+    otherwise ConcurrentWriteError (UCP-1.0-R059)."""
     try:
         return create()
     except FileExistsError as exc:
         if claim is None:
             raise ConcurrentWriteError(
                 f"{key} was written by another writer during this save",
-                rule="UCP-1.0-R058", path=store.location,
+                rule="UCP-1.0-R059", path=store.location,
             ) from exc
         if not _owns(store, claim):
             raise ConcurrentWriteError(
                 f"another writer took this location over during this save ({key} is its; "
                 f"its marker: {_describe_marker(store)}); this save commits nothing",
-                rule="UCP-1.0-R058", path=store.location,
+                rule="UCP-1.0-R059", path=store.location,
             ) from exc
     store.delete(key)
     try:
@@ -512,7 +387,7 @@ def create_owned(store: Store, claim: WriteClaim | None, key: str, create: Calla
     except FileExistsError as exc:
         raise ConcurrentWriteError(
             f"{key} was written by another writer during this save, twice",
-            rule="UCP-1.0-R058", path=store.location,
+            rule="UCP-1.0-R059", path=store.location,
         ) from exc
 
 
@@ -526,7 +401,7 @@ def _release(store: Store, claim: WriteClaim | None) -> None:
 
 def abandon(store: Store, claim: WriteClaim | None = None) -> str:
     """Undo a save that will not be committed: remove what it wrote and, last, its marker,
-    if the location is still its own, and release the location (UCP-1.0-R059).
+    if the location is still its own, and release the location (UCP-1.0-R049).
 
     ``claim`` defaults to the one :func:`prepare_destination` took on ``store``. Returns
     what became of the location, as a sentence for an error message. Removes nothing once
@@ -589,7 +464,7 @@ def delete_checkpoint(store: Store) -> None:
     """Delete the checkpoint, or the remains of a save, at ``store``.
 
     Refuses what is neither (files that are not a checkpoint's, names no checkpoint has:
-    UCP-1.0-R059) and a location another writer holds (R058); then claims the location,
+    UCP-1.0-R049) and a location another writer holds (R059); then claims the location,
     un-commits (R053), removes every file, the marker last, and releases it. The marker
     of the remains of a save is claimed as it is, so that a full disk does not stop the
     deletion that frees it. Links are removed, never followed. The location's directory
@@ -621,37 +496,16 @@ def _describe(body: bytes, hash_algorithm: str | None) -> dict[str, Any]:
     return doc
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def default_producer() -> dict[str, Any]:
-    return {"name": "ucpformat", "version": __version__, "python": platform.python_version()}
-
-
-#: Former name of :func:`default_producer` (``save`` has a ``producer`` argument now).
-producer = default_producer
-
-_RFC3339 = re.compile(
-    r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
-)
-
-
-def _check_created(created: str) -> str:
-    if not isinstance(created, str) or not _RFC3339.match(created):
-        raise InvalidValueError(
-            f"created must be an RFC 3339 date-time such as 2026-01-01T00:00:00Z, got {created!r}",
-            rule="UCP-1.0-R002",
-        )
-    return created
-
-
 # -- planning a save from a nested mapping ------------------------------------------------
 
 
 @dataclass
 class Plan:
-    """What a save writes: array metadata with its data, groups, root values."""
+    """What a save writes: array metadata with its data, groups, root values.
+
+    ``root_values`` are the JSON values of the root as given (checked); the values of
+    other groups are in their ``GroupMeta``, encoded.
+    """
 
     arrays: list[tuple[ArrayMeta, np.ndarray[Any, Any]]] = field(default_factory=list)
     groups: list[GroupMeta] = field(default_factory=list)
@@ -768,7 +622,10 @@ def plan(
                         rule="UCP-1.0-R070",
                         path=where,
                     )
-                group_values[key] = jsonvalues.encode(value, where=where)
+                encoded = jsonvalues.encode(value, where=where)
+                # the root's values are stored as given: build_root_ucp encodes them (a bad
+                # one is refused here all the same, named by its key)
+                group_values[key] = encoded if prefix else value
         names.check_case_collisions(node_names, parent=prefix)
 
     visit(state, "", result.root_values)
@@ -870,16 +727,8 @@ def save(
         shard_bytes=shard_bytes,
         array_attributes=array_attributes,
     )
-    root_ucp: dict[str, Any] = {
-        "producer": jsonvalues.encode(dict(producer), where="producer")
-        if producer is not None
-        else default_producer(),
-        "created": _now() if created is None else _check_created(created),
-    }
-    if metadata is not None:
-        root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-    if the_plan.root_values:
-        root_ucp["values"] = the_plan.root_values
+    ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
+                         created=created)
     store = open_store(path, durable=durable)
     with _storage_errors(store, untouched=True):
         claim = prepare_destination(store, overwrite=overwrite)
@@ -893,7 +742,7 @@ def save(
             arrays=[m for m, _ in the_plan.arrays],
             groups=the_plan.groups,
             objects=objects,
-            root_ucp=root_ucp,
+            root_ucp=ucp,
             hash_algorithm=hash_algorithm,
             claim=claim,
         )
@@ -911,7 +760,7 @@ def _storage_errors(store: Store, *, untouched: bool = False) -> Iterator[None]:
     except FileExistsError as exc:
         raise ConcurrentWriteError(
             f"{exc.filename or 'an object'} was written by another writer during this save",
-            rule="UCP-1.0-R058", path=store.location,
+            rule="UCP-1.0-R059", path=store.location,
         ) from exc
     except OSError as exc:
         text = f"the save failed: {exc}" + ("; nothing was changed" if untouched else "")
@@ -1011,16 +860,9 @@ def adopt(
     belong to no node (the manifest could not list them, UCP-1.0-R044). The stored
     objects are read once, to size and hash them; they are never modified.
     """
-    from ucpformat.errors import MissingChunkError
-    from ucpformat.metadata import loads, parse_group, stored_object_coords
-
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
-    root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
-    if metadata is not None:
-        root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-    if values:
-        root_ucp["values"] = jsonvalues.encode(dict(values), where="values")
+    ucp = build_root_ucp(metadata=metadata, values=values)
     extra_attributes = dict(attributes or {})
     store = open_store(path, durable=durable)
     with _storage_errors(store):
@@ -1125,7 +967,7 @@ def adopt(
                 arrays=ordered,
                 groups=sorted(groups.values(), key=lambda g: g.path),
                 objects=objects,
-                root_ucp=root_ucp,
+                root_ucp=ucp,
                 root_attributes=root_attributes,
                 hash_algorithm=hash_algorithm,
                 claim=claim,
@@ -1147,7 +989,7 @@ class StreamingWriter:
     tensors too large to hold at once), in any order and from any number of threads.
     :meth:`commit` refuses unless every stored object of every declared array was
     written exactly once. The writer holds its location from its creation to its commit
-    (UCP-1.0-R058); leaving the ``with`` block without a commit (or :meth:`abort`) removes
+    (UCP-1.0-R059); leaving the ``with`` block without a commit (or :meth:`abort`) removes
     what it wrote, as a failed :func:`save` does, and releases the location::
 
         with StreamingWriter("ckpt") as w:
@@ -1326,7 +1168,7 @@ class StreamingWriter:
             if isinstance(exc, FileExistsError):
                 raise ConcurrentWriteError(
                     f"{meta.object_key(key)} was written by another writer during this save",
-                    rule="UCP-1.0-R058", tensor=path,
+                    rule="UCP-1.0-R059", tensor=path,
                 ) from exc
             raise
         with self._lock:
@@ -1394,18 +1236,13 @@ class StreamingWriter:
             children.setdefault(parent, []).append(leaf)
         for parent, leaves in children.items():
             names.check_case_collisions(leaves, parent=parent)
-        root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
-        if metadata is not None:
-            root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-        if root_values:
-            root_ucp["values"] = jsonvalues.encode(dict(root_values), where="values")
         with explain_failure(self.store, self._claim), _storage_errors(self.store):
             commit(
                 self.store,
                 arrays=list(self._arrays.values()),
                 groups=list(groups.values()),
                 objects=self._objects,
-                root_ucp=root_ucp,
+                root_ucp=build_root_ucp(metadata=metadata, values=root_values),
                 root_attributes=root_attributes,
                 hash_algorithm=self.hash_algorithm,
                 claim=self._claim,
@@ -1442,3 +1279,4 @@ class StreamingWriter:
             exc.extend(text)
         else:
             exc.add_note(f"ucpformat: {text}")
+

@@ -135,9 +135,30 @@ def strict_json(data: bytes, what: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Refused(R + "001", f"{what} is not valid JSON: {exc}") from None
+    try:  # R006: every string Unicode text; a lone \ud800 escape has no UTF-8 encoding
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise Refused(R + "006", f"{what} holds an unpaired surrogate escape") from None
+    return doc
+
+
+def check_root_digest(data: bytes, root: Any) -> None:
+    """R058: the root's SHA-256, with its own 64 digits written as 0, is root_sha256."""
+    ucp = (root.get("attributes") or {}).get("ucp") if isinstance(root, dict) else None
+    digest = ucp.get("root_sha256") if isinstance(ucp, dict) else None
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return  # the schema check names it
+    token = f'"{digest}"'.encode()
+    pos = data.find(token) + 1
+    if pos == 0 or data.find(token, pos) >= 0:
+        raise Refused(R + "058", "root_sha256 must appear exactly once in the root")
+    zeroed = data[:pos] + b"0" * 64 + data[pos + 64 :]
+    if hashlib.sha256(zeroed).hexdigest() != digest:
+        raise Refused(R + "058", "the root zarr.json is damaged: its SHA-256 differs from "
+                      "root_sha256")
 
 
 def schema_dir() -> Path:
@@ -272,13 +293,15 @@ class Checkpoint:
         root_file = self.root_dir / "zarr.json"
         if not root_file.is_file():
             raise Refused(R + "051", "no root zarr.json: not a committed checkpoint")
-        self.root = strict_json(root_file.read_bytes(), "the root zarr.json")
+        data = root_file.read_bytes()
+        self.root = strict_json(data, "the root zarr.json")
         if not isinstance(self.root, dict):
             raise Refused(R + "001", "the root zarr.json is not an object")
         ucp = (self.root.get("attributes") or {}).get("ucp")
         version = ucp.get("version") if isinstance(ucp, dict) else None
         if isinstance(version, str) and VERSION.match(version) and version.split(".")[0] != "1":
             raise Refused(R + "060", f"format version {version}: this reader reads 1.x only")
+        check_root_digest(data, self.root)
         check_schema(self.root)
         ucp = self.root["attributes"]["ucp"]
         if ucp.get("must_understand"):
@@ -318,9 +341,9 @@ class Checkpoint:
         if real != self.root_dir and self.root_dir not in real.parents:
             raise Refused(R + "091", f"{key} is a link to {real}, outside the checkpoint")
         parts = key.split("/")
-        for i in range(len(parts)):  # no link under a checkpoint is followed (R098)
+        for i in range(len(parts)):  # no link under a checkpoint is followed (R089)
             if (self.root_dir.joinpath(*parts[: i + 1])).is_symlink():
-                raise Refused(R + "098", f"{'/'.join(parts[: i + 1])} is a symbolic link")
+                raise Refused(R + "089", f"{'/'.join(parts[: i + 1])} is a symbolic link")
         if not real.is_file():
             raise Refused(R + "091", f"{key} is not a regular file")
         return path

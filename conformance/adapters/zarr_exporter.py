@@ -51,7 +51,7 @@ OPTIONS = {"write_empty_chunks": True, "drop_vocab_padding": True, "root_last": 
            "check_coverage": True, "rewrite": False}
 
 
-#: The in-progress marker (R056), created exclusively as this writer's claim (R058).
+#: The in-progress marker (R056), created exclusively as this writer's claim (R059).
 MARKER = "write-in-progress.ucp.json"
 
 
@@ -255,6 +255,19 @@ def _dump(doc: Any) -> bytes:
     return json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
+def seal_root(root: dict[str, Any]) -> bytes:
+    """The root's bytes with ``attributes.ucp.root_sha256`` (UCP-1.0-R058): the SHA-256 of
+    these bytes in which its own 64 digits are written as ``0``."""
+    placeholder = "0" * 64
+    root["attributes"]["ucp"]["root_sha256"] = placeholder
+    body = _dump(root)
+    token = f'"{placeholder}"'.encode()
+    pos = body.index(token) + 1
+    assert body.find(token, pos) < 0, "64 zeros elsewhere in the root: use another placeholder"
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return body[:pos] + digest + body[pos + 64 :]
+
+
 def write_root(out: Path, body: bytes) -> None:
     if not OPTIONS["root_last"]:  # the broken exporter: straight into place
         (out / "zarr.json").write_bytes(body)
@@ -301,10 +314,10 @@ def write(scenario_path: Path, out: Path) -> None:
         for i in range(1, len(parts)):
             groups.setdefault("/".join(parts[:i]), {})
     out.mkdir(parents=True, exist_ok=True)
-    try:  # claim the location: of two writers started at once, only one creates it (R058)
+    try:  # claim the location: of two writers started at once, only one creates it (R059)
         os.close(os.open(out / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     except FileExistsError:
-        raise Refused(R + "058", f"another writer is writing into {out}") from None
+        raise Refused(R + "059", f"another writer is writing into {out}") from None
     if not OPTIONS["root_last"]:
         write_root(out, _dump({"zarr_format": 3, "node_type": "group",
                                "attributes": {"ucp": {"version": "1.0"}}}))
@@ -379,7 +392,7 @@ def write(scenario_path: Path, out: Path) -> None:
         "consolidated_metadata": {"kind": "inline", "must_understand": False,
                                   "metadata": dict(sorted(nodes.items()))},
     }
-    write_root(out, _dump(root))
+    write_root(out, seal_root(root))
     os.unlink(out / MARKER)
 
 

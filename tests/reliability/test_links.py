@@ -1,4 +1,4 @@
-"""Links in and around a checkpoint (UCP-1.0-R091, UCP-1.0-R098): nothing outside the
+"""Links in and around a checkpoint (UCP-1.0-R091, UCP-1.0-R089): nothing outside the
 location is ever read, written or deleted through a symbolic or a hard link."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _loads(location: Path, state: Any) -> bool:
 
 
 def test_a_destination_holding_only_a_link_is_not_empty(tmp_path: Path, outside: Path) -> None:
-    """UCP-1.0-R098: ``model -> ../outside`` made the destination look empty, and the
+    """UCP-1.0-R089: ``model -> ../outside`` made the destination look empty, and the
     writer wrote the checkpoint's arrays through the link into ``outside``."""
     dest = tmp_path / "ckpt"
     dest.mkdir()
@@ -56,7 +56,7 @@ def test_a_destination_holding_only_a_link_is_not_empty(tmp_path: Path, outside:
 def test_overwrite_removes_links_without_following_them(
     tmp_path: Path, outside: Path, where: str
 ) -> None:
-    """UCP-1.0-R098: a committed checkpoint whose directory (or stored object) was
+    """UCP-1.0-R089: a committed checkpoint whose directory (or stored object) was
     replaced by a link to its counterpart outside is replaced with overwrite=True: the
     link is removed, the new checkpoint is written inside, nothing outside changes."""
     dest = tmp_path / "ckpt"
@@ -93,7 +93,7 @@ def test_streaming_writer_never_follows_a_link(tmp_path: Path, outside: Path) ->
 def test_a_link_planted_during_a_save_is_refused_not_followed(
     tmp_path: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """UCP-1.0-R098: a directory the writer made is swapped for a link just before the
+    """UCP-1.0-R089: a directory the writer made is swapped for a link just before the
     writer opens a path through it: the write is refused (the writer resolved the whole
     path again at each open, followed the link and wrote outside)."""
     dest = tmp_path / "ckpt"
@@ -140,7 +140,7 @@ def test_a_linked_marker_is_replaced_never_written_through(
 def test_reads_check_the_file_they_opened_not_the_path(
     tmp_path: Path, outside: Path, monkeypatch: pytest.MonkeyPatch, swap: str
 ) -> None:
-    """UCP-1.0-R098, time of check to time of use: the stored object (or its directory)
+    """UCP-1.0-R089, time of check to time of use: the stored object (or its directory)
     is swapped for a link to a valid object outside between the store's check of the
     path and its open. The store opens without following links, relative to directories
     it holds open: it refuses the link, or reads the file it had reached before the swap;

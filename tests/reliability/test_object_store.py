@@ -125,10 +125,10 @@ def test_crash_mid_upload_is_refused_and_retried(
     assert info.value.rule == "UCP-1.0-R051"
     assert "UCP-1.0-R051" in ucpformat.validate(target).rules()
     # An object store has no locks: a stopped writer's marker cannot be told from a
-    # running one's (UCP-1.0-R058), so the retry must say it takes the location over.
+    # running one's (UCP-1.0-R059), so the retry must say it takes the location over.
     with pytest.raises(ConcurrentWriteError) as busy:
         ucpformat.save(target, small_state(4), compression="zstd", **SMALL_CHUNKING)
-    assert busy.value.rule == "UCP-1.0-R058" and "overwrite=True" in str(busy.value)
+    assert busy.value.rule == "UCP-1.0-R059" and "overwrite=True" in str(busy.value)
     ucpformat.save(target, small_state(4), compression="zstd", overwrite=True, **SMALL_CHUNKING)
     assert _loads_as(target, small_state(4))
 
@@ -207,7 +207,7 @@ def test_concurrent_readers_during_a_save(s3: dict[str, Any]) -> None:
 
 
 def test_one_writer_at_a_time_on_an_object_store(s3: dict[str, Any]) -> None:
-    """UCP-1.0-R058 on S3 (no locks): the marker is created with a conditional PUT, so a
+    """UCP-1.0-R059 on S3 (no locks): the marker is created with a conditional PUT, so a
     second writer is refused; with overwrite=True it takes the location over, and the
     first, whose token is gone from the marker, commits nothing."""
     store = _store(s3)
@@ -218,7 +218,7 @@ def test_one_writer_at_a_time_on_an_object_store(s3: dict[str, Any]) -> None:
     second = open_store(store.location, storage_options=s3)
     with pytest.raises(ConcurrentWriteError) as info:
         ucpformat.save(second, {"model": {"w": w + 1}})
-    assert info.value.rule == "UCP-1.0-R058" and "overwrite=True" in str(info.value)
+    assert info.value.rule == "UCP-1.0-R059" and "overwrite=True" in str(info.value)
     ucpformat.save(second, {"model": {"w": w + 1}}, overwrite=True)
     with pytest.raises(ConcurrentWriteError) as info:
         first.commit()
@@ -228,7 +228,7 @@ def test_one_writer_at_a_time_on_an_object_store(s3: dict[str, Any]) -> None:
 
 
 def test_objects_are_created_never_replaced(s3: dict[str, Any]) -> None:
-    """UCP-1.0-R058: a stored object another writer put there first fails the PUT
+    """UCP-1.0-R059: a stored object another writer put there first fails the PUT
     (If-None-Match), instead of being replaced by this save's."""
     store = _store(s3)
     w = np.ones(4, np.float32)
@@ -241,7 +241,7 @@ def test_objects_are_created_never_replaced(s3: dict[str, Any]) -> None:
 
 
 def test_a_stray_key_refuses_the_save_and_keeps_the_checkpoint(s3: dict[str, Any]) -> None:
-    """UCP-1.0-R059: a key with ``..`` was listed normalised (another key), the save
+    """UCP-1.0-R049: a key with ``..`` was listed normalised (another key), the save
     un-committed the checkpoint and then failed on it at every retry."""
     store = _store(s3)
     old, new = small_state(7), small_state(8)
@@ -250,7 +250,7 @@ def test_a_stray_key_refuses_the_save_and_keeps_the_checkpoint(s3: dict[str, Any
     store.fs.pipe_file(stray, b"someone else's")
     with pytest.raises(CheckpointExistsError) as info:
         ucpformat.save(store, new, overwrite=True, **SMALL_CHUNKING)
-    assert info.value.rule == "UCP-1.0-R059" and "model/../x" in str(info.value)
+    assert info.value.rule == "UCP-1.0-R049" and "model/../x" in str(info.value)
     assert _loads_as(store, old)
     store.fs.rm_file(stray)
     ucpformat.save(store, new, overwrite=True, **SMALL_CHUNKING)

@@ -1,6 +1,6 @@
 """Writers against each other and against failures: one writer per location at a time
-(UCP-1.0-R058), nothing changed before everything that can refuse a save is checked, and
-a failed save removes what it wrote and says what became of the location (R059)."""
+(UCP-1.0-R059), nothing changed before everything that can refuse a save is checked, and
+a failed save removes what it wrote and says what became of the location (R049)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def _files(location: Path) -> list[str]:
                   if not p.is_dir())
 
 
-# -- one writer at a time (R058) ----------------------------------------------------------
+# -- one writer at a time (R059) ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_second_writer_is_refused_while_the_first_runs(tmp_path: Path, overwrite: bool
                                                           ) -> None:
-    """UCP-1.0-R058: the second save into a location that a first writer holds is refused,
+    """UCP-1.0-R059: the second save into a location that a first writer holds is refused,
     with or without overwrite, and changes nothing; the first then commits its own data
     alone. (Both said saved, and the checkpoint mixed their chunks.)"""
     dest = tmp_path / "ckpt"
@@ -42,7 +42,7 @@ def test_a_second_writer_is_refused_while_the_first_runs(tmp_path: Path, overwri
     first.write("model/w", w)
     with pytest.raises(ConcurrentWriteError) as info:
         ucpformat.save(dest, {"model": {"w": w + 100}}, overwrite=overwrite, durable=False)
-    assert info.value.rule == "UCP-1.0-R058"
+    assert info.value.rule == "UCP-1.0-R059"
     assert f"pid {os.getpid()}" in str(info.value)  # it names the writer holding it
     first.commit()
     with ucpformat.open(dest) as ckpt:
@@ -52,7 +52,7 @@ def test_a_second_writer_is_refused_while_the_first_runs(tmp_path: Path, overwri
 
 
 def test_a_writer_whose_location_was_taken_over_commits_nothing(tmp_path: Path) -> None:
-    """UCP-1.0-R058: the owner token in the marker is checked before the commit."""
+    """UCP-1.0-R059: the owner token in the marker is checked before the commit."""
     dest = tmp_path / "ckpt"
     w = np.ones(4, np.float32)
     first = StreamingWriter(dest, durable=False)
@@ -67,7 +67,7 @@ def test_a_writer_whose_location_was_taken_over_commits_nothing(tmp_path: Path) 
 
 
 def test_an_object_written_by_another_writer_fails_the_save(tmp_path: Path) -> None:
-    """UCP-1.0-R058: stored objects are created, never replaced: an object that another
+    """UCP-1.0-R059: stored objects are created, never replaced: an object that another
     writer put into the location during this save is not overwritten, the save fails."""
     dest = tmp_path / "ckpt"
     w = np.ones((4, 4), np.float32)
@@ -89,7 +89,7 @@ def test_concurrency_harness_quick() -> None:
     assert not figures.failures, figures.failures
 
 
-# -- a stray file refuses the save before anything changes (R059) ---------------------------
+# -- a stray file refuses the save before anything changes (R049) ---------------------------
 
 
 @pytest.mark.parametrize("name", ["zarr.json~", "notes (1).txt", "café.txt"])
@@ -97,7 +97,7 @@ def test_concurrency_harness_quick() -> None:
 def test_a_stray_file_refuses_the_save_before_anything_changes(
     tmp_path: Path, name: str, where: str
 ) -> None:
-    """UCP-1.0-R059: overwrite=True un-committed the checkpoint, then failed on the file
+    """UCP-1.0-R049: overwrite=True un-committed the checkpoint, then failed on the file
     it could not delete, and failed again at every retry: the checkpoint was gone."""
     dest = tmp_path / "ckpt"
     old, new = small_state(1), small_state(2)
@@ -107,7 +107,7 @@ def test_a_stray_file_refuses_the_save_before_anything_changes(
     for _ in range(2):
         with pytest.raises(CheckpointExistsError) as info:
             ucpformat.save(dest, new, overwrite=True, **SMALL_CHUNKING)
-        assert info.value.rule == "UCP-1.0-R059"
+        assert info.value.rule == "UCP-1.0-R049"
         assert repr(f"{where}{name}") in str(info.value) and "Nothing was changed" in str(
             info.value)
         assert same_state(dest, old)
@@ -117,7 +117,7 @@ def test_a_stray_file_refuses_the_save_before_anything_changes(
     assert same_state(dest, new)
 
 
-# -- a failed save: its files removed, its message right (R059) ------------------------------
+# -- a failed save: its files removed, its message right (R049) ------------------------------
 
 
 def _writes(tmp_path: Path) -> int:

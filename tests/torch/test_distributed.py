@@ -5,9 +5,10 @@ and TP checkpoints (and load one written by a single process); 4 ranks load them
 FSDP2 (2 -> 4), TP (2 -> 4), save FSDP2 x TP on a 2x2 mesh and load it into FSDP2 on 4
 (TP 1 x FSDP 4), load model-only, save FSDP2 on 4 with uneven and empty shards, load it
 into HSDP; 2 ranks load that (4 -> 2), reading only about their half, and save
-asynchronously while training goes on. This process finally loads a distributed
-checkpoint with the single-process API. Every check is bit for bit against the
-consolidated arrays (see dist_workers.py).
+asynchronously while training goes on; a copy of a checkpoint with an object that only
+rank 1 reads damaged (or missing) fails on both ranks and changes nothing on either.
+This process finally loads a distributed checkpoint with the single-process API. Every
+check is bit for bit against the consolidated arrays (see dist_workers.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def test_n_to_m_ranks_any_layout(tmp_path: Path) -> None:
     for rank in range(2):
         result = back[rank]
         assert "fsdp4 -> fsdp2" in result
+        assert result["failed loads"] == ["crc", "missing"]
         # FSDP2 on 2 ranks needs about half of every sharded tensor: far less than all
         assert result["bytes_read"] < 0.8 * result["bytes_read_whole"], result
         assert "emb.weight" in result["mismatch"]

@@ -12,7 +12,7 @@ from typing import Any, Final
 from rich.console import Console
 
 from ucpformat import jsonvalues
-from ucpformat.codecs import Compression
+from ucpformat.engine.compression import Compression
 from ucpformat.errors import CheckpointNotFoundError, UCPError
 from ucpformat.metadata import MANIFEST_KEY, loads
 from ucpformat.reader import Checkpoint, open_checkpoint

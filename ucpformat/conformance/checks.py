@@ -36,7 +36,7 @@ CHECKS: dict[str, CheckInfo] = {
         CheckInfo("reader.valid", "every valid case read bit for bit", _r(210, 211, 241)),
         CheckInfo("reader.invalid",
                   "every invalid case of stage open or read refused with an error, in time",
-                  _r(97, 212, 213)),
+                  _r(97, 98, 99, 212, 213)),
         CheckInfo("reader.unsupported-types",
                   "tensors of a data type the reader declares unsupported are refused by name",
                   _r(92, 203)),
@@ -65,10 +65,10 @@ CHECKS: dict[str, CheckInfo] = {
                   _r(53,)),
         CheckInfo("writer.stray",
                   "a committed checkpoint beside a file no checkpoint has: a refusal changes "
-                  "nothing", _r(59,)),
+                  "nothing", _r(49,)),
         CheckInfo("writer.concurrent",
                   "two writers started at once into one location: one checkpoint, never "
-                  "both, never mixed", _r(58,)),
+                  "both, never mixed", _r(59,)),
         # validator suite
         CheckInfo("validator.capabilities", "the adapter describes itself", _r(203, 230)),
         CheckInfo("validator.cases",

@@ -800,7 +800,7 @@ def _fault_checks(report: SuiteReport, adapter: Adapter, scenarios: Sequence[Sce
     _onto_committed(report.add(Result("writer.stray", "basic + 'notes (1).txt' <- many-tensors",
                                       _requirements("writer.stray"))),
                     adapter, base, by_name["many-tensors"], supported, work / "stray",
-                    R + "059", stray="notes (1).txt")
+                    R + "049", stray="notes (1).txt")
     _concurrent(report.add(Result("writer.concurrent", "basic | many-tensors",
                                   _requirements("writer.concurrent"))),
                 adapter, [by_name["basic"], by_name["many-tensors"]], supported,
@@ -852,7 +852,7 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
                 supported: set[str], work: Path) -> None:
     """Two writes of different scenarios started at the same moment into one new
     location: at most one may report success, and the location must then hold exactly
-    its checkpoint (R058); never a mix of both."""
+    its checkpoint (R059); never a mix of both."""
     import threading
 
     dest = work / "out"
@@ -875,7 +875,7 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
     succeeded = [i for i, run in enumerate(runs) if run is not None and run.returncode == 0]
     names = [s.name for s in scenarios]
     if len(succeeded) > 1:
-        result.error(R + "058", "both writers reported success into one location")
+        result.error(R + "059", "both writers reported success into one location")
     if not (dest / "zarr.json").exists():
         if succeeded:
             result.error(R + "233", f"{names[succeeded[0]]} reported success, nothing is "
@@ -887,7 +887,7 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
 
     validation = validate(dest, deep=True)
     for issue in validation.errors:
-        result.error(R + "058", f"the checkpoint two writers left: [{issue.rule}] "
+        result.error(R + "059", f"the checkpoint two writers left: [{issue.rule}] "
                                 f"{issue.path}: {issue.message}")
     matches = []
     for i, (_, expected, _) in enumerate(prepared):
@@ -896,9 +896,9 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
         if not check.errors:
             matches.append(i)
     if not matches:
-        result.error(R + "058", "the location holds neither writer's checkpoint (a mix)")
+        result.error(R + "059", "the location holds neither writer's checkpoint (a mix)")
     elif succeeded and matches != succeeded[:1]:
-        result.error(R + "058", f"{names[succeeded[0]]} reported success, the location holds "
+        result.error(R + "059", f"{names[succeeded[0]]} reported success, the location holds "
                                 f"{names[matches[0]]}")
     if not result.errors:
         result.note(None, f"{names[matches[0]]} committed; the other writer was refused")

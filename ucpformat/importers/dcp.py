@@ -34,9 +34,10 @@ from typing import Any, Final
 import numpy as np
 
 from ucpformat import jsonvalues
+from ucpformat.conversion import data_type_of, to_numpy, torch_module
 from ucpformat.errors import FormatError, InvalidValueError
 from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_attributes, node
-from ucpformat.importers._torch import data_type_of, plain, to_numpy, torch_module
+from ucpformat.importers._torch import plain
 from ucpformat.layout.rules import RuleSet
 
 FORMAT: Final = "dcp"

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from ucpformat import jsonvalues
+from ucpformat.conversion import data_type_of
 from ucpformat.errors import FormatError, InvalidValueError
 from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_attributes, node
 from ucpformat.importers._torch import (
-    data_type_of,
     is_tensor,
     load_restricted,
     plain,

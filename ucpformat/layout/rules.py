@@ -358,7 +358,3 @@ class RuleSet:
     ) -> str:
         """The framework-local name of a consolidated name on rank ``coords``."""
         return self._renumber(global_name, params, cfg, coords, -1)
-
-
-def builtin_rule_sets() -> list[str]:
-    return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))

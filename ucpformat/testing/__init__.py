@@ -11,11 +11,11 @@
   counterpart;
 - :mod:`~ucpformat.testing.links`: symbolic and hard links planted in and around a
   checkpoint, against writers, readers (swapped during reads) and the manager (R091,
-  R098);
+  R089);
 - :mod:`~ucpformat.testing.concurrency`: two writers saving into one location at once
-  (R058), on a file system and on S3;
+  (R059), on a file system and on S3;
 - :mod:`~ucpformat.testing.failed_saves`: stray files and full disks: what a failed save
-  leaves behind, and whether its retry succeeds (R059);
+  leaves behind, and whether its retry succeeds (R049);
 - :mod:`~ucpformat.testing.s3`: a local S3-compatible server (moto) on loopback.
 
 Each harness runs on its own as ``python -m ucpformat.testing.<name> --trials N`` and

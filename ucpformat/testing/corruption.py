@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucpformat.codecs import index_nbytes
+from ucpformat.engine.sharding import index_nbytes
 from ucpformat.errors import UCPError
 from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 from ucpformat.reader import open_checkpoint

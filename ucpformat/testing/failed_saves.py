@@ -2,7 +2,7 @@
 
 A failed save must never take the previous checkpoint with it unless its error says so,
 must remove what it wrote, and must leave a location that a retry can save into
-(UCP-1.0-R059). Kinds:
+(UCP-1.0-R049). Kinds:
 
 - ``stray``: a committed checkpoint holds a file whose name no checkpoint file has (the
   writer cannot address it with a key: ``zarr.json~``, ``notes (1).txt``, ``café.txt``,
@@ -90,9 +90,9 @@ def stray_trial(root: Path, rng: random.Random) -> Trial:
     except UCPError as exc:
         trial.outcome = "refused"
         key = stray.relative_to(location).as_posix()
-        if exc.rule != "UCP-1.0-R059" or repr(key) not in str(exc):
+        if exc.rule != "UCP-1.0-R049" or repr(key) not in str(exc):
             trial.wrong_message = True
-            trial.problems.append(f"refused without naming the file and R059: {exc}")
+            trial.problems.append(f"refused without naming the file and R049: {exc}")
     if not same_state(location, old):
         trial.lost = True
         trial.problems.append("the previous checkpoint is lost")
@@ -122,9 +122,9 @@ def s3_stray_trial(options: dict[str, Any], name: str, rng: random.Random) -> Tr
                               "ahead")
     except UCPError as exc:
         trial.outcome = "refused"
-        if exc.rule != "UCP-1.0-R059":
+        if exc.rule != "UCP-1.0-R049":
             trial.wrong_message = True
-            trial.problems.append(f"refused without R059: {exc}")
+            trial.problems.append(f"refused without R049: {exc}")
     if not same_state(store, old):
         trial.lost = True
         trial.problems.append(f"the previous checkpoint is lost (stray key {key!r})")

@@ -71,9 +71,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ucpformat import chunking, dtypes, jsonvalues, names, schemas
-from ucpformat.codecs import Compression
+from ucpformat import dtypes, names, schemas
 from ucpformat.distributed import DEFAULT_MIN_SHARD_BYTES, TensorSpec, make_plan
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     FormatError,
     InvalidValueError,
@@ -82,7 +85,7 @@ from ucpformat.errors import (
     WriteError,
 )
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
-from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, parse_array
+from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp, parse_array
 from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.storage import Store, open_store
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
@@ -105,18 +108,13 @@ from ucpformat.torch.dcp_keys import (
     record_from_json,
     record_to_json,
 )
-from ucpformat.torch.state import like, qualified_name, unwrap
+from ucpformat.torch.planner import like
+from ucpformat.torch.state import qualified_name, unwrap
 from ucpformat.writer import (
-    StoredObject,
-    _now,
     abandon,
     commit,
-    default_producer,
     default_workers,
-    object_coords,
-    object_region,
     prepare_destination,
-    write_object,
     zero_bits,
 )
 
@@ -249,7 +247,7 @@ class UCPWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
         if self._store is not None:  # a save of this writer that never finished: remove
-            abandon(self._store)      # its remains, give its location up (UCP-1.0-R058)
+            abandon(self._store)      # its remains, give its location up (UCP-1.0-R059)
         if checkpoint_id is not None:
             self.path = checkpoint_id
         self._state = None
@@ -560,14 +558,13 @@ class UCPWriter(StorageWriter):
             GroupMeta(g, {"ucp": {"values": group_values[g]}} if g in group_values else {})
             for g in sorted(groups)
         ]
-        root_ucp: dict[str, Any] = {
-            "producer": default_producer(),
-            "created": _now(),
-            "saved_by": {"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
-            RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()},
-        }
-        if self.metadata is not None:
-            root_ucp["metadata"] = jsonvalues.encode(self.metadata, where="metadata")
+        root_ucp = build_root_ucp(
+            metadata=self.metadata,
+            saved_by={"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
+            extensions={
+                RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()}
+            },
+        )
         commit(store, arrays=final_metas, groups=group_metas, objects=objects,
                root_ucp=root_ucp, hash_algorithm=self.hash_algorithm)
         self._state = None

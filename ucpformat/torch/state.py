@@ -25,10 +25,8 @@ it is stored under.
 
 from __future__ import annotations
 
-import collections
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,24 +34,25 @@ import numpy as np
 import torch
 
 from ucpformat import names
-from ucpformat.errors import (
-    InvalidValueError,
-    KeyMismatchError,
-    LoadError,
-    ShapeMismatchError,
-    TensorNotFoundError,
-)
-from ucpformat.reader import Checkpoint, open_checkpoint
+from ucpformat.errors import InvalidValueError, TensorNotFoundError
 from ucpformat.storage import Store
-from ucpformat.torch.convert import from_numpy, to_numpy
-from ucpformat.torch.reads import TensorRead, read_tensors
+from ucpformat.torch.convert import to_numpy
+from ucpformat.torch.planner import (
+    Device,
+    OptimizerView,
+    PathOrCheckpoint,
+    Step,
+    apply_steps,
+    opened,
+    plan_model,
+    plan_optimizer,
+    plan_scheduler,
+    scheduler_step,
+    tree_to_torch,
+)
+from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors
 from ucpformat.writer import Group, SaveResult
 from ucpformat.writer import save as _save
-
-PathOrCheckpoint = str | os.PathLike[str] | Store | Checkpoint
-Device = str | torch.device
-
-_MAX_LISTED = 20
 
 
 class Stateful(Protocol):
@@ -121,46 +120,6 @@ def to_json(value: Any, *, where: str) -> Any:
         return out
     if isinstance(value, list | tuple):
         return [to_json(v, where=f"{where}[{i}]") for i, v in enumerate(value)]
-    return value
-
-
-def like(template: Any, value: Any) -> Any:
-    """``value`` (decoded JSON) shaped like ``template`` (the live object's own value).
-
-    Lists become tuples, numbers tensors, and string keys integers where the template
-    has them, so that a restored state equals the saved one type for type.
-    """
-    if template is None:
-        return value
-    if isinstance(template, torch.Tensor):
-        if isinstance(value, torch.Tensor):
-            return value
-        try:
-            return torch.tensor(value, dtype=template.dtype, device=template.device)
-        except (TypeError, ValueError, RuntimeError):
-            return value
-    if isinstance(template, tuple) and isinstance(value, list) and len(template) == len(value):
-        items = [like(t, v) for t, v in zip(template, value, strict=True)]
-        return tuple(items) if type(template) is tuple else type(template)(*items)
-    if isinstance(template, list) and isinstance(value, list):
-        return [like(template[i] if i < len(template) else None, v) for i, v in enumerate(value)]
-    if isinstance(template, Mapping) and isinstance(value, Mapping):
-        by_text = {str(k): k for k in template if isinstance(k, int) and not isinstance(k, bool)}
-        int_keys = bool(template) and len(by_text) == len(template)
-        out: dict[Any, Any] = {}
-        for k, v in value.items():
-            key: Any = k
-            if k not in template:
-                if k in by_text:
-                    key = by_text[k]
-                elif int_keys and isinstance(k, str) and k.lstrip("-").isdigit():
-                    key = int(k)
-            out[key] = like(template.get(key), v)
-        if isinstance(template, collections.Counter):
-            return collections.Counter(out)
-        if isinstance(template, collections.OrderedDict):
-            return collections.OrderedDict(out)
-        return out
     return value
 
 
@@ -427,299 +386,21 @@ def save(
 # -- load -----------------------------------------------------------------------------
 
 
-@contextmanager
-def _opened(path: PathOrCheckpoint) -> Iterator[Checkpoint]:
-    if isinstance(path, Checkpoint):
-        yield path
-        return
-    ckpt = open_checkpoint(path)
-    try:
-        yield ckpt
-    finally:
-        ckpt.close()
-
-
-def _listing(keys: Sequence[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
-    more = f" and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else ""
-    return shown + more
-
-
-def _refuse_mismatch(
-    summary: str,
-    missing: tuple[str, Sequence[str]],
-    unexpected: tuple[str, Sequence[str]],
-    *,
-    path: str,
-) -> None:
-    """Raise KeyMismatchError if anything is missing or unexpected: ``summary``, then each
-    non-empty (prefix, keys) listed."""
-    parts = [prefix + _listing(keys) for prefix, keys in (missing, unexpected) if keys]
-    if parts:
-        raise KeyMismatchError(
-            f"{summary} ({'; '.join(parts)}); pass strict=False to load the common ones",
-            path=path,
-        )
-
-
-def _refuse_model_mismatch(
-    missing: Sequence[str], unexpected: Sequence[str], *, state_dict: str, path: str
-) -> None:
-    _refuse_mismatch(f"the checkpoint's model tensors differ from {state_dict}",
-                     ("missing from the checkpoint: ", missing),
-                     ("not in the model: ", unexpected), path=path)
-
-
-def _refuse_optimizer_mismatch(missing: Sequence[str], unexpected: Sequence[str]) -> None:
-    _refuse_mismatch("the optimizer's parameters differ from the checkpoint's",
-                     ("the checkpoint has no param group for ", missing),
-                     ("the optimizer does not hold ", unexpected), path="optimizer")
-
-
-def _children(ckpt: Checkpoint, group: str) -> dict[str, str]:
-    """Logical name -> node path of the arrays directly in ``group``."""
-    start = group + "/"
-    out: dict[str, str] = {}
-    for path in ckpt.arrays:
-        if path.startswith(start) and "/" not in path[len(start):]:
-            out[names.unescape(path[len(start):])] = path
-    return out
-
-
-def _read_new(
-    ckpt: Checkpoint, paths: Sequence[str], device: Device | None = None
-) -> list[torch.Tensor]:
-    """New tensors of the stored tensors at ``paths``, read as one batch."""
-    return read_tensors(ckpt, [TensorRead(p, device=device) for p in paths])
-
-
-def _values(ckpt: Checkpoint, group: str) -> dict[str, Any]:
-    return ckpt.values(group) if group in ckpt.groups else {}
-
-
-@dataclass
-class _ModelPlan:
-    copies: list[tuple[str, str, torch.Tensor]]  # (fqn, node path, live tensor)
-    fallback_arrays: dict[str, str]  # fqn -> node path, loaded via model.load_state_dict
-    fallback_values: dict[str, Any]
-    missing: list[str]
-    unexpected: list[str]
-
-
-def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, strict: bool) -> _ModelPlan:
-    if "model" not in ckpt.groups and strict:
-        raise KeyMismatchError("the checkpoint has no model group; pass strict=False to "
-                               "load the rest anyway", path=ckpt.location)
-    stored = _children(ckpt, "model")
-    group = ckpt.groups.get("model")
-    for alias, target in (group.ucp.get("aliases", {}) if group else {}).items():
-        if isinstance(target, str) and target in stored and alias not in stored:
-            stored[str(alias)] = stored[target]  # a tied tensor stored once (R108)
-    values = _values(ckpt, "model")
-    sd = model.state_dict()
-    missing = [k for k in sd if k not in stored and k not in values]
-    unexpected = [k for k in [*stored, *values] if k not in sd]
-    if strict:
-        _refuse_model_mismatch(missing, unexpected, state_dict="model.state_dict()",
-                               path=ckpt.location)
-    live = _live_tensors(model)
-    copied: set[tuple[str, int]] = set()  # a tied tensor is read and copied once
-    plan = _ModelPlan([], {}, {}, missing, unexpected)
-    for fqn, current in sd.items():
-        if fqn in values:  # extra state stored as JSON: shaped like the module's own
-            plan.fallback_values[fqn] = like(current, values[fqn])
-            continue
-        path = stored.get(fqn)
-        if path is None:
-            continue
-        if not isinstance(current, torch.Tensor):
-            raise LoadError(
-                f"the checkpoint stores a tensor, the model's state_dict has a "
-                f"{type(current).__name__}", tensor=path,
-            )
-        shape = ckpt.arrays[path].shape
-        if tuple(current.shape) != shape:
-            raise ShapeMismatchError(
-                f"stored shape {list(shape)} differs from the model's {list(current.shape)}",
-                tensor=path,
-            )
-        target = live.get(fqn)
-        if (
-            target is not None
-            and (target.shape, target.dtype) == (current.shape, current.dtype)
-            and target.data_ptr() == current.data_ptr()
-        ):
-            if (path, id(target)) not in copied:
-                copied.add((path, id(target)))
-                plan.copies.append((fqn, path, target))
-        else:  # a state_dict hook made this entry: let the module load it
-            plan.fallback_arrays[fqn] = path
-    return plan
-
-
-def _apply_model(ckpt: Checkpoint, model: torch.nn.Module, plan: _ModelPlan) -> None:
-    # Straight into the live tensors' memory where it can be (CPU, contiguous, the stored
-    # type), else read and copy_: one batch either way.
-    read_tensors(ckpt, [TensorRead(path, target) for _fqn, path, target in plan.copies])
-    if plan.fallback_arrays or plan.fallback_values:
-        keys = list(plan.fallback_arrays)
-        values = _read_new(ckpt, [plan.fallback_arrays[k] for k in keys])
-        rest: dict[str, Any] = dict(zip(keys, values, strict=True))
-        rest.update(plan.fallback_values)
-        model.load_state_dict(rest, strict=False)
-
-
-@dataclass
-class _OptimizerPlan:
-    state_dict: dict[str, Any] | None  # None: nothing to load
-    missing: list[str]
-    unexpected: list[str]
-
-
-def _optimizer_entries(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
-    """FQN -> {state name: node path (arrays) or value (JSON)} of the stored state."""
-    out: dict[str, dict[str, Any]] = {}
-    for fqn, value in _values(ckpt, "optimizer/state").items():
-        if isinstance(value, Mapping):
-            out.setdefault(fqn, {}).update(value)
-    prefix = "optimizer/state/"
-    for path in ckpt.groups:
-        if path.startswith(prefix) and "/" not in path[len(prefix):]:
-            fqn = names.unescape(path[len(prefix):])
-            out.setdefault(fqn, {}).update(ckpt.values(path))
-    for path in ckpt.arrays:
-        parts = path.split("/")
-        if len(parts) == 4 and path.startswith(prefix):
-            entry = out.setdefault(names.unescape(parts[2]), {})
-            entry[names.unescape(parts[3])] = _ArrayRef(path)
-    return out
-
-
-@dataclass(frozen=True)
-class _ArrayRef:
-    path: str
-
-
-
-def saved_param_groups(
-    ckpt: Checkpoint, optimizer: torch.optim.Optimizer, *, strict: bool
-) -> list[Mapping[str, Any]]:
-    """The param groups of a checkpoint's optimizer, checked (its type too when ``strict``)."""
-    saved: dict[str, Any] = ckpt.values("optimizer")
-    saved_type = saved.get("type")
-    if strict and saved_type != qualified_name(optimizer):
-        raise LoadError(
-            f"the checkpoint holds the state of a {saved_type!r} optimizer, not of a "
-            f"{qualified_name(optimizer)!r}; pass strict=False to load it anyway",
-            path="optimizer",
-        )
-    saved_groups = saved.get("param_groups", [])
-    if not isinstance(saved_groups, list) or not all(
-        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in saved_groups
-    ):
-        raise LoadError("optimizer param_groups is missing or malformed",
-                        rule="UCP-1.0-R081", path="optimizer")
-    return saved_groups
-
-def _plan_optimizer(
-    ckpt: Checkpoint,
-    optimizer: torch.optim.Optimizer,
-    model: torch.nn.Module | None,
-    strict: bool,
-) -> _OptimizerPlan:
-    if "optimizer" not in ckpt.groups:
-        if strict:
-            raise KeyMismatchError("the checkpoint has no optimizer group; pass strict=False "
-                                   "to load the rest anyway", path=ckpt.location)
-        everything = [f for group in optimizer_fqns(optimizer, model) for f in group]
-        return _OptimizerPlan(None, everything, [])
-    saved_groups = saved_param_groups(ckpt, optimizer, strict=strict)
-    group_of: dict[str, int] = {}
-    for gi, g in enumerate(saved_groups):
-        for fqn in g["params"]:
-            group_of[str(fqn)] = gi
+def _optimizer_view(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+) -> tuple[OptimizerView, dict[str, Any]]:
+    """The planner's view of ``optimizer`` (keyed by torch's integer ids), and its state
+    dict (what restores it)."""
+    osd = optimizer.state_dict()
     fqns = optimizer_fqns(optimizer, model)
-    current = [f for group in fqns for f in group]
-    current_set = set(current)
-    missing = [f for f in current if f not in group_of]
-    unexpected = [f for f in group_of if f not in current_set]
-    if strict:
-        _refuse_optimizer_mismatch(missing, unexpected)
-    current_sd = optimizer.state_dict()
-    entries = _optimizer_entries(ckpt)
-    groups: list[dict[str, Any]] = []
-    state: dict[Any, dict[str, Any]] = {}
-    for gi, (packed, group_fqns) in enumerate(
-        zip(current_sd["param_groups"], fqns, strict=True)
-    ):
-        sources = sorted({group_of[f] for f in group_fqns if f in group_of})
-        if len(sources) > 1:
-            raise LoadError(
-                f"param group {gi} of the optimizer holds parameters of the checkpoint's "
-                f"param groups {sources}, whose hyperparameters may differ",
-                path="optimizer",
-            )
-        if sources:
-            hyper = {
-                k: like(packed.get(k), v)
-                for k, v in saved_groups[sources[0]].items()
-                if k != "params"
-            }
-        else:
-            hyper = {k: v for k, v in packed.items() if k != "params"}
-        hyper["params"] = packed["params"]
-        groups.append(hyper)
-        live = optimizer.param_groups[gi]["params"]
-        for fqn, pid, param in zip(group_fqns, packed["params"], live, strict=True):
-            entry = entries.get(fqn)
-            if fqn not in group_of:  # strict=False: keep what the optimizer has
-                if pid in current_sd["state"]:
-                    state[pid] = current_sd["state"][pid]
-            elif entry is not None:
-                _check_state_shapes(ckpt, fqn, entry, tuple(param.shape))
-                state[pid] = dict(entry)
-    return _OptimizerPlan({"state": state, "param_groups": groups}, missing, unexpected)
-
-
-def _check_state_shapes(
-    ckpt: Checkpoint, fqn: str, entry: Mapping[str, Any], shape: tuple[int, ...]
-) -> None:
-    """A per-element state (stored with its parameter's stored shape) must fit the live
-    parameter; other shapes (0-d steps, factored moments) are the optimizer's business."""
-    stored_param = ckpt.arrays.get(names.path_of("model", fqn))
-    for value in entry.values():
-        if not isinstance(value, _ArrayRef):
-            continue
-        stored = ckpt.arrays[value.path].shape
-        if stored_param is not None and stored == stored_param.shape and stored != shape:
-            raise ShapeMismatchError(
-                f"stored shape {list(stored)} differs from the optimizer's parameter "
-                f"{fqn!r} of shape {list(shape)}",
-                tensor=value.path,
-            )
-
-
-def _read_optimizer_arrays(ckpt: Checkpoint, plan: _OptimizerPlan) -> None:
-    if plan.state_dict is None:
-        return
-    refs = [
-        (entry, key, value.path)
-        for entry in plan.state_dict["state"].values()
-        for key, value in entry.items()
-        if isinstance(value, _ArrayRef)
-    ]
-    for (entry, key, _), tensor in zip(
-        refs, _read_new(ckpt, [path for _, _, path in refs]), strict=True
-    ):
-        entry[key] = tensor
-
-
-def _to_torch(value: Any, device: Device | None, where: str) -> Any:
-    if isinstance(value, np.ndarray):
-        return from_numpy(value, name=where, device=device)
-    if isinstance(value, dict):
-        return {k: _to_torch(v, device, f"{where}/{k}") for k, v in value.items()}
-    return value
+    params = {
+        fqn: param
+        for group, group_fqns in zip(optimizer.param_groups, fqns, strict=True)
+        for fqn, param in zip(group_fqns, group["params"], strict=True)
+    }
+    view = OptimizerView(qualified_name(optimizer), osd["param_groups"], fqns, osd["state"],
+                         params)
+    return view, osd
 
 
 def load(
@@ -736,38 +417,47 @@ def load(
     The model's parameters and buffers are copied into (dtype and device kept). The
     optimizer's state is matched by parameter FQN and handed to
     ``optimizer.load_state_dict`` with the optimizer's current integer ids. The
-    scheduler is restored from ``training/scheduler``. Every name and shape is checked
-    before anything is modified (``KeyMismatchError``, ``ShapeMismatchError``);
-    ``strict=False`` loads what matches and lists the rest in the result. Tensors of
-    ``training/`` come back on ``map_location``.
+    scheduler is restored from ``training/scheduler``. Every name, shape and stored
+    value is checked (``KeyMismatchError``, ``ShapeMismatchError``, ``LoadError``) and
+    every tensor read, each chunk's checksum checked, before anything is modified: a
+    load that fails changes nothing. ``strict=False`` loads what matches and lists the
+    rest in the result. Tensors of ``training/`` come back on ``map_location``.
     """
     if model is not None:
         model = unwrap(model)
-    with _opened(path) as ckpt:
+    with opened(path) as ckpt:
         start = ckpt.stats.bytes_read
-        model_plan = _plan_model(ckpt, model, strict) if model is not None else None
-        opt_plan = None
+        model_plan = None
+        copies: list[tuple[str, torch.Tensor]] = []
+        hooked: dict[str, str] = {}
+        if model is not None:
+            sd = model.state_dict()
+            model_plan = plan_model(ckpt, sd, strict=strict, owner="model.state_dict()")
+            copies, hooked = _model_targets(model, sd, model_plan.tensors)
+        opt_plan = previous = None
         if optimizer is not None:
-            opt_plan = _plan_optimizer(ckpt, optimizer, model, strict)
-        training_values = _values(ckpt, "training")
-        if scheduler is not None and "scheduler" not in training_values and strict:
-            raise KeyMismatchError("the checkpoint holds no scheduler state "
-                                   "(training/scheduler); pass strict=False to load the rest "
-                                   "anyway", path=ckpt.location)
-        # Everything is checked: now read and modify.
-        if optimizer is not None and opt_plan is not None:
-            _read_optimizer_arrays(ckpt, opt_plan)
+            view, previous = _optimizer_view(optimizer, model)
+            opt_plan = plan_optimizer(ckpt, view, strict=strict)
+        load_scheduler, scheduler_state = (
+            plan_scheduler(ckpt, scheduler.state_dict(), strict=strict)
+            if scheduler is not None else (False, None)
+        )
+        # Everything is checked: read it all as one batch, into staging for the model's
+        # own tensors (copied last) and into new tensors for the rest.
+        arrays = opt_plan.stored_arrays() if opt_plan else []
+        hooked_keys = list(hooked)
+        read = read_tensors(ckpt, [TensorRead(p, target) for p, target in copies]
+                            + [TensorRead(hooked[k]) for k in hooked_keys]
+                            + [TensorRead(a.path) for *_, a in arrays])
+        new = read.tensors[len(copies):]
+        hooked_values: dict[str, Any] = dict(zip(hooked_keys, new, strict=False))
+        for (_, entry, name, _), tensor in zip(arrays, new[len(hooked_keys):], strict=True):
+            entry[name] = tensor
         training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
-        if model is not None and model_plan is not None:
-            _apply_model(ckpt, model, model_plan)
-        if optimizer is not None and opt_plan is not None and opt_plan.state_dict is not None:
-            optimizer.load_state_dict(opt_plan.state_dict)
-        if scheduler is not None and "scheduler" in training_values:
-            scheduler.load_state_dict(like(scheduler.state_dict(), training_values["scheduler"]))
         step = training.get("step")
-        return LoadResult(
+        result = LoadResult(
             step=int(step) if isinstance(step, int) else None,
-            training=_to_torch(training, map_location, "training"),
+            training=tree_to_torch(training, map_location, "training"),
             metadata=ckpt.metadata,
             missing_keys=model_plan.missing if model_plan else [],
             unexpected_keys=model_plan.unexpected if model_plan else [],
@@ -775,6 +465,64 @@ def load(
             unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
             bytes_read=ckpt.stats.bytes_read - start,
         )
+        # Everything is read and checked: now modify, what can be undone first.
+        steps: list[Step] = []
+        if optimizer is not None and opt_plan is not None and opt_plan.state_dict is not None:
+            steps.append(_optimizer_step(optimizer, opt_plan.state_dict, previous))
+        if scheduler is not None and load_scheduler:
+            steps.append(scheduler_step(scheduler, scheduler_state))
+        if model is not None and model_plan is not None:
+            hooked_values.update(model_plan.values)
+            steps.append(_model_step(model, hooked_values, read))
+        apply_steps(steps)
+        return result
+
+
+def _model_targets(
+    model: torch.nn.Module, sd: Mapping[str, Any], tensors: Mapping[str, str]
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """(node path, live tensor) for the entries of ``sd`` that are the model's own
+    parameters and buffers (a tied tensor once), and FQN -> node path of the entries a
+    state-dict hook made (they are loaded through ``model.load_state_dict``)."""
+    live = _live_tensors(model)
+    copies: list[tuple[str, torch.Tensor]] = []
+    hooked: dict[str, str] = {}
+    seen: set[tuple[str, int]] = set()
+    for fqn, path in tensors.items():
+        current, target = sd[fqn], live.get(fqn)
+        if (
+            target is not None
+            and (target.shape, target.dtype) == (current.shape, current.dtype)
+            and target.data_ptr() == current.data_ptr()
+        ):
+            if (path, id(target)) not in seen:
+                seen.add((path, id(target)))
+                copies.append((path, target))
+        else:
+            hooked[fqn] = path
+    return copies, hooked
+
+
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer, state: dict[str, Any], previous: Any
+) -> Step:
+    """Loading ``state`` into ``optimizer``; undone by reloading its ``previous`` state
+    dict (it holds the optimizer's own tensors, which a load never writes to)."""
+    return Step("the optimizer", "optimizer", lambda: optimizer.load_state_dict(state),
+                lambda: optimizer.load_state_dict(previous))
+
+
+def _model_step(model: torch.nn.Module, values: dict[str, Any], staged: StagedReads) -> Step:
+    """The entries made by state-dict hooks and the extra-state values through
+    ``model.load_state_dict``, then the staged tensors into the model's own; cannot be
+    undone, so it goes last."""
+
+    def apply() -> None:
+        if values:
+            model.load_state_dict(values, strict=False)
+        staged.apply()
+
+    return Step("the model", "model", apply)
 
 
 def load_state_dict(
@@ -786,14 +534,15 @@ def load_state_dict(
     ``/`` below it; a tied tensor's aliases map to the same tensor object, as in
     ``model.state_dict()``. Non-tensor values (extra state) are not included.
     """
-    with _opened(path) as ckpt:
+    with opened(path) as ckpt:
         group = prefix.strip("/")
         if group and group not in ckpt.groups:
             raise TensorNotFoundError(f"no group {group!r}", path=ckpt.location)
         start = group + "/" if group else ""
         nodes = [node for node in ckpt if node.startswith(start)]
         out: dict[str, torch.Tensor] = {}
-        for node, tensor in zip(nodes, _read_new(ckpt, nodes, map_location), strict=True):
+        tensors = read_tensors(ckpt, [TensorRead(n, device=map_location) for n in nodes]).tensors
+        for node, tensor in zip(nodes, tensors, strict=True):
             out["/".join(names.split_path(node[len(start):]))] = tensor
         meta = ckpt.groups.get(group)
         aliases = meta.ucp.get("aliases", {}) if meta is not None else {}
@@ -811,10 +560,11 @@ def read_optimizer_state(
     Unlike ``optimizer.state_dict()``, ``param_groups[i]["params"]`` and the keys of
     ``state`` are parameter FQNs; tuples come back as lists.
     """
-    with _opened(path) as ckpt:
+    with opened(path) as ckpt:
         if "optimizer" not in ckpt.groups:
             raise TensorNotFoundError("the checkpoint has no optimizer group",
                                       path=ckpt.location)
-        out: dict[str, Any] = _to_torch(ckpt.to_dict("optimizer"), map_location, "optimizer")
+        out: dict[str, Any] = tree_to_torch(ckpt.to_dict("optimizer"), map_location,
+                                            "optimizer")
         out.setdefault("state", {})
         return out

@@ -1,44 +1,28 @@
-"""The closed codec set of format 1.0: encode and decode chunks and shard indexes.
+"""The compressors of format 1.0's closed codec set: zstd, gzip and blosc.
 
-A chunk is ``bytes`` (little-endian, C order) -> optional compressor (zstd, gzip or
-blosc) -> ``crc32c``. A shard (``sharding_indexed``, index at the end) is the encoded
-inner chunks followed by an index of little-endian ``uint64`` (offset, nbytes) pairs in
-C order of the inner chunk grid, itself followed by its CRC32C. Compression is done by
-numcodecs; this module only arranges bytes, so that every failure can name the tensor
-and the chunk it concerns.
+Compression is done by numcodecs; this module parses a compressor's configuration (its
+shorthand and its zarr v3 metadata), makes gzip reproducible and decompresses with the
+output size bounded, so that a chunk that declares or produces another size than its
+own is refused before it is expanded.
 """
 
 from __future__ import annotations
 
 import gzip
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c as _crc32c
 import numcodecs
 import numpy as np
 
 from ucpformat.dtypes import DataType
-from ucpformat.errors import ChecksumError, CorruptDataError, UnsupportedFeatureError
-
-EMPTY = np.uint64(2**64 - 1)
-INDEX_ENTRY_BYTES = 16
-CRC_BYTES = 4
+from ucpformat.errors import UnsupportedFeatureError
 
 COMPRESSORS = ("zstd", "gzip", "blosc")
 BLOSC_CNAMES = ("lz4", "lz4hc", "blosclz", "zstd", "zlib")
 BLOSC_SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    """CRC32C (Castagnoli) of a bytes-like object, continuing from ``value``."""
-    return int(_crc32c.crc32c(data, value))
-
-
-def crc_bytes(data: Any) -> bytes:
-    return crc32c(data).to_bytes(4, "little")
 
 
 @dataclass(frozen=True)
@@ -159,118 +143,67 @@ class _ReproducibleGZip:
         return self._decoder.decode(buf)
 
 
-class ChunkCodec:
-    """Encodes and decodes one chunk: bytes -> [compressor] -> crc32c."""
-
-    def __init__(self, dtype: DataType, compression: Compression | None) -> None:
-        self.dtype = dtype
-        self.compression = compression
-        self._numcodec = compression.numcodec() if compression else None
-
-    def bytes_codec_json(self) -> dict[str, Any]:
-        if self.dtype.itemsize == 1:
-            return {"name": "bytes"}
-        return {"name": "bytes", "configuration": {"endian": "little"}}
-
-    def to_json(self) -> list[dict[str, Any]]:
-        chain: list[dict[str, Any]] = [self.bytes_codec_json()]
-        if self.compression:
-            chain.append(self.compression.to_json())
-        chain.append({"name": "crc32c"})
-        return chain
-
-    def encode(self, chunk: np.ndarray[Any, Any]) -> list[Any]:
-        """Encode a C-contiguous little-endian chunk; returns buffers to write in order."""
-        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data
-        payload: Any = raw if self._numcodec is None else self._numcodec.encode(raw)
-        return [payload, crc_bytes(payload)]
-
-    def decode(
-        self, data: Any, shape: Sequence[int], *, tensor: str, chunk: str
-    ) -> np.ndarray[Any, Any]:
-        """Verify and decode one stored chunk into an array of ``shape``."""
-        view = memoryview(data).cast("B")
-        if len(view) < CRC_BYTES:
-            raise CorruptDataError(
-                f"chunk {chunk} is truncated ({len(view)} bytes)", rule="UCP-1.0-R041",
-                tensor=tensor,
-            )
-        payload, stored = view[:-CRC_BYTES], bytes(view[-CRC_BYTES:])
-        if crc_bytes(payload) != stored:
-            raise ChecksumError(
-                f"chunk {chunk} fails its CRC32C check (stored {stored.hex()}, "
-                f"computed {crc_bytes(payload).hex()})",
-                rule="UCP-1.0-R041",
-                tensor=tensor,
-            )
-        nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
-        if self._numcodec is not None and self.compression is not None:
-            try:
-                payload = self._decompress(payload, nbytes)
-            except _SizeMismatch as exc:
-                raise CorruptDataError(
-                    f"chunk {chunk} is refused before decompressing ({self.compression.name}): "
-                    f"{exc}",
-                    rule="UCP-1.0-R093",
-                    tensor=tensor,
-                ) from exc
-            except Exception as exc:
-                raise CorruptDataError(
-                    f"chunk {chunk} cannot be decompressed ({self.compression.name}): {exc}",
-                    rule="UCP-1.0-R041",
-                    tensor=tensor,
-                ) from exc
-        if len(payload) != nbytes:
-            raise CorruptDataError(
-                f"chunk {chunk} holds {len(payload)} bytes"
-                f"{' once decompressed' if self.compression else ''}, expected {nbytes}",
-                rule="UCP-1.0-R093" if self.compression else "UCP-1.0-R041",
-                tensor=tensor,
-            )
-        return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))
-
-    def _decompress(self, payload: memoryview, nbytes: int) -> memoryview:
-        """Decompress into at most ``nbytes`` (plus one, to tell "too long"): a hostile chunk
-        of a few KB that expands to gigabytes (a decompression bomb) is refused before it
-        is expanded (spec UCP-1.0-R090, UCP-1.0-R093)."""
-        assert self.compression is not None and self._numcodec is not None
-        name = self.compression.name
-        if name == "gzip":
-            return memoryview(_gunzip(payload, nbytes))
-        declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
-        if name == "blosc" and _blosc_cbytes(payload) != len(payload):
-            # c-blosc trusts this header field and would read past the buffer (R093)
-            raise _SizeMismatch(
-                f"its blosc header says {_blosc_cbytes(payload)} compressed bytes, it holds "
-                f"{len(payload)}"
-            )
-        if declared is not None and declared != nbytes:
-            raise _SizeMismatch(f"it declares {declared} decompressed bytes, expected {nbytes}")
-        out = np.empty(nbytes, dtype=np.uint8)
-        # numcodecs refuses output that does not fit ``out``; a zstd frame of unknown size
-        # must fill it exactly.
-        self._numcodec.decode(payload, out=out)
-        return out.data
+def decompress(compression: Compression, codec: Any, payload: memoryview, nbytes: int
+               ) -> memoryview:
+    """Decompress ``payload`` with ``codec`` (``compression.numcodec()``) into at most
+    ``nbytes`` (plus one, to tell "too long"): a hostile chunk of a few KB that expands to
+    gigabytes (a decompression bomb) is refused before it is expanded (spec UCP-1.0-R090,
+    UCP-1.0-R093). Raises :class:`SizeMismatch` for data of another size."""
+    name = compression.name
+    if name == "gzip":
+        return memoryview(_gunzip(payload, nbytes))
+    declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
+    if name == "blosc" and _blosc_cbytes(payload) != len(payload):
+        # c-blosc trusts this header field and would read past the buffer (R093)
+        raise SizeMismatch(
+            f"its blosc header says {_blosc_cbytes(payload)} compressed bytes, it holds "
+            f"{len(payload)}"
+        )
+    if declared is not None and declared != nbytes:
+        raise SizeMismatch(f"it declares {declared} decompressed bytes, expected {nbytes}")
+    out = np.empty(nbytes, dtype=np.uint8)
+    # numcodecs refuses output that does not fit ``out``; a zstd frame of unknown size
+    # must fill it exactly.
+    codec.decode(payload, out=out)
+    return out.data
 
 
-class _SizeMismatch(ValueError):
+class SizeMismatch(ValueError):
     """Compressed data that declares, or would produce, another size than the chunk's."""
 
 
-def _gunzip(data: Any, limit: int) -> bytes:
-    """Decompress (possibly concatenated) gzip members, refusing more than ``limit`` bytes."""
+#: Compressed bytes handed to zlib at the start of each gzip member (doubled while the
+#: member goes on): what zlib copies out as ``unused_data`` at a member's end is bounded
+#: by the member's own size, so decoding is linear in the size of the chunk.
+_GZIP_FIRST_WINDOW = 256
+_GZIP_MAX_WINDOW = 1 << 20
+
+
+def _gunzip(data: Any, limit: int) -> bytearray:
+    """Decompress (possibly concatenated) gzip members, refusing more than ``limit`` bytes.
+
+    One pass over the input (UCP-1.0-R098): each member reads its input through a window
+    that starts small and doubles, so a chunk of a million empty members costs what its
+    size costs, not a copy of the rest of the chunk per member.
+    """
+    view = memoryview(data).cast("B")
     out = bytearray()
-    rest = bytes(data)
-    while True:
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        out += d.decompress(rest, limit + 1 - len(out))
-        if len(out) > limit:
-            raise _SizeMismatch(f"it decompresses to more than the {limit} bytes expected")
-        if not d.eof:
-            raise ValueError("the gzip stream is truncated")
-        rest = d.unused_data
-        if not rest:
-            return bytes(out)
+    pos = 0
+    while True:  # one member
+        member = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        window = _GZIP_FIRST_WINDOW
+        while not member.eof:
+            if pos >= len(view):
+                raise ValueError("the gzip stream is truncated")
+            piece = view[pos : pos + window]
+            # at most one byte more than the limit: enough to tell "too long"
+            out += member.decompress(piece, limit + 1 - len(out))
+            if len(out) > limit:
+                raise SizeMismatch(f"it decompresses to more than the {limit} bytes expected")
+            pos += len(piece) - len(member.unused_data)
+            window = min(2 * window, _GZIP_MAX_WINDOW)
+        if pos >= len(view):
+            return out
 
 
 def _blosc_nbytes(data: Any) -> int:
@@ -329,41 +262,3 @@ def _zstd_content_size(data: Any) -> int | None:
     if pos != len(view):
         raise ValueError("the zstd data is truncated")
     return total
-
-
-# -- shard index ------------------------------------------------------------------------
-
-
-def index_codecs_json() -> list[dict[str, Any]]:
-    return [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-
-
-def index_nbytes(chunks_per_shard: Sequence[int]) -> int:
-    return int(np.prod(chunks_per_shard, dtype=np.int64)) * INDEX_ENTRY_BYTES + CRC_BYTES
-
-
-def encode_index(index: np.ndarray[Any, Any]) -> bytes:
-    """Encode an index array of shape (*chunks_per_shard, 2) of uint64."""
-    body = np.ascontiguousarray(index, dtype="<u8").tobytes()
-    return body + crc_bytes(body)
-
-
-def decode_index(
-    data: Any, chunks_per_shard: Sequence[int], *, tensor: str, shard: str
-) -> np.ndarray[Any, Any]:
-    view = memoryview(data).cast("B")
-    expected = index_nbytes(chunks_per_shard)
-    if len(view) != expected:
-        raise CorruptDataError(
-            f"shard {shard}: index is {len(view)} bytes, expected {expected} (truncated shard?)",
-            rule="UCP-1.0-R041",
-            tensor=tensor,
-        )
-    body, stored = view[:-CRC_BYTES], bytes(view[-CRC_BYTES:])
-    if crc_bytes(body) != stored:
-        raise ChecksumError(
-            f"shard {shard}: the shard index fails its CRC32C check",
-            rule="UCP-1.0-R041",
-            tensor=tensor,
-        )
-    return np.frombuffer(body, dtype="<u8").reshape((*chunks_per_shard, 2))
