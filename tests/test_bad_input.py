@@ -532,8 +532,8 @@ def test_symlink_inside_the_checkpoint_is_refused_too(sharded: Path) -> None:
     chunk.symlink_to(sharded / "model" / "b" / "elsewhere")
     with pytest.raises(errors.UnsafePathError) as exc:
         ucpformat.open(sharded)["model/b"].read()
-    assert_refused(exc, errors.UnsafePathError, 98, "model/b/c/0", "symbolic link")
-    assert rule(98) in ucpformat.validate(sharded).rules()
+    assert_refused(exc, errors.UnsafePathError, 89, "model/b/c/0", "symbolic link")
+    assert rule(89) in ucpformat.validate(sharded).rules()
 
 
 # -- what the writer refuses ------------------------------------------------------------------

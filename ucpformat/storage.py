@@ -319,8 +319,7 @@ class LocalStore(Store):
         if exc.errno == errno.ENOTDIR:
             if _is_link(parent, parts[i]):
                 self._refuse_link(parent, parts[: i + 1], "/".join(parts))
-            raise FileNotFoundError(errno.ENOENT, "a file where a directory was expected",
-                                    "/".join(parts[: i + 1])) from exc
+            raise exc  # a file where a directory is expected (a read error: R099)
         if exc.errno == errno.ELOOP:
             self._refuse_link(parent, parts[: i + 1], "/".join(parts))
         raise exc
@@ -367,8 +366,8 @@ class LocalStore(Store):
                     if exc.errno == errno.ELOOP:
                         self._refuse_link(parent, key.split("/"), key)
                     raise
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        except FileNotFoundError:
+            return None  # (a file where a directory is expected is an error: R099)
         try:
             mode = os.fstat(fd).st_mode
         except BaseException:
@@ -433,7 +432,7 @@ class LocalStore(Store):
                 st = os.stat(leaf, dir_fd=parent, follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
                     self._refuse_link(parent, key.split("/"), key)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
             return None
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{key!r} is not a regular file", rule="UCP-1.0-R091",

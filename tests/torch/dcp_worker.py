@@ -118,14 +118,14 @@ def scenario_save(root: Path, rank: int, world: int) -> dict[str, Any]:
             super().set_up_storage_writer(is_coordinator, *args, **kw)
             store = self._store
             assert store is not None
-            put = store.put
+            create = store.create  # stored objects are created, never replaced (R059)
 
-            def failing_put(key: str, *a: Any, **k: Any) -> Any:
+            def failing_create(key: str, *a: Any, **k: Any) -> Any:
                 if rank == 1 and "/c" in key:
                     raise OSError(28, "injected: no space left on device")
-                return put(key, *a, **k)
+                return create(key, *a, **k)
 
-            store.put = failing_put  # type: ignore[method-assign]
+            store.create = failing_create  # type: ignore[method-assign]
 
     try:
         dcp.save({"model": msd, "optim": osd},
