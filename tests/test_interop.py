@@ -291,4 +291,5 @@ def test_unrepresentable_fill_value_is_refused_never_misread(tmp_path: Path) -> 
     node.write_text(json.dumps({**read_json(node), "fill_value": 0.0}))
     with pytest.raises(ucpformat.errors.FormatError) as info:
         ucpformat.adopt(tmp_path / "c", durable=False)
-    assert info.value.rule == "UCP-1.0-R026" and info.value.tensor == "model/x"
+    # R036 (a JSON number for float8_e8m0fnu is a power of two) refines R026
+    assert info.value.rule == "UCP-1.0-R036" and info.value.tensor == "model/x"

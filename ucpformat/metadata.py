@@ -33,6 +33,7 @@ from ucpformat.errors import (
     UnsupportedFeatureError,
     VersionError,
 )
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
 from ucpformat.schemas import DATE_TIME
 
 FORMAT_VERSION: Final = "1.0"
@@ -176,10 +177,12 @@ def _int_list(value: Any, what: str, where: str, *, minimum: int) -> tuple[int, 
     return tuple(out)
 
 
-#: The one chunk key encoding of format 1.0, in its two spellings (zarr v3 makes the
-#: configuration optional; tensorstore omits it).
+#: The one chunk key encoding of format 1.0, in its three spellings (UCP-1.0-R035: zarr v3
+#: makes the configuration and its separator optional, '/' by default; tensorstore omits
+#: the configuration).
 CHUNK_KEY_ENCODINGS: Final = (
     {"name": "default", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {}},
     {"name": "default"},
 )
 ARRAY_ROLES: Final = ("parameter", "buffer", "optimizer_state", "training_state", "other")
@@ -188,6 +191,13 @@ _COMPRESSOR_KEYS: Final[dict[str, frozenset[str]]] = {
     "zstd": frozenset({"level", "checksum"}),
     "gzip": frozenset({"level"}),
     "blosc": frozenset({"cname", "clevel", "shuffle", "typesize", "blocksize"}),
+}
+#: Members a compressor's configuration must have (UCP-1.0-R039; blosc's typesize too when
+#: it shuffles).
+_COMPRESSOR_REQUIRED: Final[dict[str, tuple[str, ...]]] = {
+    "zstd": ("level",),
+    "gzip": ("level",),
+    "blosc": ("cname", "clevel", "shuffle", "blocksize"),
 }
 _SHARDING_KEYS: Final = frozenset({"chunk_shape", "codecs", "index_codecs", "index_location"})
 
@@ -201,6 +211,8 @@ def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], what: str, rule
 
 
 _BYTES_LITTLE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+#: The crc32c codec in a chunk chain and in index_codecs alike (UCP-1.0-R046).
+CRC32C_SPELLINGS: Final = ({"name": "crc32c"}, {"name": "crc32c", "configuration": {}})
 _BYTES_NO_ENDIAN: Final = {"name": "bytes"}
 
 
@@ -248,6 +260,13 @@ def _parse_compression(codec: Mapping[str, Any], where: str) -> Compression:
         raise _fail(f"{name} needs a configuration object", "UCP-1.0-R024", where)
     _check_keys(cfg, _COMPRESSOR_KEYS[str(name)], f"the {name} configuration", "UCP-1.0-R024",
                 where)
+    required = _COMPRESSOR_REQUIRED[str(name)]
+    if name == "blosc" and cfg.get("shuffle") in ("shuffle", "bitshuffle"):
+        required = (*required, "typesize")  # shuffling moves elements of typesize bytes
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise _fail(f"the {name} configuration lacks {missing}, which it requires",
+                    "UCP-1.0-R039", where)
 
     def int_in(key: str, lo: int, hi: int, *, required: bool = True) -> None:
         if key not in cfg and not required:
@@ -283,15 +302,13 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
             where,
         )
     last = chain[-1]
-    if (
-        not _is_map(last)
-        or last.get("name") != "crc32c"
-        or set(last) - {"name", "configuration"}
-        or last.get("configuration", {}) != {}
-    ):
+    if not _is_map(last) or last.get("name") != "crc32c":
         raise _fail(
             f"every chunk must end with the crc32c codec, got {last!r}", "UCP-1.0-R040", where
         )
+    if last not in CRC32C_SPELLINGS:
+        raise _fail(f"the crc32c codec takes no configuration, got {last!r}", "UCP-1.0-R046",
+                    where)
     if not 2 <= len(chain) <= 3:
         raise _fail(
             "a codec chain must be bytes, an optional compressor, then crc32c",
@@ -313,6 +330,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         raise _fail("array metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
         raise _fail("not a zarr v3 array (zarr_format 3, node_type 'array')", "UCP-1.0-R001", where)
+    check_node_members(doc, ARRAY_MEMBERS, where)
     name = doc.get("data_type")
     if not isinstance(name, str) or name not in dtypes.BY_NAME:
         raise UnsupportedFeatureError(
@@ -350,7 +368,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
     if cke not in CHUNK_KEY_ENCODINGS:
         raise _fail(
             f"chunk_key_encoding must be 'default' with separator '/', got {cke!r}",
-            "UCP-1.0-R021",
+            "UCP-1.0-R035",
             where,
         )
     if "storage_transformers" in doc and doc["storage_transformers"] != []:
@@ -386,12 +404,19 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
                 f"a shard holds more than {MAX_CHUNKS_PER_SHARD} inner chunks", "UCP-1.0-R028",
                 where,
             )
-        if cfg.get("index_codecs") != index_codecs_json():
-            raise _fail(
-                "shard index_codecs must be bytes (little endian) then crc32c",
-                "UCP-1.0-R040",
-                where,
-            )
+        index_chain = cfg.get("index_codecs")
+        if index_chain != index_codecs_json():  # the common spelling: nothing more to check
+            if (not isinstance(index_chain, list) or len(index_chain) != 2
+                    or index_chain[0] != _BYTES_LITTLE or not _is_map(index_chain[1])
+                    or index_chain[1].get("name") != "crc32c"):
+                raise _fail(
+                    "shard index_codecs must be bytes (little endian) then crc32c",
+                    "UCP-1.0-R040",
+                    where,
+                )
+            if index_chain[1] not in CRC32C_SPELLINGS:
+                raise _fail(f"the crc32c codec takes no configuration, got {index_chain[1]!r}",
+                            "UCP-1.0-R046", where)
         if cfg.get("index_location", "end") != "end":
             raise _fail("shard index_location must be 'end'", "UCP-1.0-R022", where)
         compression = _parse_chain(cfg.get("codecs"), dt, where)
@@ -459,6 +484,25 @@ class GroupMeta:
         return {"zarr_format": 3, "node_type": "group", "attributes": dict(self.attributes)}
 
 
+#: The members zarr v3 defines for an array's and a group's zarr.json (UCP-1.0-R007).
+ARRAY_MEMBERS: Final = frozenset({
+    "zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+    "fill_value", "codecs", "storage_transformers", "dimension_names", "attributes",
+})
+GROUP_MEMBERS: Final = frozenset({"zarr_format", "node_type", "attributes"})
+
+
+def check_node_members(doc: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    """Refuse a member zarr v3 does not define unless it is marked ``"must_understand":
+    false`` (UCP-1.0-R007, zarr v3's rule for extensions): such a one is ignored."""
+    if doc.keys() <= known:
+        return
+    for key, value in doc.items():
+        if key not in known and not (_is_map(value) and value.get("must_understand") is False):
+            raise _fail(f"member {key!r} is not one zarr v3 defines for this node, and is not "
+                        'marked "must_understand": false', "UCP-1.0-R007", where)
+
+
 def _parse_node_ucp(attributes: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     """``attributes.ucp`` of a node other than the root (empty if absent)."""
     ucp = attributes.get("ucp", {})
@@ -486,6 +530,8 @@ def parse_group(path: str, doc: Any, *, root: bool = False) -> GroupMeta:
         raise _fail("group metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise _fail("not a zarr v3 group", "UCP-1.0-R001", where)
+    if not root:  # the root's members are R057's
+        check_node_members(doc, GROUP_MEMBERS, where)
     attributes = doc.get("attributes", {})
     if not _is_map(attributes):
         raise _fail("attributes must be an object", "UCP-1.0-R001", where)
@@ -602,29 +648,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
-#: below at most 8 levels of document structure); deeper documents are refused before
-#: anything walks them recursively (UCP-1.0-R096).
-MAX_DOCUMENT_DEPTH: Final = 80
-
-
-def json_depth(doc: Any) -> int:
-    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(doc, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((v, depth + 1) for v in children)
-    return deepest
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a large metadata document is parsed.
@@ -643,8 +666,12 @@ def gc_paused() -> Iterator[None]:
 
 
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
-    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys), whose
-    strings are all Unicode scalar values (no unpaired surrogate escape, UCP-1.0-R006)."""
+    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys, no
+    byte order mark, UCP-1.0-R009), whose strings are all Unicode scalar values (no
+    unpaired surrogate escape, UCP-1.0-R006)."""
+    if data[:3] == b"\xef\xbb\xbf":
+        raise FormatError("the document begins with a UTF-8 byte order mark",
+                          rule="UCP-1.0-R009", path=what)
     try:
         text = data.decode("utf-8")
         with gc_paused():

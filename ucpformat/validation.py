@@ -18,6 +18,7 @@ from typing import Any, Literal
 from ucpformat import names, schemas
 from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
 from ucpformat.errors import UCPError
+from ucpformat.jsonvalues import json_equal
 from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
@@ -353,15 +354,6 @@ def _check_node_files(
             continue
         if not json_equal(own, node):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
-
-
-def json_equal(a: Any, b: Any) -> bool:
-    """Equality of JSON values: ``1``, ``1.0`` and ``true`` are three different values."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
 
 
 def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 from ucpformat.dtypes import DataType
 from ucpformat.engine import checksum
 from ucpformat.engine.checksum import CRC_BYTES, crc_bytes
-from ucpformat.engine.compression import Compression, SizeMismatch, decompress
+from ucpformat.engine.compression import Compression, FrameRefused, SizeMismatch, decompress
 from ucpformat.errors import ChecksumError, CorruptDataError
 
 
@@ -68,6 +68,12 @@ class ChunkCodec:
         if self._numcodec is not None and self.compression is not None:
             try:
                 payload = decompress(self.compression, self._numcodec, payload, nbytes)
+            except FrameRefused as exc:
+                raise CorruptDataError(
+                    f"chunk {chunk} is refused before decompressing: {exc}",
+                    rule="UCP-1.0-R047",
+                    tensor=tensor,
+                ) from exc
             except SizeMismatch as exc:
                 raise CorruptDataError(
                     f"chunk {chunk} is refused before decompressing ({self.compression.name}): "
@@ -88,4 +94,13 @@ class ChunkCodec:
                 rule="UCP-1.0-R093" if self.compression else "UCP-1.0-R041",
                 tensor=tensor,
             )
+        if self.dtype.kind == "bool" and nbytes:
+            largest = int(np.frombuffer(payload, dtype=np.uint8).max())
+            if largest > 1:
+                raise CorruptDataError(
+                    f"chunk {chunk} stores the byte 0x{largest:02x} for a bool element: a bool "
+                    "is 0x00 or 0x01, anything else is damage, never read as true",
+                    rule="UCP-1.0-R008",
+                    tensor=tensor,
+                )
         return np.frombuffer(payload, dtype=self.dtype.numpy).reshape(tuple(shape))

@@ -148,11 +148,12 @@ def decompress(compression: Compression, codec: Any, payload: memoryview, nbytes
     """Decompress ``payload`` with ``codec`` (``compression.numcodec()``) into at most
     ``nbytes`` (plus one, to tell "too long"): a hostile chunk of a few KB that expands to
     gigabytes (a decompression bomb) is refused before it is expanded (spec UCP-1.0-R090,
-    UCP-1.0-R093). Raises :class:`SizeMismatch` for data of another size."""
+    UCP-1.0-R093). Raises :class:`SizeMismatch` for data of another size, and
+    :class:`FrameRefused` for zstd data that is not one frame declaring its size (R047)."""
     name = compression.name
     if name == "gzip":
         return memoryview(_gunzip(payload, nbytes))
-    declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_content_size(payload)
+    declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_frame_size(payload, nbytes)
     if name == "blosc" and _blosc_cbytes(payload) != len(payload):
         # c-blosc trusts this header field and would read past the buffer (R093)
         raise SizeMismatch(
@@ -162,14 +163,16 @@ def decompress(compression: Compression, codec: Any, payload: memoryview, nbytes
     if declared is not None and declared != nbytes:
         raise SizeMismatch(f"it declares {declared} decompressed bytes, expected {nbytes}")
     out = np.empty(nbytes, dtype=np.uint8)
-    # numcodecs refuses output that does not fit ``out``; a zstd frame of unknown size
-    # must fill it exactly.
-    codec.decode(payload, out=out)
+    codec.decode(payload, out=out)  # numcodecs refuses output beyond ``out``
     return out.data
 
 
 class SizeMismatch(ValueError):
     """Compressed data that declares, or would produce, another size than the chunk's."""
+
+
+class FrameRefused(ValueError):
+    """A zstd chunk that is not one frame declaring its size (UCP-1.0-R047)."""
 
 
 #: Compressed bytes handed to zlib at the start of each gzip member (doubled while the
@@ -222,43 +225,57 @@ def _blosc_cbytes(data: Any) -> int:
 _ZSTD_MAGIC = 0xFD2FB528
 
 
-def _zstd_content_size(data: Any) -> int | None:
-    """Total decompressed size the zstd frames declare (RFC 8878), None if a frame omits it.
+def _zstd_frame_size(data: Any, nbytes: int) -> int:
+    """The content size of a zstd chunk's one frame (RFC 8878), read from its header.
 
-    Walks frame and block headers only; decompresses nothing.
+    UCP-1.0-R047: one frame, no dictionary, a declared content size, a window no larger
+    than the chunk's decoded size ``nbytes``, nothing after it. Walks frame and block
+    headers only; decompresses nothing.
     """
     view = memoryview(data).cast("B")
-    total = 0
-    pos = 0
-    while pos < len(view):
-        if len(view) - pos < 8:
-            raise ValueError("a zstd frame header is truncated")
-        magic = int.from_bytes(view[pos : pos + 4], "little")
-        if magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
-            pos += 8 + int.from_bytes(view[pos + 4 : pos + 8], "little")
-            continue
-        if magic != _ZSTD_MAGIC:
-            raise ValueError("not a zstd frame")
-        fhd = view[pos + 4]
-        fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
-        pos += 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
-        fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
-        if pos + fcs_len > len(view):
-            raise ValueError("a zstd frame header is truncated")
-        if fcs_len == 0:
-            return None
-        size = int.from_bytes(view[pos : pos + fcs_len], "little")
-        total += size + (256 if fcs_len == 2 else 0)
-        pos += fcs_len
-        while True:  # blocks
-            if pos + 3 > len(view):
-                raise ValueError("a zstd block header is truncated")
-            header = int.from_bytes(view[pos : pos + 3], "little")
-            block_type, block_size = (header >> 1) & 3, header >> 3
-            pos += 3 + (1 if block_type == 1 else block_size)
-            if header & 1:
-                break
-        pos += 4 if fhd & 4 else 0
-    if pos != len(view):
+    if len(view) < 6:
+        raise ValueError("the zstd frame header is truncated")
+    magic = int.from_bytes(view[0:4], "little")
+    if magic & 0xFFFFFFF0 == 0x184D2A50:
+        raise FrameRefused("it starts with a skippable zstd frame")
+    if magic != _ZSTD_MAGIC:
+        raise ValueError("not a zstd frame")
+    fhd = view[4]
+    fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
+    if fhd & 3:
+        raise FrameRefused("its zstd frame names a dictionary")
+    if fcs_flag == 0 and not single:
+        raise FrameRefused("its zstd frame does not declare its content size")
+    pos = 5
+    window = None
+    if not single:
+        exponent, mantissa = view[pos] >> 3, view[pos] & 7
+        base = 1 << (10 + exponent)
+        window = base + (base >> 3) * mantissa
+        pos += 1
+    fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if pos + fcs_len > len(view):
+        raise ValueError("the zstd frame header is truncated")
+    size = int.from_bytes(view[pos : pos + fcs_len], "little") + (256 if fcs_len == 2 else 0)
+    pos += fcs_len
+    while True:  # blocks
+        if pos + 3 > len(view):
+            raise ValueError("a zstd block header is truncated")
+        header = int.from_bytes(view[pos : pos + 3], "little")
+        block_type, block_size = (header >> 1) & 3, header >> 3
+        pos += 3 + (1 if block_type == 1 else block_size)
+        if header & 1:
+            break
+    pos += 4 if fhd & 4 else 0
+    if pos < len(view):
+        raise FrameRefused("its data go on after one zstd frame")
+    if pos > len(view):
         raise ValueError("the zstd data is truncated")
-    return total
+    if size != nbytes:
+        raise SizeMismatch(f"it declares {size} decompressed bytes, expected {nbytes}")
+    if window is not None and window > nbytes:
+        raise FrameRefused(f"its zstd frame declares a window of {window} bytes, more than "
+                            f"the chunk's {nbytes}")
+    return size
+
+

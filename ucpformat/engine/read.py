@@ -209,6 +209,7 @@ class ArrayReader:
         index = decode_index(raw_index, cps, tensor=self.path, shard=key)
         max_encoded = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
         reads = []
+        shard_size: int | None = None  # asked for once an entry needs it
         for local in needed:
             offset, nbytes = (int(v) for v in index[local])
             glo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
@@ -234,6 +235,20 @@ class ArrayReader:
                     f"inner chunk {self._chunk_label(gchunk, key)} has an impossible index entry "
                     f"(offset {offset}, {nbytes} bytes)",
                     rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
+            if shard_size is None:
+                shard_size = self.store.size(key)
+            if shard_size is not None and offset + nbytes > shard_size - isize:
+                # inner chunks lie before the index (UCP-1.0-R048), and inside the shard (R094)
+                beyond = offset + nbytes > shard_size
+                raise CorruptDataError(
+                    f"inner chunk {self._chunk_label(gchunk, key)} has the index entry (offset "
+                    f"{offset}, {nbytes} bytes), which reaches "
+                    f"{'beyond the end of its shard' if beyond else 'into the shard index'} "
+                    f"(a shard of {shard_size} bytes whose index starts at byte "
+                    f"{shard_size - isize})",
+                    rule="UCP-1.0-R094" if beyond else "UCP-1.0-R048",
                     tensor=self.path,
                 )
             reads.append(ChunkRead(key, offset, nbytes, glo, gchunk))
@@ -334,8 +349,8 @@ class ArrayReader:
         """
         meta = self.meta
         cs = meta.chunk_shape
-        if meta.compression is not None:
-            return None
+        if meta.compression is not None or meta.dtype.kind == "bool":
+            return None  # (bool chunks are decoded: every byte is checked, UCP-1.0-R008)
         if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
             return None
         payload = math.prod(cs) * meta.dtype.itemsize

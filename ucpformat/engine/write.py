@@ -18,7 +18,7 @@ import numpy as np
 
 from ucpformat.engine.grid import region_bounds
 from ucpformat.engine.sharding import pack_shard
-from ucpformat.errors import WriteError
+from ucpformat.errors import InvalidValueError, WriteError
 from ucpformat.storage import Store
 
 if TYPE_CHECKING:
@@ -69,6 +69,13 @@ def encode_object(
     if tuple(data.shape) != expected:
         raise WriteError(
             f"object {coords} needs data of shape {expected}, got {tuple(data.shape)}",
+            tensor=meta.path,
+        )
+    if data.dtype == np.bool_ and data.size and int(data.view(np.uint8).max()) > 1:
+        raise InvalidValueError(
+            "a bool element is held as a byte other than 0x00 or 0x01 (a view of other "
+            "bytes as bool?): it would be stored as damage",
+            rule="UCP-1.0-R008",
             tensor=meta.path,
         )
     codec = meta.codec

@@ -25,9 +25,9 @@ from typing import Any
 
 from ucpformat import schemas
 from ucpformat.errors import LayoutError
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
 from ucpformat.layout.semantics import PART_MAJOR, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords
-from ucpformat.metadata import MAX_DOCUMENT_DEPTH, json_depth
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "rules"
 CAPTURES = ("layer", "expert")
