@@ -55,7 +55,7 @@ How does a distributed save fail?
   communicator's to detect: torch.distributed's timeout or its closed connection.)
 * **A failure on any rank means no commit.** Only the coordinator commits, after an
   agreement that every rank wrote what it owns, and only if every planned stored object
-  was written (UCP-1.0-R132), and only while it still holds the location (R059).
+  was written (UCP-1.0-R132), and only while it still holds the location (UCP-1.0-R059).
 * **One writer per location.** The coordinator's marker is its claim on the location
   (:func:`ucpformat.writer.mark_destination`, UCP-1.0-R059): a second save there is
   refused before it changes anything, every stored object is created (never replaces
@@ -321,7 +321,7 @@ def _unpack(tasks: RankTasks, received: Mapping[int, memoryview]) -> Inbox:
 def mark(store: Store, *, overwrite: bool) -> WriteClaim:
     """End of step 2 (the coordinator): refuse a destination that must not be written
     (before changing anything, UCP-1.0-R049), else hold it with the in-progress marker
-    (R056, R059), which leaves a checkpoint being replaced committed
+    (UCP-1.0-R056, UCP-1.0-R059), which leaves a checkpoint being replaced committed
     (``claim.replacing``: ``overwrite=True`` found one)."""
     return mark_destination(store, overwrite=overwrite)
 

@@ -112,11 +112,11 @@ def mark_destination(store: Store, *, overwrite: bool) -> WriteClaim:
 
     Everything that can refuse the save is checked before anything changes (UCP-1.0-R049):
     a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
-    the writer could not remove. Then the in-progress marker (R056) is written as this
+    the writer could not remove. Then the in-progress marker (UCP-1.0-R056) is written as this
     save's claim (UCP-1.0-R059): a second writer is refused while the first runs (on a
     local file system the marker is locked for the whole save; on an object store a marker
     already there is taken over only with ``overwrite``). Then the checks are repeated. A
-    committed checkpoint being replaced stays committed (R053) until
+    committed checkpoint being replaced stays committed (UCP-1.0-R053) until
     :func:`clear_destination` (``claim.replacing`` says whether one is here); a save given
     up before that withdraws its claim with :func:`unmark_destination` (or
     :func:`abandon`), and the location is as it was.
@@ -136,7 +136,7 @@ def mark_destination(store: Store, *, overwrite: bool) -> WriteClaim:
 
 def clear_destination(store: Store, claim: WriteClaim) -> None:
     """The second half of :func:`prepare_destination`, after :func:`mark_destination`:
-    un-commit the checkpoint being replaced (its root deleted durably, R053), then remove
+    un-commit the checkpoint being replaced (its root deleted durably, UCP-1.0-R053), then remove
     all but the marker. A failure abandons the save (:func:`explain_failure`)."""
     with explain_failure(store, claim):
         if not claim.held.locked:  # without a lock, only the marker says who holds it
@@ -347,7 +347,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    body = encode_root(root)  # sealed by its digest (R058)
+    body = encode_root(root)  # sealed by its digest (UCP-1.0-R058)
     if claim is None:
         store.put(ZARR_JSON, [body], atomic=True)
     else:
@@ -355,7 +355,7 @@ def commit(
                      replace=replace)
     try:
         if claim is None or claim.held.locked or _owns(store, claim):
-            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (R059)
+            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (UCP-1.0-R059)
     except OSError as exc:
         raise WriteError(
             f"the checkpoint is committed, but its in-progress marker could not be removed "
@@ -450,7 +450,7 @@ def abandon(store: Store, claim: WriteClaim | None = None) -> str:
     what became of the location, as a sentence for an error message. Removes nothing once
     the save has committed, or if another writer has taken the location over; before
     :func:`clear_destination` began, only withdraws the marker
-    (:func:`unmark_destination`): a checkpoint being replaced stays as it was (R053).
+    (:func:`unmark_destination`): a checkpoint being replaced stays as it was (UCP-1.0-R053).
     """
     if claim is None:
         claim = _CLAIMS.get(store)
@@ -516,8 +516,8 @@ def delete_checkpoint(store: Store) -> None:
     """Delete the checkpoint, or the remains of a save, at ``store``.
 
     Refuses what is neither (files that are not a checkpoint's, names no checkpoint has:
-    UCP-1.0-R049) and a location another writer holds (R059); then claims the location,
-    un-commits (R053), removes every file, the marker last, and releases it. The marker
+    UCP-1.0-R049) and a location another writer holds (UCP-1.0-R059); then claims the location,
+    un-commits (UCP-1.0-R053), removes every file, the marker last, and releases it. The marker
     of the remains of a save is claimed as it is, so that a full disk does not stop the
     deletion that frees it. Links are removed, never followed. The location's directory
     itself stays.
@@ -721,7 +721,8 @@ def _array_meta(
 
 
 def zero_bits(dt: dtypes.DataType) -> Any:
-    """The value whose bits are all zero: the fill value ucpformat writes for every type."""
+    """The value whose bits are all zero: the fill value ucpformat writes for every type
+    (UCP-1.0-R033)."""
     return np.frombuffer(bytes(dt.itemsize), dtype=dt.numpy)[0]
 
 

@@ -34,7 +34,7 @@ save fails), in DCP's order of calls:
 4. the coordinator (``finish``, called by DCP only if every rank succeeded): checks that
    every planned shard was written, writes values and the metadata, and commits last. A
    failure anywhere leaves no committed checkpoint, and one before the un-commit leaves
-   the checkpoint being replaced as it was. A failed save's files are removed (R049):
+   the checkpoint being replaced as it was. A failed save's files are removed (UCP-1.0-R049):
    by the coordinator at once where it sees the failure (steps 3 and 4), else by its
    writer's next ``reset`` (DCP calls it when the next save begins) or the next save to
    that location.
@@ -648,7 +648,8 @@ def _bytes_meta(
 
 
 def _check_optimizer_values(values: Mapping[str, Any], arrays: Mapping[str, ArrayMeta]) -> None:
-    """Refuse param groups the spec refuses (R081, R082), before anything is committed."""
+    """Refuse param groups the spec refuses (UCP-1.0-R081, UCP-1.0-R082), before anything is
+    committed."""
     if not values:
         return
     hint = ("save the optimizer state of torch.distributed.checkpoint.state_dict."
