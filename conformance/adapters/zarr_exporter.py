@@ -251,6 +251,19 @@ def _dump(doc: Any) -> bytes:
     return json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
+def seal_root(root: dict[str, Any]) -> bytes:
+    """The root's bytes with ``attributes.ucp.root_sha256`` (UCP-1.0-R058): the SHA-256 of
+    these bytes in which its own 64 digits are written as ``0``."""
+    placeholder = "0" * 64
+    root["attributes"]["ucp"]["root_sha256"] = placeholder
+    body = _dump(root)
+    token = f'"{placeholder}"'.encode()
+    pos = body.index(token) + 1
+    assert body.find(token, pos) < 0, "64 zeros elsewhere in the root: use another placeholder"
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return body[:pos] + digest + body[pos + 64 :]
+
+
 def write_root(out: Path, body: bytes) -> None:
     if not OPTIONS["root_last"]:  # the broken exporter: straight into place
         (out / "zarr.json").write_bytes(body)
@@ -371,7 +384,7 @@ def write(scenario_path: Path, out: Path) -> None:
         "consolidated_metadata": {"kind": "inline", "must_understand": False,
                                   "metadata": dict(sorted(nodes.items()))},
     }
-    write_root(out, _dump(root))
+    write_root(out, seal_root(root))
 
 
 def capabilities() -> dict[str, Any]:

@@ -618,7 +618,8 @@ def _other_paths(rank: int, root: Path, checks: Checks) -> None:
 def _refusals(rank: int, root: Path, checks: Checks) -> None:
     """Bad input is refused on every rank before anything of the engine changes."""
     import ucpformat.deepspeed as uds
-    from ucpformat.errors import KeyMismatchError, ShapeMismatchError, UCPError
+    from ucpformat.deepspeed.holdings import inner_optimizer
+    from ucpformat.errors import KeyMismatchError, LoadError, ShapeMismatchError, UCPError
 
     cases: list[tuple[str, str, type[Exception], str, Path]] = [
         ("refuse another shape", "wide", ShapeMismatchError, "fc1.weight",
@@ -626,7 +627,15 @@ def _refusals(rank: int, root: Path, checks: Checks) -> None:
         ("refuse another name", "extra", KeyMismatchError, "extra.weight",
          root / "ucp" / "zero2-bf16"),
         ("refuse a damaged checkpoint", "dsnet", UCPError, "fc2.weight", root / "damaged"),
+        ("refuse a value of another kind", "dsnet", LoadError, "param_groups[0].betas",
+         root / "bad-value"),
     ]
+    # a checkpoint whose Adam betas are a string: refused while planning, not half-applied
+    engine = make_engine("dsnet", 2, "bf16")
+    train(engine, rank, 1)
+    inner_optimizer(engine).param_groups[0]["betas"] = "oops"
+    uds.save(engine, root / "bad-value")
+    engine.destroy()
     if rank == 0:  # a copy of a checkpoint with one tensor's data gone
         shutil.rmtree(root / "damaged", ignore_errors=True)
         shutil.copytree(root / "ucp" / "zero2-fp32", root / "damaged")

@@ -160,7 +160,8 @@ def test_checkpoints_of_other_writers_load(results: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("check", ["refuse another shape", "refuse another name",
-                                   "refuse a damaged checkpoint"])
+                                   "refuse a damaged checkpoint",
+                                   "refuse a value of another kind"])
 def test_bad_input_is_refused_before_anything_changes(results: dict[str, Any],
                                                       check: str) -> None:
     """Every rank raises (naming the tensor, or the rank that could not read it) and every

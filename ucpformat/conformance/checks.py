@@ -36,7 +36,7 @@ CHECKS: dict[str, CheckInfo] = {
         CheckInfo("reader.valid", "every valid case read bit for bit", _r(210, 211, 241)),
         CheckInfo("reader.invalid",
                   "every invalid case of stage open or read refused with an error, in time",
-                  _r(97, 212, 213)),
+                  _r(97, 98, 99, 212, 213)),
         CheckInfo("reader.unsupported-types",
                   "tensors of a data type the reader declares unsupported are refused by name",
                   _r(92, 203)),

@@ -41,7 +41,7 @@ from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.storage import open_store
 from ucpformat.torch.comm import communicator
 from ucpformat.torch.convert import from_numpy
-from ucpformat.torch.state import like
+from ucpformat.torch.planner import value_like
 
 from .holdings import FP32_COPIES, ZERO, ZERO3, Flat, Holdings, Naming, Placed, holdings
 from .holdings import inner_optimizer as _inner
@@ -90,7 +90,8 @@ class _FlatPlan:
     master: np.ndarray[Any, Any]  # float32, the flat tensor's elements (slots filled)
     shaped: dict[str, np.ndarray[Any, Any]] = field(default_factory=dict)  # state -> flat buffer
     scalars: dict[str, np.ndarray[Any, Any]] = field(default_factory=dict)  # state -> 0-d
-    values: dict[str, Any] = field(default_factory=dict)  # JSON state
+    values: dict[str, Any] = field(default_factory=dict)  # JSON state, shaped like the live one
+    raw_values: dict[str, Any] = field(default_factory=dict)  # JSON state as stored
 
 
 @dataclass
@@ -263,11 +264,14 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
                     raise LoadError(f"stored as {tensor.dtype}, other parameters of the same "
                                     f"flat partition as {buffer.dtype}", tensor=path)
                 read(path, lmap, buffer[slot.offset:slot.offset + slot.numel], None)
+            live_state = inner.state.get(flat.master, {})
             for key, value in json_state.items():
-                if key in fp.values and fp.values[key] != value:
+                if key in fp.values and fp.raw_values[key] != value:
                     raise LoadError(f"{key} differs between parameters of the same flat "
                                     "partition", tensor=group_path)
-                fp.values[key] = value
+                fp.raw_values[key] = value
+                fp.values[key] = value_like(live_state.get(key), value,
+                                            where=f"{group_path}.{key}")
         if load_optimizer_states and inner is not None and state_keys is not None:
             live = set(inner.state.get(flat.master, {}))
             lacking = sorted(live - state_keys)
@@ -276,10 +280,16 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
                                 tensor=state_path(flat.slots[0].param, lacking[0]))
 
     if load_optimizer_states and inner is not None:
-        plan.hyper = _param_group_values(ckpt, h)
+        hyper = _param_group_values(ckpt, h)
+        if hyper is not None:
+            plan.hyper = [
+                {key: value_like(group.get(key), value,
+                                 where=f"optimizer/param_groups[{g}].{key}")
+                 for key, value in stored.items()}
+                for g, (group, stored) in enumerate(zip(inner.param_groups, hyper, strict=True))]
         values = ckpt.values("optimizer") if "optimizer" in ckpt.groups else {}
         ds = values.get("deepspeed")
-        plan.deepspeed = dict(ds) if isinstance(ds, Mapping) else {}
+        plan.deepspeed = _global_state(engine.optimizer, ds if isinstance(ds, Mapping) else {})
     training = ckpt.values("training") if "training" in ckpt.groups else {}
     plan.training = training
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
@@ -288,7 +298,8 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
             raise LoadError("the engine has an LR scheduler and the checkpoint no scheduler "
                             "state (training/scheduler); pass load_lr_scheduler_states=False",
                             path=ckpt.location)
-        plan.scheduler = like(engine.lr_scheduler.state_dict(), scheduler)
+        plan.scheduler = value_like(engine.lr_scheduler.state_dict(), scheduler,
+                                    where="training/scheduler")
     plan.client_state = {k: v for k, v in training.items() if k not in _ENGINE_KEYS}
     for key, path in _children(ckpt, "training").items():
         def client(values: np.ndarray[Any, Any], key: str = key) -> None:
@@ -360,12 +371,10 @@ def _apply(engine: Any, h: Holdings, plan: _Plan, *, load_optimizer_states: bool
                     state[key] = new.clone()
             for key, scalar in fp.scalars.items():
                 state[key] = from_numpy(np.array(scalar, copy=True))
-            for key, value in fp.values.items():
-                state[key] = like(state.get(key), value)
+            state.update(fp.values)
         if load_optimizer_states and inner is not None and plan.hyper is not None:
             for group, stored in zip(inner.param_groups, plan.hyper, strict=True):
-                for key, value in stored.items():
-                    group[key] = like(group.get(key), value)
+                group.update(stored)
         if load_optimizer_states:
             _load_global_state(opt, plan.deepspeed)
         for name, values in plan.frozen.items():
@@ -406,17 +415,39 @@ def _refresh_zero3(opt: Any) -> None:
                 part.data = q.data
 
 
-def _load_global_state(opt: Any, ds: Mapping[str, Any]) -> None:
-    """Gradient clipping and the loss scaler, where the checkpoint has them."""
+def _global_state(opt: Any, ds: Mapping[str, Any]) -> dict[str, Any]:
+    """Gradient clipping and the loss scaler's values the checkpoint has, shaped like the
+    optimizer's own (``LoadError`` naming the value if one is of another kind)."""
+    out: dict[str, Any] = {}
     for attr in ("clip_grad", "dynamic_loss_scale", "overflow"):
         if attr in ds and hasattr(opt, attr):
-            setattr(opt, attr, like(getattr(opt, attr), ds[attr]))
+            out[attr] = value_like(getattr(opt, attr), ds[attr],
+                                   where=f"optimizer/deepspeed.{attr}")
     scaler = loss_scaler(opt)
     stored = ds.get("loss_scaler")
     if scaler is not None and isinstance(stored, Mapping):
+        values: dict[str, Any] = {}
         for key, value in stored.items():
-            if hasattr(scaler, key) and isinstance(getattr(scaler, key), bool | int | float):
-                setattr(scaler, key, type(getattr(scaler, key))(value))
+            current = getattr(scaler, key, None)
+            if not isinstance(current, bool | int | float):
+                continue
+            if not isinstance(value, bool | int | float):
+                raise LoadError(f"the stored value is {type(value).__name__}, the loss scaler "
+                                "holds a number there",
+                                path=f"optimizer/deepspeed.loss_scaler.{key}")
+            values[key] = type(current)(value)
+        out["loss_scaler"] = values
+    return out
+
+
+def _load_global_state(opt: Any, ds: Mapping[str, Any]) -> None:
+    """Set what :func:`_global_state` planned."""
+    for key, value in ds.items():
+        if key != "loss_scaler":
+            setattr(opt, key, value)
+    scaler = loss_scaler(opt)
+    for key, value in ds.get("loss_scaler", {}).items():
+        setattr(scaler, key, value)
 
 
 def _apply_training(engine: Any, plan: _Plan, *, load_lr_scheduler_states: bool) -> int | None:
