@@ -25,7 +25,8 @@ The runs, in order:
    partitions, every state, 16-bit weights, hyperparameters, scheduler, counters, loss
    scaler), then both trained on; re-saved; the pipeline and tensor-parallel runs at
    other degrees; checkpoints of other paths; refusals (the engine unchanged);
-5. ``crash`` (2 ranks): rank 1 dies while writing shards.
+5. ``crash`` (2 ranks): a save with a tag, then rank 1 dies while writing the next
+   tag's shards.
 
 What each check found goes to ``OUT/results.json`` (``checks``: name -> problems, empty
 when it passed; ``losses``; ``demo``). The pytest side (``tests/deepspeed/``) asserts it.
@@ -667,12 +668,14 @@ def crash_job(rank: int, world: int, out: str) -> dict[str, Any]:
     _env(rank, world)
     engine = make_engine("dsnet", 2, "fp32")
     train(engine, rank, STEPS)
+    uds.save(engine, Path(out) / "crashed", tag="step3")  # committed; latest names it
+    train(engine, rank, 1)
     if rank == 1:
         def die(*args: Any, **kwargs: Any) -> Any:
             os._exit(17)  # the process is gone, as if killed, in the middle of writing
 
         pipeline.write_object = die  # type: ignore[assignment]
-    uds.save(engine, Path(out) / "crashed")
+    uds.save(engine, Path(out) / "crashed", tag="step4")
     return {"saved": True}
 
 

@@ -175,8 +175,18 @@ def test_a_failing_rank_commits_nothing(results: dict[str, Any]) -> None:
 
 def test_a_rank_that_dies_while_saving_commits_nothing(ds_run: Path,
                                                        results: dict[str, Any]) -> None:
+    """The tag being written is not a checkpoint; ``latest`` still names the previous
+    tag, which is intact: a resume picks it."""
+    from ucpformat.deepspeed import resolve_location
+
     assert "exit code 17" in results["crash"], results["crash"]
-    where = ds_run / "crashed"
+    where = ds_run / "crashed" / "step4"
     assert where.is_dir() and not (where / "zarr.json").exists()
     with pytest.raises(IncompleteCheckpointError):
         ucpformat.open(where)
+    assert (ds_run / "crashed" / "latest").read_text() == "step3"
+    previous = resolve_location(ds_run / "crashed")
+    assert previous == str(ds_run / "crashed" / "step3")
+    assert ucpformat.validate(previous, deep=True).valid
+    with ucpformat.open(previous) as ckpt:
+        assert ckpt.values("training")["step"] == 3
