@@ -39,6 +39,17 @@ def test_open_benchmark_runs(tmp_path: Path) -> None:
     assert any("inspect" in m for m in methods)
 
 
+def test_validate_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import bench_validate
+
+    (table,) = bench_validate.run(quick=True, n_arrays=30, repeats=1, directory=tmp_path)
+    rows = {(row[0], row[1].split(" (")[0]) for row in table.rows}
+    assert len(table.rows) == 8
+    assert ("each document different", "`ucpformat.validate`") in rows
+    assert ("documents alike", "read and parse the root zarr.json") in rows
+    assert any("ucp validate" in row[1] for row in table.rows)
+
+
 def test_runner_writes_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_open

@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,7 +19,7 @@ from typing import Any, Literal
 from ucpformat import names, rng, schemas
 from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
 from ucpformat.errors import UCPError, WriteError
-from ucpformat.jsonvalues import json_equal
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_equal
 from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
@@ -180,7 +180,7 @@ def _validate(
         report.add("UCP-1.0-R051", "/", f"not a committed checkpoint: {why}")
         return
     doc = loads(raw, what=ZARR_JSON)
-    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (R096)
+    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (UCP-1.0-R096)
     for v in root_violations(doc):
         report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
     if not isinstance(doc, Mapping):
@@ -220,10 +220,10 @@ def _validate(
     _check_rng(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     _check_model_group(arrays, groups, report)
-    manifest, damaged = _check_manifest(store, ucp, arrays, report, limit=limit)
+    manifest, damaged, listed = _check_manifest(store, ucp, arrays, report, limit=limit)
     node_files: dict[str, bytes] = {}
-    _check_node_files(store, doc, report, damaged=damaged, limit=limit,
-                      keep=node_files if deep else None)
+    _check_node_files(store, doc, report, parsed=arrays.keys() | groups.keys(), damaged=damaged,
+                      listed=listed, limit=limit, keep=node_files if deep else None)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
     cm = doc.get("consolidated_metadata")
@@ -243,10 +243,14 @@ def root_violations(doc: Any) -> list[schemas.SchemaViolation]:
     """The violations of ``root.schema.json`` by a root document, the same as
     ``schemas.violations("root", doc)`` gives, in time linear in the number of nodes.
 
-    Each node of the consolidated metadata is checked against the array or group schema
-    on its own (as the root schema's ``if``/``then``/``else`` does), once per distinct
-    document: the states of one parameter, or the experts of one layer, share theirs.
+    A root the compiled validator accepts has none (see :mod:`ucpformat.schemas`).
+    Otherwise each node of the consolidated metadata is checked against the array or group
+    schema on its own (as the root schema's ``if``/``then``/``else`` does), once per
+    distinct document: the states of one parameter, or the experts of one layer, share
+    theirs.
     """
+    if schemas.fast_accepts("root", doc):  # the whole root in one pass of the compiled check
+        return []
     cm = doc.get("consolidated_metadata") if isinstance(doc, Mapping) else None
     nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
     if not isinstance(doc, Mapping) or not isinstance(cm, Mapping) or not isinstance(
@@ -324,16 +328,20 @@ def _check_node_files(
     doc: Mapping[str, Any],
     report: Report,
     *,
+    parsed: Set[str],
     damaged: set[str],
+    listed: Mapping[str, int | None],
     limit: int,
     keep: dict[str, bytes] | None = None,
 ) -> None:
-    """R055: every node's own zarr.json equals its entry in the consolidated metadata.
+    """UCP-1.0-R055: every node's own zarr.json equals its entry in the consolidated metadata.
 
     A node document is read only up to the metadata limit (UCP-1.0-R098), and not at all
     when the manifest check found it missing or of another size than the manifest says
-    (``damaged``: reported there, R043). ``keep`` receives the documents read (key ->
-    bytes), so that a deep validation does not read them again.
+    (``damaged``: reported there, UCP-1.0-R043). ``listed``: the sizes the manifest check's
+    listing gave (not asked again); ``parsed``: the nodes whose paths were checked already.
+    ``keep`` receives the documents read (key -> bytes), so that a deep validation does
+    not read them again.
     """
     cm = doc.get("consolidated_metadata")
     meta = cm.get("metadata") if isinstance(cm, Mapping) else None
@@ -344,8 +352,9 @@ def _check_node_files(
         if key in damaged:
             continue
         try:
-            names.check_path(path)
-            raw = read_metadata(store, key, limit=limit)
+            if path not in parsed:
+                names.check_path(path)
+            raw = read_metadata(store, key, limit=limit, size=listed.get(key))
         except UCPError as exc:
             report.add_error(exc, path)
             continue
@@ -356,19 +365,37 @@ def _check_node_files(
             keep[key] = raw
         try:
             own = loads(raw, what=key)
-            check_depth(own, what=key)
+            # a value nests no deeper than it has brackets: most documents need no walk
+            if raw.count(b"[") + raw.count(b"{") > MAX_DOCUMENT_DEPTH:
+                check_depth(own, what=key)
         except UCPError as exc:
             report.add_error(exc, path)
             continue
-        if not json_equal(own, node):
+        if not (_same_text(own, node) or json_equal(own, node)):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
+
+
+def _same_text(a: Any, b: Any) -> bool:
+    """True if two parsed JSON values have the same canonical text (keys sorted), which
+    tells every value's kind and every number exactly: then they are equal (UCP-1.0-R073),
+    as :func:`~ucpformat.jsonvalues.json_equal` would find member by member, 5 to 10 times
+    slower. False says nothing."""
+    try:
+        return _canonical(a) == _canonical(b)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
 
 
 def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:
     """UCP-1.0-R045: the root's attributes equal the copy in the (digest-sealed) manifest."""
     attrs = doc.get("attributes")
     if not isinstance(attrs, Mapping) or not isinstance(attrs.get("ucp"), Mapping):
-        return  # reported already (R002)
+        return  # reported already (UCP-1.0-R002)
     actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items()
                                if k not in ("manifest", ROOT_DIGEST)}}
     sealed = manifest.get("root_attributes")
@@ -466,7 +493,7 @@ def _check_optimizer(
 def _check_rng(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """R085: the generators of ``training/rng`` (when it is a group), each in its form."""
+    """UCP-1.0-R085: the generators of ``training/rng`` (when it is a group), each in its form."""
     base = "training/rng"
     if base not in groups:
         return
@@ -517,7 +544,8 @@ def _check_rng(
 def _check_layouts(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """Layout semantics against each array's shape; aliases; optimizer states (R100-R109)."""
+    """Layout semantics against each array's shape; aliases; optimizer states
+    (UCP-1.0-R100 to UCP-1.0-R109)."""
     from ucpformat.layout.semantics import TensorLayout
 
     for path, meta in arrays.items():
@@ -584,29 +612,31 @@ def _check_manifest(
     report: Report,
     *,
     limit: int,
-) -> tuple[dict[str, Any] | None, set[str]]:
-    """The manifest checks (R042, R043, R030, R031, R044): the manifest, if it could be
-    checked, and the listed files found of another size or unreadable (``damaged``).
+) -> tuple[dict[str, Any] | None, set[str], dict[str, int | None]]:
+    """The manifest checks (UCP-1.0-R042, UCP-1.0-R043, UCP-1.0-R030, UCP-1.0-R031, UCP-1.0-R044):
+    the manifest, if it could be
+    checked, the listed files found of another size or unreadable (``damaged``), and the
+    files of the checkpoint with the sizes its listing gave (empty if not listed).
 
-    The manifest is read only if its size is the one the root gives (R043) and within the
+    The manifest is read only if its size is the one the root gives (UCP-1.0-R043) and within the
     metadata limit (UCP-1.0-R098).
     """
     damaged: set[str] = set()
     ref = ucp.get("manifest")
     if not isinstance(ref, Mapping) or ref.get("path") != MANIFEST_KEY:
-        return None, damaged  # reported by the schema
+        return None, damaged, {}  # reported by the schema
     size = store.size(MANIFEST_KEY)
     if size is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None, damaged
+        return None, damaged, {}
     if size != ref.get("nbytes"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    f"the manifest is {size} bytes, the root says {ref.get('nbytes')} (not read)")
-        return None, damaged
+        return None, damaged, {}
     raw = read_metadata(store, MANIFEST_KEY, limit=limit, what="the manifest")
     if raw is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None, damaged
+        return None, damaged, {}
     if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    "the manifest's SHA-256 differs from the one in the root")
@@ -615,13 +645,13 @@ def _check_manifest(
         check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
-        return None, damaged
+        return None, damaged, {}
     del raw
     violations = schemas.violations("manifest", manifest)
     for v in violations:
         report.add(v.rule, MANIFEST_KEY, f"{v.message} (at {v.pointer})")
     if violations:
-        return None, damaged
+        return None, damaged, {}
     files: Mapping[str, Any] = manifest["files"]
     for meta in arrays.values():
         listed_node = f"{meta.path}/{ZARR_JSON}"
@@ -641,13 +671,18 @@ def _check_manifest(
             if key not in files:
                 report.add("UCP-1.0-R030", meta.path,
                            f"stored object {key} is not in the manifest (never written)")
+    # one listing gives every file and most sizes (a path check per file costs more than
+    # the rest of a shallow validation); a size the listing does not give is asked for
+    listed = dict(store.list_sizes())
     for key, entry in files.items():
-        try:
-            found = store.size(key)
-        except UCPError as exc:
-            report.add_error(exc, key)
-            damaged.add(key)
-            continue
+        found = listed.get(key)
+        if found is None:
+            try:
+                found = store.size(key)
+            except UCPError as exc:
+                report.add_error(exc, key)
+                damaged.add(key)
+                continue
         if found is None:
             report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
         elif found != entry.get("nbytes"):
@@ -655,10 +690,10 @@ def _check_manifest(
                        f"is {found} bytes, the manifest says {entry.get('nbytes')}")
             damaged.add(key)
     known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
-    for key in store.list():
+    for key in listed:
         if key not in known:
             report.add("UCP-1.0-R044", key, "a file that the manifest does not list", "warning")
-    return dict(manifest), damaged
+    return dict(manifest), damaged, listed
 
 
 class _ReadOnceStore(Store):
@@ -769,7 +804,7 @@ def _deep(
 
     tasks: list[tuple[Tensor, list[int], list[int], str]] = []
     # Never enumerate more objects than the manifest lists (a hostile shape can describe
-    # 2**60): a non-sparse array that needs more is already reported (R030).
+    # 2**60): a non-sparse array that needs more is already reported (UCP-1.0-R030).
     bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
     for meta in ckpt.arrays.values():
         tensor = ckpt[meta.path]
@@ -790,7 +825,7 @@ def _deep(
         listed = int(files[key].get("nbytes", 0)) if key in files else None
         try:
             if listed is not None and listed <= ckpt.max_read_bytes:
-                data = store.hold(key)  # a missing object: the read below names it (R031)
+                data = store.hold(key)  # a missing object: the read below names it (UCP-1.0-R031)
                 nbytes = len(data) if data is not None else 0
                 if data is not None and digest is not None and (
                         hashlib.sha256(data).hexdigest() != digest):
@@ -836,7 +871,8 @@ def sha256_matches(
     store: Store, key: str, nbytes: int, digest: str, block: int
 ) -> tuple[int, Issue | None]:
     """Bytes read, and an issue if the SHA-256 of the ``nbytes`` bytes of ``key``, read
-    ``block`` bytes at a time, is not ``digest`` (R043) or the file is shorter (R031)."""
+    ``block`` bytes at a time, is not ``digest`` (UCP-1.0-R043) or the file is shorter
+    (UCP-1.0-R031)."""
     h = hashlib.sha256()
     buffer = bytearray(max(1, min(block, nbytes)))
     offset = 0
@@ -856,7 +892,7 @@ def sha256_matches(
 def _check_model_group(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """R080: model/ holds its tensors directly."""
+    """UCP-1.0-R080: model/ holds its tensors directly."""
     for path in [*arrays, *groups]:
         parts = path.split("/")
         if parts[0] == "model" and len(parts) > 2:
@@ -873,10 +909,11 @@ def _check_foreign_files(
     nodes: set[str],
     report: Report,
 ) -> None:
-    """R072: every file of the checkpoint (the manifest lists them, R042) is a metadata
+    """UCP-1.0-R072: every file of the checkpoint (the manifest lists them, UCP-1.0-R042) is a
+    metadata
     document, the manifest, the marker or a stored object of an array.
 
-    Files the manifest does not list are not part of the checkpoint: R044 warns about
+    Files the manifest does not list are not part of the checkpoint: UCP-1.0-R044 warns about
     them. ``nodes`` are the node paths of the consolidated metadata, parsed or not: the
     files of an array whose metadata is broken are not judged again here.
     """
