@@ -117,8 +117,24 @@ class ExtraNet(DsNet):
         return self.extra(super().forward(x))
 
 
+class LargeNet(nn.Module):
+    """Tensors large enough (64 KiB and more) that what a load reads is mostly data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 256)
+        self.fc = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 37)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(torch.relu(self.fc(self.emb(x))))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"dsnet": DsNet, "frozen": FrozenNet,
-                                             "wide": WideNet, "extra": ExtraNet}
+                                             "wide": WideNet, "extra": ExtraNet,
+                                             "large": LargeNet}
+#: the run whose loads' read volumes are measured, and (world, ZeRO stage) of each load
+READ_VOLUME = ("large-zero2-fp32", {2: 1, 3: 3})
 
 
 def config(stage: int, dtype: str, *, universal: bool = False) -> dict[str, Any]:
@@ -226,6 +242,7 @@ class Checks:
     def __init__(self) -> None:
         self.found: dict[str, list[str]] = {}
         self.losses: dict[str, list[float]] = {}
+        self.bytes_read: dict[str, int] = {}  # "<load> rank<r>": what the rank's load read
 
     @contextmanager
     def check(self, name: str) -> Iterator[list[str]]:
@@ -236,7 +253,7 @@ class Checks:
             problems.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
 
     def result(self) -> dict[str, Any]:
-        return {"checks": self.found, "losses": self.losses}
+        return {"checks": self.found, "losses": self.losses, "bytes_read": self.bytes_read}
 
 
 def _env(rank: int, world: int) -> None:
@@ -294,6 +311,11 @@ def save_job(rank: int, world: int, out: str) -> dict[str, Any]:
             train(engine, rank, STEPS)
             uds.save(engine, root / "ucp" / src)
             engine.destroy()
+    with checks.check(f"save {READ_VOLUME[0]}"):
+        engine = make_engine("large", 2, "fp32")
+        train(engine, rank, STEPS)
+        uds.save(engine, root / "ucp" / READ_VOLUME[0])
+        engine.destroy()
     with checks.check("a failed save commits nothing") as problems:
         engine = make_engine("dsnet", 1, "fp32")
         train(engine, rank, STEPS)
@@ -513,6 +535,7 @@ def resume_job(rank: int, world: int, out: str) -> dict[str, Any]:
         with checks.check(name) as problems:
             ours = make_engine("dsnet", stage, dtype, seed=1234)
             result = uds.load(ours, root / "ucp" / src)
+            checks.bytes_read[f"{name} rank{rank}"] = result.bytes_read
             if result.step != STEPS or result.client_state.get("epoch") != 7:
                 problems.append(f"step {result.step}, client state {result.client_state}")
             if not torch.equal(result.client_state.get("rng", torch.zeros(1)), torch.arange(5)):
@@ -536,6 +559,15 @@ def resume_job(rank: int, world: int, out: str) -> dict[str, Any]:
         with checks.check(name):
             engine = make_engine("frozen", stage, dtype, seed=1234)
             uds.load(engine, root / "ucp" / src)
+            uds.save(engine, root / "resaved" / name)
+            engine.destroy()
+    if world in READ_VOLUME[1]:
+        src = READ_VOLUME[0]
+        name = load_name(src, world, READ_VOLUME[1][world], "fp32")
+        with checks.check(name):
+            engine = make_engine("large", READ_VOLUME[1][world], "fp32", seed=1234)
+            checks.bytes_read[f"{name} rank{rank}"] = uds.load(engine, root / "ucp" /
+                                                              src).bytes_read
             uds.save(engine, root / "resaved" / name)
             engine.destroy()
     for pp, tp in GPT_RESUMES.get(world, []):
@@ -683,13 +715,14 @@ def crash_job(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"checks": {}, "losses": {}}
+    out: dict[str, Any] = {"checks": {}, "losses": {}, "bytes_read": {}}
     for rank, res in enumerate(results):
         for name, problems in res.get("checks", {}).items():
             out["checks"].setdefault(name, []).extend(f"rank {rank}: {p}" for p in problems)
         out["losses"].update(res.get("losses", {}))
+        out["bytes_read"].update(res.get("bytes_read", {}))
         for key, value in res.items():
-            if key not in ("checks", "losses"):
+            if key not in ("checks", "losses", "bytes_read"):
                 out[key] = value
     return out
 
@@ -706,12 +739,12 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"checks": {}, "losses": {}}
+    results: dict[str, Any] = {"checks": {}, "losses": {}, "bytes_read": {}}
 
     def run(fn: Any, world: int) -> None:
         merged = _merge(spawn(fn, world, str(root), timeout=900, start_method="fork"))
-        results["checks"].update(merged.pop("checks"))
-        results["losses"].update(merged.pop("losses"))
+        for key in ("checks", "losses", "bytes_read"):
+            results[key].update(merged.pop(key))
         results.update(merged)
 
     if not args.skip_demo:

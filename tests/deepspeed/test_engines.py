@@ -27,7 +27,12 @@ pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-from tests.deepspeed.harness import LOADS, SOURCES, load_name  # noqa: E402  (needs torch)
+from tests.deepspeed.harness import (  # noqa: E402  (needs torch)
+    LOADS,
+    READ_VOLUME,
+    SOURCES,
+    load_name,
+)
 
 #: the one array only ours has: save_checkpoint was given the client state without its tensor
 CONVERT_ONLY = ("training/rng",)
@@ -190,3 +195,21 @@ def test_a_rank_that_dies_while_saving_commits_nothing(ds_run: Path,
     assert ucpformat.validate(previous, deep=True).valid
     with ucpformat.open(previous) as ckpt:
         assert ckpt.values("training")["step"] == 3
+
+
+def test_a_load_reads_about_its_share(ds_run: Path, results: dict[str, Any]) -> None:
+    """Tensors of 37 x 256 and 256 x 256 saved under ZeRO-2 on 4 ranks (partitions end
+    inside rows), loaded on 2 and 3 ranks: the same arrays when saved again, and on 2
+    ranks each rank reads well under the checkpoint's data (DeepSpeed's universal loader
+    reads every whole tensor on every rank)."""
+    src, loads = READ_VOLUME
+    with ucpformat.open(ds_run / "ucp" / src) as ckpt:
+        data = sum(int(np.prod(ckpt[k].shape)) * ckpt[k].read().dtype.itemsize
+                   for k in ckpt.arrays)
+    for world, stage in loads.items():
+        name = load_name(src, world, stage, "fp32")
+        _ok(results, name)
+        assert array_differences(ds_run / "ucp" / src, ds_run / "resaved" / name) == []
+    reads = [results["bytes_read"][f"{load_name(src, 2, loads[2], 'fp32')} rank{r}"]
+             for r in range(2)]
+    assert all(0 < n < 0.7 * data for n in reads), (reads, data)
