@@ -387,7 +387,7 @@ def chunk_alignment(
     anywhere inside a row: following their column cuts gave chunks of a few elements
     (a 256 x 256 tensor cut at column 2: 32,768 chunks of 8 bytes, a shard index larger
     than the data, every read of the tensor reading all of it), and more than the
-    2^24 inner chunks a shard may hold for large tensors (R028). The cells across such a
+    2^24 inner chunks a shard may hold for large tensors (UCP-1.0-R028). The cells across such a
     boundary are exchanged to the shard's writer like any other.
     """
     align: list[int | None] = [e if len(c) > 2 else None

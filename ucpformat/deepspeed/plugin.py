@@ -12,7 +12,7 @@ consolidated checkpoint ``save_dir/tag`` (and ``save_dir/latest``)::
 
 Loading cannot go through a checkpoint engine: ``engine.load_checkpoint`` finds the
 files to read by their per-rank names, on disk (``glob``, ``os.path.exists``), reads
-the universal layout with ``torch.load`` directly, and expects state dicts laid out for
+the universal layout's pickles itself, and expects state dicts laid out for
 the saving world size; :meth:`load` refuses and names :func:`ucpformat.deepspeed.load`.
 DeepSpeed is not imported here: the class has the methods DeepSpeed calls.
 """
