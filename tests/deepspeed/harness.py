@@ -71,6 +71,9 @@ GPT_RULES = {"rules": "megatron-deepspeed-gpt", "rule_params": GPT_RULE_PARAMS}
 #: (pipeline stages, tensor-parallel ranks) the GPT resumes at, by world size
 GPT_RESUMES = {2: [(1, 2), (2, 1)], 1: [(1, 1)]}
 STEPS = 3
+#: each forked run's limit: they take 5 to 30 s; a rank stuck in a collective after a
+#: peer raised is then reported in minutes, not after gloo's 30 minutes
+STAGE_TIMEOUT_S = 420
 
 
 def load_name(src: str, world: int, stage: int, dtype: str) -> str:
@@ -742,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"checks": {}, "losses": {}, "bytes_read": {}}
 
     def run(fn: Any, world: int) -> None:
-        merged = _merge(spawn(fn, world, str(root), timeout=900, start_method="fork"))
+        merged = _merge(spawn(fn, world, str(root), timeout=STAGE_TIMEOUT_S, start_method="fork"))
         for key in ("checks", "losses", "bytes_read"):
             results[key].update(merged.pop(key))
         results.update(merged)
@@ -756,7 +759,7 @@ def main(argv: list[str] | None = None) -> None:
     for world in (2, 3, 1):
         run(resume_job, world)
     try:
-        spawn(crash_job, 2, str(root), timeout=300, start_method="fork")
+        spawn(crash_job, 2, str(root), timeout=STAGE_TIMEOUT_S, start_method="fork")
         results["crash"] = "no rank failed"
     except WorkerError as exc:
         results["crash"] = str(exc)
