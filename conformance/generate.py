@@ -41,23 +41,20 @@ from typing import Any
 import numpy as np
 
 from ucpformat import dtypes, names
-from ucpformat.codecs import ChunkCodec, Compression
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_array, source_maps
+from ucpformat.engine.checksum import crc_bytes
+from ucpformat.engine.codecs import ChunkCodec
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region
+from ucpformat.engine.sharding import pack_shard
+from ucpformat.engine.write import StoredObject, encode_object, write_object
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.metadata import ArrayMeta, GroupMeta
+from ucpformat.metadata import ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.storage import LocalStore
-from ucpformat.writer import (
-    StoredObject,
-    commit,
-    encode_object,
-    object_coords,
-    object_region,
-    pack_shard,
-    write_object,
-)
+from ucpformat.writer import commit
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_ID = "https://ucpformat.org/schemas/1.0/conformance-expected.schema.json"
@@ -235,11 +232,8 @@ def write_reference(
             else:
                 objects.append(write_object(store, meta, coords, region,
                                             hash_algorithm=hash_algorithm))
-    root_ucp: dict[str, Any] = {"producer": dict(PRODUCER), "created": CREATED}
-    if metadata is not None:
-        root_ucp["metadata"] = dict(metadata)
-    if root_values:
-        root_ucp["values"] = dict(root_values)
+    root_ucp = build_root_ucp(metadata=metadata, values=root_values, producer=PRODUCER,
+                              created=CREATED)
     root_ucp.update(root_extra or {})
     commit(
         store,
@@ -316,7 +310,7 @@ def commit_foreign(dest: Path, root_ucp: Mapping[str, Any],
         "consolidated_metadata": {"kind": "inline", "must_understand": False,
                                   "metadata": dict(sorted(nodes.items()))},
     }
-    (dest / "zarr.json").write_bytes(dump(root))
+    (dest / "zarr.json").write_bytes(root_bytes(root))  # sealed by its digest (R058)
 
 
 # -- expected results ------------------------------------------------------------------------
@@ -475,6 +469,33 @@ def _json(doc: Any) -> bytes:
     return json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
 
 
+#: Stands for the root's digest while the digest is computed (any 64 hex digits would do).
+_DIGEST_PLACEHOLDER = hashlib.sha256(b"the root's digest goes here").hexdigest()
+
+
+def seal_root_bytes(body: bytes, at: str) -> bytes:
+    """UCP-1.0-R058 with hashlib alone: ``body`` with the 64 hex digits ``at`` (found once,
+    quoted) replaced by the SHA-256 of ``body`` in which they are 64 ``0`` characters."""
+    token = f'"{at}"'.encode()
+    pos = body.find(token) + 1
+    if pos == 0 or body.find(token, pos) >= 0:
+        raise AssertionError("the digest must appear exactly once in the root")
+    zeroed = body[:pos] + b"0" * 64 + body[pos + 64 :]
+    return zeroed[:pos] + hashlib.sha256(zeroed).hexdigest().encode() + zeroed[pos + 64 :]
+
+
+def root_bytes(doc: Mapping[str, Any], *, digest: bool = True) -> bytes:
+    """A root document's bytes; ``digest``: with its ``root_sha256`` (R058) computed (a
+    root without an ``attributes.ucp`` object is written as it is)."""
+    attributes = doc.get("attributes")
+    if not digest or not isinstance(attributes, dict) or not isinstance(
+            attributes.get("ucp"), dict):
+        return _json(doc)
+    ucp = {**attributes["ucp"], "root_sha256": _DIGEST_PLACEHOLDER}
+    body = _json({**doc, "attributes": {**attributes, "ucp": ucp}})
+    return seal_root_bytes(body, _DIGEST_PLACEHOLDER)
+
+
 class Damage:
     """Edit a committed checkpoint in place, keeping every other part consistent.
 
@@ -497,21 +518,28 @@ class Damage:
         doc: dict[str, Any] = json.loads(self.read("zarr.json"))
         return doc
 
-    def write_root(self, doc: Mapping[str, Any]) -> None:
-        self.path("zarr.json").write_bytes(_json(doc))
+    def write_root(self, doc: Mapping[str, Any], *, digest: bool = True) -> None:
+        """Write the root; ``digest``: with its digest of the new bytes (R058)."""
+        self.path("zarr.json").write_bytes(root_bytes(doc, digest=digest))
 
     def replace_in_root(self, old: str, new: str) -> None:
-        """A textual edit of the root (for what JSON values cannot express)."""
-        text = _json(self.root_doc()).decode("utf-8")
+        """A textual edit of the root (for what JSON values cannot express), its digest
+        computed again over the edited bytes (R058)."""
+        doc = self.root_doc()
+        text = root_bytes(doc).decode("utf-8")
         if old not in text:
             raise AssertionError(f"{old!r} is not in the root zarr.json")
-        self.path("zarr.json").write_text(text.replace(old, new, 1), encoding="utf-8")
+        body = text.replace(old, new, 1).encode("utf-8")
+        digest = json.loads(text)["attributes"]["ucp"]["root_sha256"]
+        self.path("zarr.json").write_bytes(seal_root_bytes(body, digest))
 
-    def edit_root(self, fn: Callable[[dict[str, Any]], None], *, seal: bool = True) -> None:
-        """Edit the root; ``seal``: keep the manifest's copy of its attributes in step (R045)."""
+    def edit_root(self, fn: Callable[[dict[str, Any]], None], *, seal: bool = True,
+                  digest: bool = True) -> None:
+        """Edit the root; ``seal``: keep the manifest's copy of its attributes in step (R045);
+        ``digest``: give the root the digest of its new bytes (R058)."""
         doc = self.root_doc()
         fn(doc)
-        self.write_root(doc)
+        self.write_root(doc, digest=digest)
         if seal:
             self.reseal()
 
@@ -519,11 +547,13 @@ class Damage:
         self.edit_root(lambda doc: fn(doc["attributes"]["ucp"]), seal=seal)
 
     def reseal(self) -> None:
-        """Copy the root's attributes (minus the manifest reference) into the manifest."""
+        """Copy the root's attributes (minus the manifest reference and the root's digest)
+        into the manifest."""
         attributes = json.loads(json.dumps(self.root_doc().get("attributes", {})))
         if not isinstance(attributes, dict) or not isinstance(attributes.get("ucp"), dict):
             return  # nothing to seal: the case breaks the root's attributes on purpose
         attributes["ucp"].pop("manifest", None)
+        attributes["ucp"].pop("root_sha256", None)
         doc = self.manifest()
         doc["root_attributes"] = attributes
         self.write_manifest(doc)
@@ -631,7 +661,7 @@ class Damage:
                       listed: bool = True, offset: int = 0, length: int | None = None) -> None:
         """Replace the payload of the chunk at ``[offset, offset + length)`` of a stored
         object (the whole object by default), then append a correct (or the old) CRC."""
-        from ucpformat.codecs import crc_bytes
+        from ucpformat.engine.checksum import crc_bytes
 
         data = self.read(key)
         end = len(data) if length is None else offset + length
@@ -648,7 +678,7 @@ class Damage:
 
     def set_shard_index(self, key: str, index: np.ndarray[Any, Any], *, recrc: bool = True
                         ) -> None:
-        from ucpformat.codecs import crc_bytes
+        from ucpformat.engine.checksum import crc_bytes
 
         data = self.read(key)
         n = index.size * 8 + 4
@@ -782,12 +812,38 @@ def _compressors(dest: Path) -> dict[str, Any]:
             compression={"name": "blosc", "configuration": {
                 **blosc, "shuffle": "noshuffle", "cname": "blosclz"}}),
         zero_arr("model/zstd.zeros", "float32", (16, 8), chunk=(8, 8), compression="zstd"),
+        arr("model/zstd.no-checksum", "bfloat16", (16, 8), 76, chunk=(8, 8),
+            compression={"name": "zstd", "configuration": {"level": 1}}),
     ]
     write_reference(dest, arrays)
     return valid_expected(
-        "Each compressor of the closed list (zstd with a checksum, gzip, blosc with each "
+        "Each compressor of the closed list (zstd with a checksum and without the optional "
+        "member checksum, gzip, blosc with each shuffle, without typesize when it does not "
         "shuffle) beside an uncompressed array, sharded and unsharded.",
-        arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R024"])
+        arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R024", "UCP-1.0-R039"])
+
+
+@valid("crc32c-spellings")
+def _crc32c_spellings(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/unsharded", "float32", (4, 3), 77, chunk=(2, 3)),
+              arr("model/sharded", "int16", (8, 3), 78, chunk=(2, 3), shard=(4, 3),
+                  compression="zstd")]
+    write_reference(dest, arrays)
+    empty = {"name": "crc32c", "configuration": {}}
+
+    def sharded(doc: dict[str, Any]) -> None:
+        cfg = doc["codecs"][0]["configuration"]
+        cfg["index_codecs"][-1] = dict(empty)
+        cfg["codecs"][-1] = dict(empty)
+
+    d = Damage(dest)
+    d.edit_node("model/unsharded", lambda doc: doc["codecs"].__setitem__(-1, dict(empty)))
+    d.edit_node("model/sharded", sharded)
+    return valid_expected(
+        "The crc32c codec written with an empty configuration, in an unsharded chunk chain, "
+        "in the chain of a shard's inner chunks and in its index_codecs (either spelling is "
+        "valid in every place).",
+        arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R040", "UCP-1.0-R046"])
 
 
 @valid("edge-shapes")
@@ -895,6 +951,61 @@ def _fill_values(dest: Path) -> dict[str, Any]:
         arrays, exercises=["UCP-1.0-R026", "UCP-1.0-R032"])
 
 
+#: JSON fill values whose bits R036 to R038 fix, with those bits written out here from the
+#: spec (not computed by ucpformat): a reader that rounds, saturates, picks a NaN or
+#: parses hexadecimal digits otherwise reads other fill elements.
+FILL_RULES: list[tuple[str, Any, int]] = [
+    ("float8_e4m3fn", 464, 0x7E),  # 448: the tie goes to the even mantissa
+    ("float16", 65519, 0x7BFF),  # rounds down to 65504, the largest float16
+    ("float32", 3.4028235e38, 0x7F7FFFFF),  # above the largest float32 as a decimal
+    ("bfloat16", 1.01171875, 0x3F82),  # halfway between 0x3f81 and 0x3f82: even
+    ("float16", 1.00048828125, 0x3C00),  # halfway between 1.0 and 0x3c01: even
+    ("float16", -1e-10, 0x8000),  # negative zero
+    ("float8_e5m2", -0.0, 0x80),
+    ("float8_e4m3fnuz", -0.0, 0x00),  # no negative zero: 0x80 is the NaN
+    ("float8_e5m2fnuz", -1e-10, 0x00),
+    ("float8_e8m0fnu", 0.25, 0x7D),
+    ("float8_e8m0fnu", 5.877471754111438e-39, 0x00),  # 2**-127
+    ("float16", "NaN", 0x7E00), ("float32", "NaN", 0x7FC00000),
+    ("float64", "NaN", 0x7FF8000000000000), ("bfloat16", "NaN", 0x7FC0),
+    ("float8_e4m3fn", "NaN", 0x7F), ("float8_e5m2", "NaN", 0x7E),
+    ("float8_e4m3fnuz", "NaN", 0x80), ("float8_e8m0fnu", "NaN", 0xFF),
+    ("bfloat16", "0x3F80", 0x3F80), ("float32", "0x7FC00001", 0x7FC00001),
+    ("complex64", [-0.0, "NaN"], 0x7FC00000_80000000),  # imaginary part, then real part
+]
+
+
+def _scalar_of_bits(dtype: str, bits: int) -> Any:
+    dt = dtypes.by_name(dtype)
+    return np.frombuffer(bits.to_bytes(dt.itemsize, "little"), dtype=dt.numpy)[0]
+
+
+@valid("fill-value-rules")
+def _fill_value_rules(dest: Path) -> dict[str, Any]:
+    arrays = []
+    for i, (dtype, _json_fill, bits) in enumerate(FILL_RULES):
+        fill = _scalar_of_bits(dtype, bits)
+        chunk = (2, 3)
+        data = np.full((4, 6), fill, dtype=dtypes.by_name(dtype).numpy)
+        stored = contents.generate(dtype, chunk, seed_of(240 + i))
+        data[2:4, 0:3] = stored
+        arrays.append(Arr(("model", f"fill.{i}.{dtype}"), dtype, (4, 6), data, chunk=chunk,
+                          shard=(4, 6) if i % 3 == 0 else None, fill=fill,
+                          ucp={"sparse": True}, present={(1, 0): stored}))
+    write_reference(dest, arrays)
+    d = Damage(dest)
+    for a, (_dtype, json_fill, _bits) in zip(arrays, FILL_RULES, strict=True):
+        d.edit_node(a.path, _set(["fill_value"], json_fill))
+    return valid_expected(
+        "Sparse arrays whose fill values are JSON numbers rounded as R036 says (to binary64, "
+        "then to the type, ties to even; 464 for float8_e4m3fn is 448; 3.4028235e38 is the "
+        "largest float32), negative zeros (none in the fnuz types), powers of two for "
+        "float8_e8m0fnu, the NaN of each type (R037) and upper-case hexadecimal digits "
+        "(R038). Every absent chunk reads as those bits.",
+        arrays, exercises=["UCP-1.0-R026", "UCP-1.0-R032", "UCP-1.0-R036", "UCP-1.0-R037",
+                           "UCP-1.0-R038"])
+
+
 @valid("edge-chunk-padding")
 def _edge_padding(dest: Path) -> dict[str, Any]:
     arrays = [
@@ -945,6 +1056,50 @@ def _warnings(dest: Path) -> dict[str, Any]:
         exercises=["UCP-1.0-R056", "UCP-1.0-R070", "UCP-1.0-R071"])
 
 
+#: JSON values that a reader comparing loosely (as JavaScript's JSON.stringify prints them,
+#: or through binary64) would change: R073 keeps 1 and 1.0, -0.0 and 0.0 apart.
+EXACT_NUMBERS = {
+    "one_float": 1.0, "one_int": 1, "true": True, "zero_float": 0.0, "zero_int": 0,
+    "negative_zero": -0.0, "two_60": 2**60, "two_60_plus_1": 2**60 + 1,
+    "two_60_float": float(2**60), "minus_two_62": -(2**62), "large": 1e300,
+    "smallest": 5e-324, "exponent": 1.5e-7,
+    "nested": [1.0, 1, -0.0, {"two_60_plus_1": 2**60 + 1, "half": 0.5}],
+}
+
+
+@valid("json-numbers")
+def _json_numbers(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (2, 2), 175)]
+    groups = [Group(("training",), dict(EXACT_NUMBERS))]
+    metadata = {"lr": 1.0, "epochs": 1, "offset": -0.0, "seed": 2**60 + 1}
+    write_reference(dest, arrays, groups, metadata=metadata,
+                    root_values={"scale": 1.0, "count": 1})
+    return valid_expected(
+        "JSON values whose kinds a reader must keep: 1.0 and 1, -0.0 and 0.0, integers "
+        "beyond 2**53 (2**60 + 1 differs from 2**60), in the values of a group, of the root "
+        "and in metadata. Equality is R073's: a reader that prints 1.0 as 1 or -0.0 as 0 "
+        "fails.",
+        arrays, groups, root_values={"scale": 1.0, "count": 1}, metadata=metadata,
+        warnings=["UCP-1.0-R071"],
+        exercises=["UCP-1.0-R045", "UCP-1.0-R070", "UCP-1.0-R071", "UCP-1.0-R073"])
+
+
+@valid("must-understand-false-members")
+def _must_understand_false(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (4, 3), 178, chunk=(2, 3), shard=(4, 3)),
+              arr("model/b", "bool", (5,), 179, chunk=(2,))]
+    groups = [Group(("training",), {"step": 5})]
+    write_reference(dest, arrays, groups)
+    d = Damage(dest)
+    d.edit_node("model/w", _set(["x_prefetch_hint"], {"must_understand": False, "order": "C"}))
+    d.edit_node("training", _set(["x_index"], {"must_understand": False, "entries": 3}))
+    return valid_expected(
+        "An array and a group whose zarr.json carry a member zarr v3 does not define, marked "
+        '"must_understand": false: readers ignore it (zarr v3 extensions, R007). The bool '
+        "array's edge chunk is padded with 0x00 (R008).",
+        arrays, groups, exercises=["UCP-1.0-R007", "UCP-1.0-R008"])
+
+
 @valid("manifest-without-digests")
 def _no_digests(dest: Path) -> dict[str, Any]:
     arrays = [arr("model/w", "float32", (4, 3), 180, chunk=(2, 3)),
@@ -954,6 +1109,78 @@ def _no_digests(dest: Path) -> dict[str, Any]:
         "A manifest with hash_algorithm null: sizes only, no SHA-256 of each file (the root "
         "still seals the manifest with its SHA-256).",
         arrays, exercises=["UCP-1.0-R042"])
+
+
+#: The state of a run's random-number generators (R085): Python's random, NumPy's global
+#: MT19937 (its key an array), a named PCG64 (128-bit integers as decimal strings), a
+#: named Philox (arrays of uint64), PyTorch's CPU, CUDA and a named generator (uint8).
+RNG_TRAINING_STATE = {"role": "training_state"}
+
+
+def rng_arrays(first: int, *, torch_cpu: str = "uint8") -> list[Arr]:
+    at = "training/rng/"
+    return [
+        arr(at + "torch_cpu", torch_cpu, (64,), first, ucp=RNG_TRAINING_STATE),
+        arr(at + "torch_cuda/0", "uint8", (16,), first + 1, ucp=RNG_TRAINING_STATE),
+        arr(at + "numpy/state.key", "uint32", (624,), first + 2, ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/philox/state.counter", "uint64", (4,), first + 3,
+            ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/philox/state.key", "uint64", (2,), first + 4,
+            ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/philox/buffer", "uint64", (4,), first + 5, ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/sampler", "uint8", (16,), first + 6, ucp=RNG_TRAINING_STATE),
+    ]
+
+
+def rng_groups(first: int) -> list[Group]:
+    words = [int(w) for w in contents.generate("uint32", (624,), seed_of(first))]
+    rng = ("training", "rng")
+    return [
+        Group(("training",), {"step": 3}),
+        Group((*rng, "python"), {"kind": "python", "version": 3, "state": [*words, 624],
+                                 "gauss_next": None}),
+        Group((*rng, "numpy"), {"kind": "numpy", "bit_generator": "MT19937",
+                                "state.pos": 624, "has_gauss": 0, "gauss": 0.0}),
+        Group((*rng, "generators", "loader"), {
+            "kind": "numpy", "bit_generator": "PCG64",
+            "state.state": "35399562948360463058890781895381311971",
+            "state.inc": "87136372517582989555478159403783844777",
+            "has_uint32": 0, "uinteger": 0}),
+        Group((*rng, "generators", "philox"), {
+            "kind": "numpy", "bit_generator": "Philox", "buffer_pos": 4, "has_uint32": 0,
+            "uinteger": 0}),
+    ]
+
+
+@valid("rng-state")
+def _rng_state(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (4, 3), 190), *rng_arrays(191)]
+    groups = rng_groups(199)
+    write_reference(dest, arrays, groups)
+    return valid_expected(
+        "The random-number generators of a resumable run in training/rng: Python's random "
+        "(its state's 625 integers as values), NumPy's global MT19937 (its key an array), a "
+        "named PCG64 whose 128-bit integers are decimal strings, a named Philox (uint64 "
+        "arrays), and PyTorch's CPU, CUDA and named generators (uint8 arrays).",
+        arrays, groups, exercises=["UCP-1.0-R083", "UCP-1.0-R085"])
+
+
+@valid("chunk-key-spellings")
+def _chunk_key_spellings(dest: Path) -> dict[str, Any]:
+    spellings = [{"name": "default", "configuration": {"separator": "/"}},
+                 {"name": "default", "configuration": {}},
+                 {"name": "default"}]
+    arrays = [arr(f"model/w{i}", "float32", (4, 3), 185 + i, chunk=(2, 3),
+                  shard=(4, 3) if i == 1 else None) for i in range(len(spellings))]
+    write_reference(dest, arrays)
+    d = Damage(dest)
+    for a, spelling in zip(arrays, spellings, strict=True):
+        d.edit_node(a.path, _set(["chunk_key_encoding"], spelling))
+    return valid_expected(
+        "The three spellings of zarr v3's default chunk key encoding with separator '/': "
+        "with the separator, with an empty configuration, without a configuration (as "
+        "tensorstore writes it). Chunk keys are P/c/i/j in each.",
+        arrays, exercises=["UCP-1.0-R021", "UCP-1.0-R035"])
 
 
 LAYOUT_CONFIGS: list[tuple[str, Target]] = [
@@ -1014,6 +1241,65 @@ def _layout(dest: Path) -> dict[str, Any]:
                    "UCP-1.0-R104", "UCP-1.0-R105", "UCP-1.0-R106", "UCP-1.0-R107",
                    "UCP-1.0-R108", "UCP-1.0-R110", "UCP-1.0-R111", "UCP-1.0-R112",
                    "UCP-1.0-R113"])
+
+
+#: Targets that pin the layout chapter's R115 to R119: stage conventions, the number of
+#: layers and experts a configuration gives or leaves out, uneven stages, vocabulary padding
+#: without tp, group-major order at TP 1.
+CONVENTION_CONFIGS: list[tuple[str, Target]] = [
+    ("tp1.group", Target(fused_order="group-major")),
+    ("tp2.r1.v4", Target(tp=2, tp_rank=1, vocab_multiple=4)),
+    ("pp2.r1", Target(pp=2, pp_rank=1, num_layers=4)),
+    ("pp2.r0.last", Target(pp=2, pp_rank=0, num_layers=4, stage="last")),
+    ("pp3.r2.first_and_last", Target(pp=3, pp_rank=2, pp_layers=(1, 1, 2),
+                                      stage="first_and_last")),
+    ("pp3.r1.first", Target(pp=3, pp_rank=1, num_layers=4, pp_layers=(2, 1, 1),
+                            stage="first")),
+    ("pp3.r2.uneven", Target(pp=3, pp_rank=2, num_layers=4)),
+    ("pp2.r1.no-num-layers", Target(pp=2, pp_rank=1)),
+    ("pp2.r0.num-layers-8", Target(pp=2, pp_rank=0, num_layers=8)),
+    ("pp2.r0.pp-layers-bad-sum", Target(pp=2, pp_rank=0, num_layers=4, pp_layers=(1, 2))),
+    ("ep2.r1.no-num-experts", Target(ep=2, ep_rank=1)),
+    ("ep2.r1.num-experts-8", Target(ep=2, ep_rank=1, num_experts=8)),
+    ("ep2.r1", Target(ep=2, ep_rank=1, num_experts=4)),
+]
+
+
+@valid("layout-conventions")
+def _layout_conventions(dest: Path) -> dict[str, Any]:
+    L = {
+        "vocab": {"tp": {"dim": 0}, "vocab": {"dim": 0}},
+        "vocab_no_tp": {"vocab": {"dim": 0}},
+        "qkv": {"tp": {"dim": 0}, "groups": 2, "layer": 3, "parts": [
+            {"name": "q", "size": 4}, {"name": "k", "size": 2}, {"name": "v", "size": 2}]},
+        "norm": {},
+        "stacked": {"layers": {"dim": 0, "count": 4}},
+        "experts": {"experts": {"dim": 0, "count": 4}, "layer": 1},
+        "expert": {"expert": 2, "layer": 1},
+    }
+    spec = [
+        ("embedding.word_embeddings.weight", "float32", (50, 4), "vocab"),
+        ("output_layer.bias", "float32", (50,), "vocab_no_tp"),
+        ("layers.3.self_attention.linear_qkv.weight", "bfloat16", (8, 4), "qkv"),
+        ("final_layernorm.weight", "float32", (4,), "norm"),
+        ("stacked.mlp.weight", "float16", (4, 3, 2), "stacked"),
+        ("layers.1.mlp.experts.weight", "float32", (4, 2, 3), "experts"),
+        ("layers.1.mlp.experts.2.linear_fc1.weight", "float32", (3, 2), "expert"),
+    ]
+    arrays = [arr(f"model/{name}", dtype, shape, 260 + i,
+                  ucp={"role": "parameter", "layout": L[kind]})
+              for i, (name, dtype, shape, kind) in enumerate(spec)]
+    write_reference(dest, arrays)
+    return valid_expected(
+        "Local tensors that pin the layout chapter's conventions: a tensor with neither "
+        "layer nor layers on the stages its convention names (R115); the number of layers "
+        "from layers.count, refused when missing for per-layer tensors or different from the "
+        "stack, uneven stages given by pp_layers (R116); the number of experts from the "
+        "stack, refused when missing or different (R117); a vocabulary without tp padded to "
+        "m x tp like the split one (R118); group-major order at TP 1 (R119).",
+        arrays, targets=layout_targets(arrays, CONVENTION_CONFIGS),
+        exercises=["UCP-1.0-R112", "UCP-1.0-R111", "UCP-1.0-R115", "UCP-1.0-R116",
+                   "UCP-1.0-R117", "UCP-1.0-R118", "UCP-1.0-R119", "UCP-1.0-R216"])
 
 
 # -- valid cases written by other libraries ----------------------------------------------------
@@ -1083,13 +1369,8 @@ def _tensorstore(dest: Path) -> dict[str, Any]:
         items.append((a, spec))
     # float8_e8m0fnu is left out: tensorstore 0.1.86 writes its fill values wrongly (0x00,
     # which is 2**-127, as 0.0; 0x7f, which is 1.0, as 1.8e19).
-    # tensorstore writes chunk_key_encoding as {"name": "default"} (the configuration is
-    # optional in zarr v3); the spelling UCP-1.0-R021 names is restored here, nothing else.
-    for a, _ in items:
-        doc_path = dest / a.path / "zarr.json"
-        doc = json.loads(doc_path.read_text(encoding="utf-8"))
-        doc["chunk_key_encoding"] = _chunk_key()
-        doc_path.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    # tensorstore writes chunk_key_encoding as {"name": "default"}, one of the spellings
+    # UCP-1.0-R035 allows: its documents are kept as it wrote them.
     arrays = [a for a, _ in items]
     groups = {"optimizer": {"ucp": {"values": {"type": "torch.optim.Adam", "param_groups": [
         {"params": ["w.bf16"], "lr": 0.01}]}}}}
@@ -1103,8 +1384,8 @@ def _tensorstore(dest: Path) -> dict[str, Any]:
         "groups, manifest and root written by a json+hashlib helper, not by ucpformat.",
         arrays, gvals,
         writer="tensorstore (arrays); conformance/generate.py commit_foreign (groups, manifest, "
-               "root; chunk_key_encoding spelled out)",
-        exercises=["UCP-1.0-R020", "UCP-1.0-R030", "UCP-1.0-R050"])
+               "root)",
+        exercises=["UCP-1.0-R020", "UCP-1.0-R030", "UCP-1.0-R035", "UCP-1.0-R050"])
 
 
 @valid("zarr-python-written")
@@ -1158,12 +1439,29 @@ R = "UCP-1.0-R"
 
 #: Other requirements an implementation may name for a case (what a reader sees of it).
 ALSO: dict[str, list[str]] = {
+    "chunk-parent-is-file": ["031", "072"],
+    "root-edited-data-type": ["055"],
+    "root-edited-sparse": ["055", "031"],
     "chunk-never-written": ["031"],
+    "chunk-key-dot": ["021"],
+    "root-byte-order-mark": ["001", "058"],
+    "node-byte-order-mark": ["001"],
+    "bool-byte-not-0-or-1": ["041"],
+    "fill-hex-length": ["026"],
+    "fill-hex-upper-case-prefix": ["026"],
+    "fill-e4m3fn-rounds-beyond-range": ["026"],
+    "fill-bfloat16-rounds-to-infinity": ["026"],
+    "fill-e8m0fnu-not-power-of-two": ["026"],
+    "chunk-key-short-hand": ["021"],
+    "chunk-key-v2": ["021"],
     "sparse-not-boolean": ["029"],
     "name-dot-dot": ["091"],
     "name-too-long": ["010", "091"],
     "compressor-unknown": ["022"],
     "compressor-bad-level": ["022"],
+    "blosc-without-blocksize": ["024"],
+    "blosc-shuffle-without-typesize": ["024"],
+    "index-crc32c-configured": ["040"],
     "no-crc32c": ["022"],
     "endian-big": ["022"],
     "index-codecs-without-crc32c": ["022"],
@@ -1251,6 +1549,38 @@ def _(d: Damage) -> None:
          "The root's attributes.ucp has the member version twice (JSON objects must not).")
 def _(d: Damage) -> None:
     d.replace_in_root('"version": "1.0"', '"version": "1.0",\n      "version": "2.0"')
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+@invalid("root-byte-order-mark", "open", ["009"],
+         "The root zarr.json begins with a UTF-8 byte order mark (EF BB BF); RFC 8259 lets "
+         "parsers skip it, UCP 1.0 has readers refuse it.")
+def _(d: Damage) -> None:
+    d.path("zarr.json").write_bytes(BOM + d.read("zarr.json"))
+
+
+@invalid("node-byte-order-mark", "validate", ["009"],
+         "The zarr.json of model/fc.bias begins with a byte order mark (its consolidated copy "
+         "in the root is the same document without it).")
+def _(d: Damage) -> None:
+    key = "model/fc.bias/zarr.json"
+    d.put(key, BOM + d.read(key))
+
+
+@invalid("array-unknown-member", "open", ["007"],
+         "The array model/fc.bias has a member zarr v3 does not define, not marked "
+         '"must_understand": false: zarr v3 implementations refuse to open it.')
+def _(d: Damage) -> None:
+    d.edit_node("model/fc.bias", _set(["x_quantization"], {"bits": 4}))
+
+
+@invalid("group-unknown-member", "open", ["007"],
+         "The group training has a member zarr v3 does not define, not marked "
+         '"must_understand": false.')
+def _(d: Damage) -> None:
+    d.edit_node("training", _set(["x_schedule"], "cosine"))
 
 
 @invalid("root-not-zarr-v3", "open", ["001"], "The root says zarr_format 2.")
@@ -1355,8 +1685,14 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
      _array("model/scale", _set(["data_type"], "int4"))),
     ("chunk-grid-rectilinear", "open", ["021"], "A chunk grid other than 'regular'.",
      _array("model/fc.bias", _set(["chunk_grid", "name"], "rectilinear"))),
-    ("chunk-key-dot", "open", ["021"], "chunk_key_encoding with separator '.'.",
+    ("chunk-key-dot", "open", ["035"], "chunk_key_encoding with separator '.'.",
      _array("model/fc.bias", _set(["chunk_key_encoding", "configuration", "separator"], "."))),
+    ("chunk-key-short-hand", "open", ["035"],
+     "chunk_key_encoding as the short-hand name \"default\" (zarr 3.1), not an object.",
+     _array("model/fc.bias", _set(["chunk_key_encoding"], "default"))),
+    ("chunk-key-v2", "open", ["035"], "The v2 chunk key encoding, with separator '/'.",
+     _array("model/fc.bias", _set(["chunk_key_encoding"],
+                                  {"name": "v2", "configuration": {"separator": "/"}}))),
     ("codec-transpose", "open", ["022"], "A transpose codec before bytes.",
      _array("model/emb.weight", lambda doc: doc["codecs"].insert(
          0, {"name": "transpose", "configuration": {"order": [1, 0]}}))),
@@ -1377,14 +1713,33 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
     ("compressor-bad-level", "open", ["024"], "zstd with level 99.",
      _codec("optimizer/state/fc.weight/exp_avg", 1,
             {"name": "zstd", "configuration": {"level": 99, "checksum": False}})),
+    ("blosc-without-blocksize", "open", ["039"],
+     "A blosc configuration without blocksize (required: 0 asks for the automatic size).",
+     _codec("optimizer/state/fc.weight/exp_avg", 1, {"name": "blosc", "configuration": {
+         "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": 4}})),
+    ("blosc-shuffle-without-typesize", "open", ["039"],
+     "A blosc configuration that shuffles without a typesize.",
+     _codec("optimizer/state/fc.weight/exp_avg", 1, {"name": "blosc", "configuration": {
+         "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 0}})),
     ("storage-transformers", "open", ["025"], "A storage transformer.",
      _array("model/fc.bias", _set(["storage_transformers"], [{"name": "offset"}]))),
     ("fill-infinity-e4m3fn", "open", ["026"],
      "fill_value 'Infinity' for float8_e4m3fn, which has no infinities.",
      _array("model/scale", _set(["fill_value"], "Infinity"))),
-    ("fill-hex-length", "open", ["026"],
+    ("fill-hex-length", "open", ["038"],
      "A bfloat16 fill value with three hexadecimal digits.",
      _array("model/emb.weight", _set(["fill_value"], "0x3f8"))),
+    ("fill-hex-upper-case-prefix", "open", ["038"],
+     "A bfloat16 fill value with the prefix 0X (the digits may be upper case, the x not).",
+     _array("model/emb.weight", _set(["fill_value"], "0X3f80"))),
+    ("fill-e4m3fn-rounds-beyond-range", "open", ["036"],
+     "fill_value 465 for float8_e4m3fn: it rounds to 480, beyond the largest value 448, "
+     "which a reader must refuse, not saturate (to 448) or read as NaN.",
+     _array("model/scale", _set(["fill_value"], 465))),
+    ("fill-bfloat16-rounds-to-infinity", "open", ["036"],
+     "fill_value 3.4e38 for bfloat16: it rounds to 2**128, beyond the largest value, which a "
+     "reader must refuse, not read as infinity.",
+     _array("model/emb.weight", _set(["fill_value"], 3.4e38))),
     ("fill-out-of-range", "open", ["026"], "fill_value 300 for uint8.",
      _array("training/rng", _set(["fill_value"], 300))),
     ("shape-too-many-bytes", "open", ["027"],
@@ -1409,6 +1764,10 @@ ARRAY_CASES: list[tuple[str, str, list[str], str, Callable[[Damage], None]]] = [
     ("index-codecs-without-crc32c", "open", ["040"], "Shard index codecs without crc32c.",
      _array("model/fc.weight", _set(["codecs", 0, "configuration", "index_codecs"],
                                     [{"name": "bytes", "configuration": {"endian": "little"}}]))),
+    ("index-crc32c-configured", "open", ["046"],
+     "The crc32c codec of a shard's index_codecs with a configuration member.",
+     _array("model/fc.weight", _set(["codecs", 0, "configuration", "index_codecs", 1],
+                                    {"name": "crc32c", "configuration": {"seed": 0}}))),
 ]
 
 
@@ -1421,6 +1780,14 @@ _register_array_cases()
 
 
 # read: the metadata is fine; reading the damaged tensor shows the problem
+
+
+@invalid("fill-e8m0fnu-not-power-of-two", "open", ["036"],
+         "fill_value 3.0 for float8_e8m0fnu, which holds powers of two only: refused, not "
+         "rounded (to 2 or 4).",
+         arrays=lambda: [*base_arrays(), arr("model/block_scale", "float8_e8m0fnu", (4,), 320)])
+def _(d: Damage) -> None:
+    d.edit_node("model/block_scale", _set(["fill_value"], 3.0))
 
 
 @invalid("missing-chunk", "read", ["031"],
@@ -1493,6 +1860,119 @@ def _(d: Damage) -> None:
                     lambda p: bytes(zstd.encode(bytes(zstd.decode(p)) * 2)))
 
 
+def _zstd_frame(raw: bytes, *, content_size: bool = True, window_log: int | None = None
+                ) -> bytes:
+    """One zstd frame of ``raw`` (libzstd one-shot, a single-segment frame), its header
+    rewritten: without the content size, or with a window of 2**window_log bytes."""
+    import numcodecs
+
+    frame = bytes(numcodecs.Zstd(level=1).encode(raw))
+    fhd = frame[4]
+    assert fhd & 0x20 and not fhd & 3, "numcodecs writes single-segment frames"
+    fcs_len = (1, 2, 4, 8)[fhd >> 6]
+    blocks = frame[5 + fcs_len:]
+    if content_size:
+        assert window_log is not None
+        header = bytes([(fhd & 0x1F) | 0x80, (window_log - 10) << 3])
+        header += len(raw).to_bytes(4, "little")
+    else:
+        log = max(10, (len(raw) - 1).bit_length())
+        header = bytes([fhd & 0x1F, (log - 10) << 3])
+    return frame[:4] + header + blocks
+
+
+@invalid("zstd-two-frames", "read", ["047"],
+         "A zstd chunk (its CRC32C correct) made of two frames, each declaring half of the "
+         "chunk's decoded size: one frame per chunk, so a reader that allocates from each "
+         "frame's header has one bound to check.")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+
+    def two(p: bytes) -> bytes:
+        raw = bytes(zstd.decode(p))
+        half = len(raw) // 2
+        return bytes(zstd.encode(raw[:half])) + bytes(zstd.encode(raw[half:]))
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/0/0", two)
+
+
+@invalid("zstd-no-content-size", "read", ["047"],
+         "A zstd chunk (its CRC32C correct) whose frame does not declare its content size, "
+         "as streaming compression writes it: the size is checked before decompressing.")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/1/0",
+                    lambda p: _zstd_frame(bytes(zstd.decode(p)), content_size=False))
+
+
+@invalid("zstd-window-beyond-chunk", "read", ["047"],
+         "A zstd chunk of 96 bytes (CRC32C correct, content size declared correctly) whose "
+         "frame declares a window of 1 MiB: a decoder that allocates the window would "
+         "allocate more than the chunk.")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/0/0",
+                    lambda p: _zstd_frame(bytes(zstd.decode(p)), window_log=20))
+
+
+def _forge_crc(head: bytes, tail: bytes, target: int) -> bytes:
+    """Four bytes X with crc32c(head + X + tail) == target (CRC32C is affine over GF(2))."""
+    from ucpformat.engine.checksum import crc32c
+
+    def f(x: int) -> int:
+        return crc32c(head + x.to_bytes(4, "little") + tail)
+
+    base = f(0)
+    columns = [f(1 << i) ^ base for i in range(32)]  # the image of each bit of X
+    want = target ^ base
+    # Gaussian elimination over GF(2): rows are (image, the X bits that make it)
+    rows = [(columns[i], 1 << i) for i in range(32)]
+    basis: list[tuple[int, int]] = []
+    for image, combo in rows:
+        for b_image, b_combo in basis:
+            if image ^ b_image < image:
+                image, combo = image ^ b_image, combo ^ b_combo
+        if image:
+            basis.append((image, combo))
+            basis.sort(reverse=True)
+    x = 0
+    for b_image, b_combo in basis:
+        if want ^ b_image < want:
+            want, x = want ^ b_image, x ^ b_combo
+    assert want == 0 and f(x) == target
+    return x.to_bytes(4, "little")
+
+
+@invalid("index-entry-overlaps-index", "read", ["048"],
+         "An inner chunk's index entry points at bytes that run into the shard's own index "
+         "(the last 24 of its 52 bytes are index bytes), crafted so that its CRC32C and the "
+         "index's CRC32C are both correct: only the range tells the damage.")
+def _(d: Damage) -> None:
+    from ucpformat.engine.checksum import crc_bytes
+
+    key = "model/fc.weight/c/0/0"
+    data = bytearray(d.read(key))
+    isize = 2 * 16 + 4
+    start = len(data) - isize  # where the index starts
+    offset, nbytes = start - 28, 52  # the chunk's last 24 bytes are the index's first 24
+    index = d.shard_index(key, 2)
+    index[1] = (offset, nbytes)
+    body = np.ascontiguousarray(index, dtype="<u8").tobytes()
+    data[start:start + len(body)] = body
+    # the chunk's CRC is its last 4 bytes (index bytes: the high half of this entry's
+    # offset, 0): force bytes [offset, offset + 4) so that the payload's CRC32C is that
+    payload_end = offset + nbytes - 4
+    stored = int.from_bytes(data[payload_end:payload_end + 4], "little")
+    data[offset:offset + 4] = _forge_crc(b"", bytes(data[offset + 4:payload_end]), stored)
+    data[start + len(body):] = crc_bytes(body)
+    d.put(key, bytes(data))
+
+
 @invalid("shard-index-huge-range", "read", ["094"],
          "A shard index entry claims 2**40 bytes (index CRC correct): refused at the cost of "
          "the shard's real size.")
@@ -1513,6 +1993,14 @@ def _(d: Damage) -> None:
          "An uncompressed chunk of 12 bytes where 16 are due (its CRC32C is correct).")
 def _(d: Damage) -> None:
     d.rewrite_chunk("model/fc.bias/c/0", lambda p: p[:12])
+
+
+@invalid("bool-byte-not-0-or-1", "read", ["008"],
+         "A chunk of the bool array model/mask stores the byte 0x02 (its CRC32C correct): "
+         "damage, which a reader refuses rather than read as true.",
+         arrays=lambda: [*base_arrays(), arr("model/mask", "bool", (6,), 322, chunk=(4,))])
+def _(d: Damage) -> None:
+    d.rewrite_chunk("model/mask/c/0", lambda p: p[:1] + b"\x02" + p[2:])
 
 
 @invalid("symlink-outside", "read", ["091"],
@@ -1605,6 +2093,69 @@ def _(d: Damage) -> None:
     d.edit_root(_set(["x_extra"], {"hidden": True}))
 
 
+# issue 13: the root is checked by its digest on open (R058); strings are Unicode (R006)
+
+
+@invalid("root-digest-missing", "open", ["058"],
+         "The root has no attributes.ucp.root_sha256: damage to it could not be detected.")
+def _(d: Damage) -> None:
+    d.edit_root(_del("attributes", "ucp", "root_sha256"), seal=False, digest=False)
+
+
+@invalid("root-edited-data-type", "open", ["058"],
+         "The root alone was edited after the commit: model/emb.weight's data type reads "
+         "float16 instead of bfloat16 (same size, other values); its digest no longer "
+         "matches.")
+def _(d: Damage) -> None:
+    d.edit_root(_set(["consolidated_metadata", "metadata", "model/emb.weight", "data_type"],
+                     "float16"), seal=False, digest=False)
+
+
+@invalid("root-edited-sparse", "open", ["058"],
+         "The root alone was edited after the commit: model/fc.bias is marked sparse and its "
+         "chunk deleted, so it would read as fill values; the root's digest no longer "
+         "matches.")
+def _(d: Damage) -> None:
+    d.delete("model/fc.bias/c/0")
+    d.edit_root(_set(["consolidated_metadata", "metadata", "model/fc.bias", "attributes",
+                      "ucp", "sparse"], True), seal=False, digest=False)
+
+
+@invalid("value-lone-surrogate", "open", ["006"],
+         "A JSON value of the root holds the escape \\ud800, an unpaired surrogate: not "
+         "Unicode text (no UTF-8 encoding).")
+def _(d: Damage) -> None:
+    d.replace_in_root('"step": 3', '"step": "\\ud800"')
+
+
+@invalid("member-name-lone-surrogate", "open", ["006"],
+         "A member name in the root's values holds the escape \\udc00, an unpaired "
+         "surrogate.")
+def _(d: Damage) -> None:
+    d.replace_in_root('"step": 3', '"\\udc00step": 3')
+
+
+@invalid("chunk-oversized", "read", ["098"],
+         "An unsharded zstd chunk of 96 bytes is stored in 70,000 bytes: a valid frame, then "
+         "a skippable frame of padding. No compressor needs more than twice a chunk's size "
+         "plus 64 KiB; a reader refuses it unread.")
+def _(d: Damage) -> None:
+    key = "optimizer/state/fc.weight/exp_avg/c/0/0"
+    payload = d.read(key)[:-4]
+    padding = 70_000 - len(payload) - 12
+    skippable = (0x184D2A50).to_bytes(4, "little") + padding.to_bytes(4, "little")
+    body = payload + skippable + bytes(padding)
+    d.put(key, body + crc_bytes(body))  # standard zstd: any decoder skips the padding
+
+
+@invalid("chunk-parent-is-file", "read", ["099"],
+         "Where model/fc.bias/c/ should be a directory holding the chunk 0, a file stands: "
+         "the chunk cannot be read (the file system says 'not a directory').")
+def _(d: Damage) -> None:
+    d.delete("model/fc.bias/c")
+    d.put("model/fc.bias/c", b"not a directory\n", listed=False)
+
+
 @invalid("deep-nesting", "validate", ["096"],
          "A JSON value of the root nested 100 levels deep (the limit is 80).")
 def _(d: Damage) -> None:
@@ -1657,6 +2208,32 @@ def _(d: Damage) -> None:
 @invalid("values-not-object", "validate", ["070"], "training's attributes.ucp.values is a list.")
 def _(d: Damage) -> None:
     d.edit_ucp("training", _set(["values"], [1, 2, 3]))
+
+
+def _rng_case_arrays(torch_cpu: str = "uint8") -> list[Arr]:
+    return [a for a in base_arrays() if a.path != "training/rng"] + rng_arrays(
+        191, torch_cpu=torch_cpu)
+
+
+def _rng_case_groups() -> list[Group]:
+    return [g for g in base_groups() if g.name != ("training",)] + rng_groups(199)
+
+
+@invalid("rng-integer-rounded", "validate", ["085"],
+         "The 128-bit state of a PCG64 generator in training/rng as a JSON number, which "
+         "JSON parsers round (it must be a string of decimal digits).",
+         arrays=_rng_case_arrays, groups=_rng_case_groups)
+def _(d: Damage) -> None:
+    d.edit_ucp("training/rng/generators/loader",
+               _set(["values", "state.state"], 3.5399562948360463e37))
+
+
+@invalid("rng-torch-state-float", "validate", ["085"],
+         "PyTorch's CPU generator state in training/rng as float32, not the uint8 bytes of "
+         "get_state().", arrays=lambda: _rng_case_arrays(torch_cpu="float32"),
+         groups=_rng_case_groups)
+def _(d: Damage) -> None:
+    return None  # the arrays given are the damage
 
 
 @invalid("pickle-file", "validate", ["072"],
@@ -1959,13 +2536,14 @@ def _s_basic(dest: Path) -> dict[str, Any]:
         Group(("optimizer",), {"type": "torch.optim.AdamW", "param_groups": [
             {"params": ["p.float32"], "lr": 0.001, "betas": [0.9, 0.999]}]}),
         Group(("training",), {"step": 12, "best_loss": {"$ucp_float": "Infinity"},
-                              "scheduler": {"last_epoch": 11}}),
+                              "scheduler": {"last_epoch": 11}, "warmup": 1.0,
+                              "momentum_floor": -0.0}),
     ]
     return build_scenario(
         dest, "basic",
         "Every data type, a 0-d tensor, an empty tensor, all-zero tensors (every chunk must "
         "still be written), names that need escaping, a 256 KiB tensor, JSON values with a "
-        "non-finite float, optimizer state.",
+        "non-finite float, 1.0 and -0.0 (kept as written, R073), optimizer state.",
         tensors, groups, metadata={"run": "writer-conformance", "seed": 7})
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.dtypes import DataType
+from ucpformat.metadata import encode_root
 
 # -- comparing -----------------------------------------------------------------------
 
@@ -60,11 +61,19 @@ def write_json(path: Path, doc: Any) -> None:
     path.write_bytes(json.dumps(doc, indent=2, ensure_ascii=False).encode())
 
 
-def edit_root(ckpt: Path, fn: Callable[[dict[str, Any]], Any]) -> None:
-    """Change the root zarr.json in place (``fn`` mutates the document)."""
+def edit_root(ckpt: Path, fn: Callable[[dict[str, Any]], Any], *, seal: bool = True) -> None:
+    """Change the root zarr.json in place (``fn`` mutates the document).
+
+    ``seal``: give it the digest of its new bytes (UCP-1.0-R058), so that only ``fn``'s
+    change is wrong; without, the edit is damage that ``open`` refuses (R058).
+    """
     doc = read_json(ckpt / "zarr.json")
     fn(doc)
-    write_json(ckpt / "zarr.json", doc)
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    if seal and isinstance(attributes, dict) and isinstance(attributes.get("ucp"), dict):
+        (ckpt / "zarr.json").write_bytes(encode_root(doc))
+    else:
+        write_json(ckpt / "zarr.json", doc)
 
 
 def node_dir(ckpt: Path, node: str) -> Path:
@@ -128,9 +137,9 @@ def write_explicit(
     compression), written by the writer's own object encoder and commit: tests that flip
     a byte of a given chunk must not depend on the chunking heuristics of ``save``."""
     from ucpformat import writer
-    from ucpformat.codecs import Compression
     from ucpformat.dtypes import from_numpy
-    from ucpformat.metadata import ArrayMeta, GroupMeta
+    from ucpformat.engine.compression import Compression
+    from ucpformat.metadata import ArrayMeta, GroupMeta, default_producer
     from ucpformat.storage import LocalStore
 
     metas = []
@@ -147,5 +156,5 @@ def write_explicit(
     objects = writer.write_arrays(store, metas, hash_algorithm=hash_algorithm)
     writer.commit(store, arrays=[m for m, _ in metas],
                   groups=[GroupMeta(g) for g in sorted(groups)], objects=objects,
-                  root_ucp={"producer": writer.default_producer()}, hash_algorithm=hash_algorithm)
+                  root_ucp={"producer": default_producer()}, hash_algorithm=hash_algorithm)
     return path

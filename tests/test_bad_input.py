@@ -36,9 +36,11 @@ from tests.helpers import (
     write_json,
 )
 from ucpformat import errors, writer
-from ucpformat.codecs import EMPTY, crc_bytes, index_nbytes
 from ucpformat.dtypes import BY_NAME
-from ucpformat.metadata import ArrayMeta
+from ucpformat.engine.checksum import crc_bytes
+from ucpformat.engine.sharding import EMPTY, index_nbytes
+from ucpformat.engine.write import write_object
+from ucpformat.metadata import ArrayMeta, default_producer
 from ucpformat.storage import LocalStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,10 +311,10 @@ BAD_ARRAYS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], type[Exception
     "chunk grid rank differs from shape rank": (
         "w", lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[2, 12, 1]),
         errors.FormatError, 21),
-    "chunk key encoding v2": (
-        "w", lambda d: d.update(chunk_key_encoding={"name": "v2"}), errors.FormatError, 21),
-    "bfloat16 fill value of float16 width": (
-        "bf", lambda d: d.update(fill_value="0x3f8000"), errors.FormatError, 26),
+    "chunk key encoding v2": (  # R035 spells out R021's chunk key encoding
+        "w", lambda d: d.update(chunk_key_encoding={"name": "v2"}), errors.FormatError, 35),
+    "bfloat16 fill value of float16 width": (  # R038: hexadecimal fill values (R026)
+        "bf", lambda d: d.update(fill_value="0x3f8000"), errors.FormatError, 38),
     "shape beyond 2**63 bytes": (
         "w", lambda d: d.update(shape=[2**62, 13]), errors.FormatError, 27),
     "negative shape": ("w", lambda d: d.update(shape=[-1, 11]), errors.FormatError, 27),
@@ -361,9 +363,9 @@ def _huge(path: Path, *, sparse: bool) -> np.ndarray[Any, Any]:
     first = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
     store = LocalStore(path, durable=False)
     writer.prepare_destination(store, overwrite=False)
-    objects = [writer.write_object(store, meta, (0, 0), first)]
+    objects = [write_object(store, meta, (0, 0), first)]
     writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
-                  root_ucp={"producer": writer.default_producer()})
+                  root_ucp={"producer": default_producer()})
     return first
 
 
@@ -823,7 +825,8 @@ BOMBS = r"""
 import json, resource, sys
 import numpy as np
 import ucpformat
-from ucpformat.codecs import Compression, crc_bytes
+from ucpformat.engine.checksum import crc_bytes
+from ucpformat.engine.compression import Compression
 from ucpformat.dtypes import BY_NAME
 
 root = sys.argv[1]
@@ -860,7 +863,9 @@ def test_decompression_bombs_are_refused_before_they_expand(tmp_path: Path) -> N
     for name, result in out["results"].items():
         assert result is not None, name
         cls, rule_id, message, size = result
-        assert size < 3_000_000 and cls == "CorruptDataError" and rule_id == rule(93), result
+        # refused before decompressing (R093), or unread: too large for its chunk (R098)
+        assert size < 3_000_000 and cls == "CorruptDataError", result
+        assert rule_id in (rule(93), rule(98)), result
         assert "model/x" in message and "chunk (0)" in message
     assert out["growth_kib"] < 100 * 1024, out
 
@@ -869,7 +874,8 @@ def test_decompression_bombs_are_refused_before_they_expand(tmp_path: Path) -> N
 def test_chunks_that_decompress_short_or_long_are_refused(tmp_path: Path, name: str) -> None:
     """A writer that stores an edge chunk unpadded (a classic zarr bug) or too long is
     refused, never padded with garbage or cut."""
-    from ucpformat.codecs import Compression, crc_bytes
+    from ucpformat.engine.checksum import crc_bytes
+    from ucpformat.engine.compression import Compression
 
     ucpformat.save(tmp_path / "c", {"model": {"x": np.arange(64, dtype=np.uint8)}},
                    compression=name, durable=False)
@@ -883,12 +889,14 @@ def test_chunks_that_decompress_short_or_long_are_refused(tmp_path: Path, name: 
         assert_refused(exc, errors.CorruptDataError, 93, "model/x", "chunk (0)")
 
 
-def test_zstd_frames_of_every_kind_are_read(tmp_path: Path) -> None:
-    """Several frames, skippable frames and frames without a content size (valid zstd that
-    other writers produce) are read; the size check is exact for each."""
+def test_zstd_chunks_are_one_frame_that_declares_its_size(tmp_path: Path) -> None:
+    """UCP-1.0-R047: several frames, a skippable frame, a frame without a content size or
+    with a window larger than the chunk are refused before decompressing (valid zstd, but
+    a reader could not bound what it allocates from their headers); so are frames that
+    declare another size (R093) or are cut short."""
     import numcodecs
 
-    from ucpformat.codecs import crc_bytes
+    from ucpformat.engine.checksum import crc_bytes
 
     z = numcodecs.Zstd(level=3)
     a = np.arange(100, dtype=np.uint8)
@@ -896,20 +904,25 @@ def test_zstd_frames_of_every_kind_are_read(tmp_path: Path) -> None:
     chunk = tmp_path / "c" / "model" / "x" / "c" / "0"
     one = bytes(z.encode(a))
     assert one[4] == 0x20  # single segment, 1-byte content size
+    chunk.write_bytes(one + crc_bytes(one))
+    assert_bits_equal(ucpformat.open(tmp_path / "c")["model/x"].read(), a)
     no_size = one[:4] + b"\x00\x08" + one[6:]  # same blocks, window descriptor, no size
+    big_window = one[:4] + b"\x80\x50" + (100).to_bytes(4, "little") + one[6:]  # 1 MiB
     skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
-    variants = {
-        "two frames": bytes(z.encode(a[:30])) + bytes(z.encode(a[30:])),
-        "skippable frame first": skippable + one,
-        "no content size": no_size,
+    refused = {
+        "two frames": (bytes(z.encode(a[:30])) + bytes(z.encode(a[30:])), 47),
+        "skippable frame first": (skippable + one, 47),
+        "no content size": (no_size, 47),
+        "window beyond the chunk": (big_window, 47),
+        "bytes after the frame": (one + b"\x00", 47),
+        "another size": (bytes(z.encode(a[:99])), 93),
+        "cut short": (one[:-3], 41),
     }
-    for body in variants.values():
+    for what, (body, rule_id) in refused.items():
         chunk.write_bytes(body + crc_bytes(body))
-        assert_bits_equal(ucpformat.open(tmp_path / "c")["model/x"].read(), a)
-    for body in (bytes(z.encode(a[:99])), no_size[:-3], bytes(z.encode(a)) + b"\x00"):
-        chunk.write_bytes(body + crc_bytes(body))
-        with pytest.raises(errors.CorruptDataError):
+        with pytest.raises(errors.CorruptDataError) as exc:
             ucpformat.open(tmp_path / "c")["model/x"].read()
+        assert exc.value.rule == rule(rule_id), (what, exc.value)
 
 
 # -- random damage ---------------------------------------------------------------------------
@@ -1004,3 +1017,35 @@ def test_random_damage_to_metadata_never_crashes(
                     t[...]
         report = ucpformat.validate(path, deep=True)
         assert isinstance(report.valid, bool)
+
+
+# -- bool bytes (UCP-1.0-R008) -----------------------------------------------------------
+
+
+def test_bool_bytes_other_than_0_and_1_are_never_saved(tmp_path: Path) -> None:
+    mask = np.array([0, 1, 2, 1], dtype=np.uint8).view(np.bool_)  # a view of other bytes
+    with pytest.raises(errors.InvalidValueError) as info:
+        ucpformat.save(tmp_path / "c", {"model": {"mask": mask}}, durable=False)
+    assert info.value.rule == "UCP-1.0-R008" and info.value.tensor == "model/mask"
+    assert not (tmp_path / "c" / "zarr.json").exists()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_bool_bytes_other_than_0_and_1_are_refused_on_read(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """Also in the edge chunk's padding, and from the zero-copy path of uncompressed chunks."""
+    path = write_explicit(tmp_path / "c", {
+        "model/mask": (np.ones((5, 4), np.bool_), (2, 4), None, compression)})
+    meta = ucpformat.open(path).arrays["model/mask"]
+    # the last chunk holds row 4 and one row of padding: 0x02 in the padding
+    chunk = np.ones((2, 4), np.uint8)
+    chunk[1, 3] = 2
+    key = "model/mask/c/2/0"
+    payload = meta.codec.encode(chunk.view(np.bool_))
+    (path / key).write_bytes(b"".join(bytes(b) for b in payload))
+    for region in ([0, 0], [5, 4]), ([4, 0], [5, 4]):
+        with pytest.raises(errors.CorruptDataError) as info:
+            ucpformat.open(path)["model/mask"].read_region(*region)
+        assert info.value.rule == "UCP-1.0-R008" and "(2, 0)" in info.value.message
+    assert ucpformat.open(path)["model/mask"].read_region([0, 0], [4, 4]).all()

@@ -16,8 +16,9 @@ import ucpformat
 from tests.helpers import random_array, read_json
 from ucpformat import writer
 from ucpformat.dtypes import BY_NAME, DATA_TYPES, DataType
+from ucpformat.engine.write import write_object
 from ucpformat.errors import CheckpointExistsError, MissingChunkError, WriteError
-from ucpformat.metadata import ArrayMeta
+from ucpformat.metadata import ArrayMeta, default_producer
 from ucpformat.storage import LocalStore
 
 SHAPE = (13, 7)
@@ -233,9 +234,9 @@ def test_bfloat16_hex_fill_value_is_bfloat16_bits(tmp_path: Path) -> None:
                      attributes={"ucp": {"sparse": True}})
     store = LocalStore(tmp_path / "c", durable=False)
     writer.prepare_destination(store, overwrite=False)
-    objects = [writer.write_object(store, meta, (0, 0), np.full((2, 3), 5, ml_dtypes.bfloat16))]
+    objects = [write_object(store, meta, (0, 0), np.full((2, 3), 5, ml_dtypes.bfloat16))]
     writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
-                  root_ucp={"producer": writer.default_producer()})
+                  root_ucp={"producer": default_producer()})
     assert read_json(tmp_path / "c" / "model" / "x" / "zarr.json")["fill_value"] == "0x3f80"
 
     expected = np.ones((4, 6), ml_dtypes.bfloat16)
@@ -290,4 +291,5 @@ def test_unrepresentable_fill_value_is_refused_never_misread(tmp_path: Path) -> 
     node.write_text(json.dumps({**read_json(node), "fill_value": 0.0}))
     with pytest.raises(ucpformat.errors.FormatError) as info:
         ucpformat.adopt(tmp_path / "c", durable=False)
-    assert info.value.rule == "UCP-1.0-R026" and info.value.tensor == "model/x"
+    # R036 (a JSON number for float8_e8m0fnu is a power of two) refines R026
+    assert info.value.rule == "UCP-1.0-R036" and info.value.tensor == "model/x"

@@ -17,8 +17,8 @@ import pytest
 
 import ucpformat
 from ucpformat import errors
-from ucpformat.codecs import Compression
 from ucpformat.dtypes import by_name
+from ucpformat.engine.compression import Compression
 from ucpformat.metadata import IN_PROGRESS_KEY, ZARR_JSON
 from ucpformat.reader import Checkpoint, Region
 from ucpformat.storage import LocalStore

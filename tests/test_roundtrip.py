@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import ucpformat
 from tests.helpers import assert_bits_equal, random_array
 from ucpformat import names, writer
-from ucpformat.codecs import Compression
 from ucpformat.dtypes import DATA_TYPES, DataType
-from ucpformat.metadata import ArrayMeta
+from ucpformat.engine.compression import Compression
+from ucpformat.metadata import ArrayMeta, default_producer
 from ucpformat.storage import LocalStore
 
 COMPRESSIONS = [None, "zstd", "gzip", "blosc"]
@@ -81,7 +81,7 @@ def _unsharded_multichunk(
     writer.prepare_destination(store, overwrite=False)
     objects = writer.write_arrays(store, [(meta, arr)], hash_algorithm="sha256")
     writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
-                  root_ucp={"producer": writer.default_producer()})
+                  root_ucp={"producer": default_producer()})
 
 
 @st.composite

@@ -36,6 +36,8 @@ from ucpformat.reader import parse_root
 CODE_ONLY: dict[str, str | None] = {
     "UCP-1.0-R023": None,  # endian presence depends on the data type's size
     "UCP-1.0-R026": None,  # the fill value's form depends on the data type
+    "UCP-1.0-R036": None,  # a number's range after rounding depends on the data type
+    "UCP-1.0-R038": None,  # the number of hexadecimal digits depends on the data type
     "UCP-1.0-R027": r"more than 2\*\*63-1 bytes",  # the byte size is a product
     "UCP-1.0-R028": None,  # shard shape a multiple of the chunk shape; chunks per shard
     "UCP-1.0-R010": None,  # canonical escapes (the schema checks only the alphabet)
@@ -374,7 +376,9 @@ def test_mutated_roots_schema_rejects_implies_code_rejects(
     ("kind", "doc_fn", "rule"),
     [
         # documents the schema accepts and only the code can refuse, one per code-only rule
-        ("array", lambda d: d.update(fill_value="0x3f"), "UCP-1.0-R026"),
+        ("array", lambda d: d.update(fill_value="0x3f"), "UCP-1.0-R038"),
+        ("array", lambda d: d.update(fill_value=3.5e38), "UCP-1.0-R036"),
+        ("array", lambda d: d.update(fill_value=[0, 0]), "UCP-1.0-R026"),
         ("array", lambda d: d.update(shape=[2**62, 2**62]), "UCP-1.0-R027"),
         ("array", lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[1]),
          "UCP-1.0-R021"),
@@ -402,3 +406,115 @@ def test_deeply_nested_values_are_a_code_only_limit(corpus: dict[str, list[Any]]
     assert schemas.violations("group", doc) == []
     exc = code_check("group", path, doc)
     assert exc is not None and code_only(exc)
+
+
+# -- decisions of the spec that both must pin (issue: spec 1.0 hardening) ----------------------
+
+
+def _float32_array(corpus: dict[str, list[Any]]) -> tuple[str, Any]:
+    return next((p, copy.deepcopy(d)) for p, d in corpus["array"]
+                if d["data_type"] == "float32" and len(d["shape"]) == 2
+                and d["codecs"][0]["name"] == "sharding_indexed")
+
+
+def _verdicts(kind: str, path: str, doc: Any) -> tuple[set[str], str | None]:
+    exc = code_check(kind, path, doc)
+    return {v.rule for v in schemas.violations(kind, doc)}, (exc.rule if exc else None)
+
+
+@pytest.mark.parametrize("spelling", [
+    {"name": "default", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {}},
+    {"name": "default"},
+])
+def test_chunk_key_encoding_spellings_are_valid_for_both(
+    corpus: dict[str, list[Any]], spelling: Any
+) -> None:
+    path, doc = _float32_array(corpus)
+    doc["chunk_key_encoding"] = spelling
+    assert _verdicts("array", path, doc) == (set(), None)
+
+
+@pytest.mark.parametrize("spelling", [
+    "default", {"name": "default", "configuration": {"separator": "."}},
+    {"name": "v2", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {"separator": "/", "x": 1}},
+    {"name": "default", "configuration": None}, {"name": "default", "x": {}},
+])
+def test_other_chunk_key_encodings_are_refused_by_both(
+    corpus: dict[str, list[Any]], spelling: Any
+) -> None:
+    path, doc = _float32_array(corpus)
+    doc["chunk_key_encoding"] = spelling
+    assert _verdicts("array", path, doc) == ({"UCP-1.0-R035"}, "UCP-1.0-R035")
+
+
+def _set_chain(doc: Any, chain: list[Any]) -> None:
+    doc["codecs"][0]["configuration"]["codecs"] = chain
+
+
+_LE = {"name": "bytes", "configuration": {"endian": "little"}}
+_BLOSC = {"cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": 4, "blocksize": 0}
+
+
+@pytest.mark.parametrize(("edit", "rule"), [
+    # UCP-1.0-R039: every member R024 lists is required but zstd's checksum and blosc's
+    # typesize while it does not shuffle
+    (lambda d: _set_chain(d, [_LE, {"name": "zstd", "configuration": {"level": 1}},
+                              {"name": "crc32c"}]), None),
+    (lambda d: _set_chain(d, [_LE, {"name": "blosc", "configuration": {
+        **_BLOSC, "shuffle": "noshuffle", "typesize": None}}, {"name": "crc32c"}]), "drop"),
+    (lambda d: _set_chain(d, [_LE, {"name": "zstd", "configuration": {"checksum": True}},
+                              {"name": "crc32c"}]), "UCP-1.0-R039"),
+    (lambda d: _set_chain(d, [_LE, {"name": "gzip", "configuration": {}},
+                              {"name": "crc32c"}]), "UCP-1.0-R039"),
+    *[(lambda d, k=k: _set_chain(d, [_LE, {"name": "blosc", "configuration": {
+        m: v for m, v in _BLOSC.items() if m != k}}, {"name": "crc32c"}]), "UCP-1.0-R039")
+      for k in ("cname", "clevel", "shuffle", "typesize", "blocksize")],
+    # UCP-1.0-R046: crc32c with or without an empty configuration, in both places
+    (lambda d: d["codecs"][0]["configuration"]["index_codecs"].__setitem__(
+        1, {"name": "crc32c", "configuration": {}}), None),
+    (lambda d: d["codecs"][0]["configuration"]["codecs"].__setitem__(
+        -1, {"name": "crc32c", "configuration": {}}), None),
+    (lambda d: d["codecs"][0]["configuration"]["index_codecs"].__setitem__(
+        1, {"name": "crc32c", "configuration": {"x": 1}}), "UCP-1.0-R046"),
+    (lambda d: d["codecs"][0]["configuration"]["codecs"].__setitem__(
+        -1, {"name": "crc32c", "configuration": {"x": 1}}), "UCP-1.0-R046"),
+])
+def test_codec_spellings_agree(corpus: dict[str, list[Any]], edit: Any, rule: str | None
+                               ) -> None:
+    path, doc = _float32_array(corpus)
+    edit(doc)
+    if rule == "drop":  # a member given as None here is left out
+        cfg = doc["codecs"][0]["configuration"]["codecs"][1]["configuration"]
+        for key in [k for k, v in cfg.items() if v is None]:
+            del cfg[key]
+        rule = None
+    schema_rules, code_rule = _verdicts("array", path, doc)
+    if rule is None:
+        assert (schema_rules, code_rule) == (set(), None)
+    else:  # the schema refuses too (which subschema it blames follows its oneOf branches)
+        assert code_rule == rule and schema_rules, (schema_rules, code_rule)
+
+
+@pytest.mark.parametrize("kind", ["array", "group"])
+@pytest.mark.parametrize(("value", "rule"), [
+    ({"must_understand": False}, None),
+    ({"must_understand": False, "anything": [1, 2]}, None),
+    ({"must_understand": True}, "UCP-1.0-R007"),
+    ({"anything": 1}, "UCP-1.0-R007"),
+    ("text", "UCP-1.0-R007"),
+    (None, "UCP-1.0-R007"),
+])
+def test_members_zarr_does_not_define_agree(
+    corpus: dict[str, list[Any]], kind: str, value: Any, rule: str | None
+) -> None:
+    """UCP-1.0-R007: only members marked "must_understand": false may join zarr's own."""
+    path, doc = _float32_array(corpus) if kind == "array" else _pick(corpus, "group", "values")
+    doc = copy.deepcopy(doc)
+    doc["x_extension"] = value
+    schema_rules, code_rule = _verdicts(kind, path, doc)
+    if rule is None:
+        assert (schema_rules, code_rule) == (set(), None)
+    else:
+        assert code_rule == rule and rule in schema_rules, (schema_rules, code_rule)

@@ -23,7 +23,8 @@ from tests.helpers import (
     write_explicit,
     write_json,
 )
-from ucpformat.codecs import EMPTY, crc_bytes, index_nbytes
+from ucpformat.engine.checksum import crc_bytes
+from ucpformat.engine.sharding import EMPTY, index_nbytes
 
 
 def rule(n: int) -> str:
@@ -242,3 +243,12 @@ def test_validate_never_raises_on_garbage(tmp_path: Path) -> None:
         (tmp_path / "c" / "zarr.json").write_bytes(content)
         report = ucpformat.validate(tmp_path / "c", deep=True)
         assert not report.valid and report.errors
+
+
+def test_an_unknown_feature_is_reported_once(sharded: Path) -> None:
+    """One fault, one issue: must_understand with a feature 1.0 lacks gives one R061 error
+    that names the feature (the validator checked it twice, in two wordings)."""
+    edit_root(sharded, lambda d: d["attributes"]["ucp"].update(must_understand=["sparse-v2"]))
+    issues = [i for i in ucpformat.validate(sharded).issues if i.rule == rule(61)]
+    assert len(issues) == 1, issues
+    assert "sparse-v2" in issues[0].message

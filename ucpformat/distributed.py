@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking
 from ucpformat.comm import Communicator
+from ucpformat.engine import chunking
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
 from ucpformat.pipeline import DistributedSaveResult, Fragment, FragmentList

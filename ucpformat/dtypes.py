@@ -7,7 +7,7 @@ The spec's data-type table (spec/ucp-1.0.md) and the schema enum
 from __future__ import annotations
 
 import math
-import struct
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -108,8 +108,18 @@ def from_numpy(dtype: np.dtype[Any], *, tensor: str | None = None) -> DataType:
 # -- fill values ------------------------------------------------------------------------
 #
 # zarr v3 fill values: booleans for bool; integers for ints; for floating types a JSON
-# number, "NaN", "Infinity", "-Infinity", or a hex string "0x..." that gives the raw bits
-# (exactly 2 * itemsize hex digits). Complex values are a two-element list of those.
+# number (UCP-1.0-R036), "NaN" (UCP-1.0-R037), "Infinity", "-Infinity", or a hex string "0x..."
+# that gives the raw bits (exactly 2 * itemsize hex digits of either case, UCP-1.0-R038). Complex
+# values are a two-element list of those.
+
+#: The bits "NaN" stands for, per type (UCP-1.0-R037): zarr v3's quiet NaN (sign 0, the top
+#: mantissa bit 1, the rest 0), or the type's only positive NaN where it has no such one.
+NAN_BITS: Final[dict[str, int]] = {
+    "float16": 0x7E00, "float32": 0x7FC00000, "float64": 0x7FF8000000000000,
+    "bfloat16": 0x7FC0, "float8_e5m2": 0x7E, "float8_e4m3fn": 0x7F,
+    "float8_e4m3fnuz": 0x80, "float8_e5m2fnuz": 0x80, "float8_e8m0fnu": 0xFF,
+}
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]+")
 
 
 def fill_value_to_json(dt: DataType, value: Any) -> Any:
@@ -147,10 +157,10 @@ def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) 
     float16 1.875).
     """
 
-    def bad(why: str) -> FormatError:
+    def bad(why: str, rule: str = "UCP-1.0-R026") -> FormatError:
         return FormatError(
             f"fill_value {data!r} is not valid for data type {dt.name}: {why}",
-            rule="UCP-1.0-R026",
+            rule=rule,
             tensor=tensor,
         )
 
@@ -174,34 +184,40 @@ def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) 
         return dt.numpy.type(complex(float(re), float(im)))
     # floating point
     if isinstance(data, str):
-        if data.startswith("0x"):
+        if data[:2] in ("0x", "0X"):
             digits = data[2:]
-            if len(digits) != 2 * dt.itemsize:
-                raise bad(f"a hex fill value needs exactly {2 * dt.itemsize} hex digits")
-            try:
-                raw = bytes.fromhex(digits)[::-1]
-            except ValueError:
-                raise bad("not a hex number") from None
-            return np.frombuffer(raw, dtype=dt.numpy)[0]
-        special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-        if data not in special:
+            if (data[1] != "x" or len(digits) != 2 * dt.itemsize
+                    or not _HEX_DIGITS.fullmatch(digits)):
+                raise bad(f"a hex fill value is 0x and exactly {2 * dt.itemsize} hex digits",
+                          "UCP-1.0-R038")
+            return _from_bits(dt, int(digits, 16))
+        if data == "NaN":
+            return _from_bits(dt, NAN_BITS[dt.name])
+        if data not in ("Infinity", "-Infinity"):
             raise bad('expected a number, "NaN", "Infinity", "-Infinity" or "0x..."')
-        if data != "NaN" and not dt.has_inf:
+        if not dt.has_inf:
             raise bad(f"{dt.name} has no infinities")
-        return dt.numpy.type(special[data])
+        return dt.numpy.type(math.inf if data == "Infinity" else -math.inf)
     if isinstance(data, bool) or not isinstance(data, int | float):
         raise bad("expected a number")
     try:
-        as_float = float(data)  # ml_dtypes scalars do not take Python ints beyond int64
+        as_float = float(data)  # the nearest binary64 first (UCP-1.0-R036)
     except OverflowError:
-        raise bad("out of range") from None
+        raise bad("beyond the finite range of the type", "UCP-1.0-R036") from None
+    if dt.name == "float8_e8m0fnu":
+        mantissa, exponent = math.frexp(as_float)
+        if mantissa != 0.5 or not -127 <= exponent - 1 <= 127:
+            raise bad("float8_e8m0fnu holds powers of two from 2**-127 to 2**127 only; other "
+                      "numbers are not rounded", "UCP-1.0-R036")
+        return _from_bits(dt, exponent - 1 + 127)
     with np.errstate(over="ignore"):
-        value = dt.numpy.type(as_float)
-    if not math.isfinite(float(value)) and math.isfinite(as_float):
-        raise bad("out of range")
+        value = dt.numpy.type(as_float)  # then to the type, ties to even (UCP-1.0-R036)
+    if not math.isfinite(float(value)):  # an overflow: never saturated, infinite or NaN
+        raise bad("beyond the finite range of the type once rounded", "UCP-1.0-R036")
     return value
 
 
-def float_bits(value: float, fmt: str) -> int:
-    """The IEEE bit pattern of ``value`` as float32 (``fmt='f'``) or float64 (``'d'``)."""
-    return int.from_bytes(struct.pack("<" + fmt, value), "little")
+
+def _from_bits(dt: DataType, bits: int) -> Any:
+    """The scalar of ``dt`` whose bits are ``bits``."""
+    return np.frombuffer(bits.to_bytes(dt.itemsize, "little"), dtype=dt.numpy)[0]

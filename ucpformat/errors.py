@@ -36,6 +36,12 @@ class UCPError(Exception):
         return " ".join(parts)
 
 
+def restated(error: UCPError, message: str) -> UCPError:
+    """A new error of ``error``'s class, rule, path and tensor, with another message (to
+    raise ``from error`` where a caller has something to add)."""
+    return type(error)(message, rule=error.rule, path=error.path, tensor=error.tensor)
+
+
 # -- reading and validating ---------------------------------------------------------
 
 
@@ -49,10 +55,6 @@ class IncompleteCheckpointError(FormatError):
 
 class VersionError(FormatError):
     """The format version is missing, malformed, or of a major version this reader refuses."""
-
-
-class SchemaError(FormatError):
-    """A metadata object violates its JSON Schema."""
 
 
 class UnsupportedFeatureError(FormatError):
@@ -79,12 +81,22 @@ class CheckpointNotFoundError(FormatError, FileNotFoundError):
     """Nothing that could be a checkpoint exists at the given location."""
 
 
+class StorageError(UCPError, OSError):
+    """The storage refused a read: permission denied, a file where a directory should be,
+    a name too long for the file system, an I/O error (UCP-1.0-R099). Names the file and
+    the operating system's reason; also an OSError, for callers that catch those."""
+
+
 class SelectionError(UCPError, IndexError):
     """A slice or index does not fit the tensor it selects from."""
 
 
 class ResourceLimitError(UCPError):
     """Honouring the request would allocate beyond a configured or physical limit."""
+
+
+class MissingDependencyError(UCPError, ImportError):
+    """An optional dependency that the request needs is not installed; names the extra."""
 
 
 class TensorNotFoundError(UCPError, KeyError):

@@ -2,14 +2,16 @@
 
 Values are RFC 8259 JSON. Non-finite floats, which JSON cannot hold, are written as the
 tagged object ``{"$ucp_float": "NaN" | "Infinity" | "-Infinity"}`` (spec UCP-1.0-R070).
-Tuples become lists; numpy scalars become Python numbers.
+Tuples become lists; numpy scalars become Python numbers. The nesting limit of whole
+metadata documents (UCP-1.0-R096) is here too, since rule files share it.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -108,3 +110,47 @@ def decode(value: Any, *, where: str, depth: int = 0) -> Any:
             return _SPECIAL[str(tag)]
         return {k: decode(v, where=where, depth=depth + 1) for k, v in value.items()}
     return value
+
+
+#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, UCP-1.0-R070,
+#: below at most 8 levels of document structure); deeper documents are refused before
+#: anything walks them recursively (UCP-1.0-R096).
+MAX_DOCUMENT_DEPTH: Final = 80
+
+
+def json_depth(doc: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), computed without recursion, one
+    level of containers at a time."""
+    depth = 0
+    level = [doc] if isinstance(doc, (dict, list)) else []
+    while level:
+        depth += 1
+        below: list[Any] = []
+        for value in level:
+            children = value.values() if isinstance(value, dict) else value
+            below.extend([v for v in children if isinstance(v, (dict, list))])
+        level = below
+    return depth
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of JSON values as the spec defines it (UCP-1.0-R073).
+
+    Values of different kinds differ (``1``, ``1.0`` and ``true`` are three values);
+    integers compare exactly at any size; numbers with a fraction or an exponent (Python
+    floats) compare by their binary64 bits, so ``-0.0`` differs from ``0.0``; objects
+    compare member by member in any order, arrays element by element.
+    """
+    if type(a) is not type(b):
+        return isinstance(a, Mapping) and isinstance(b, Mapping) and _objects_equal(a, b)
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, Mapping):
+        return _objects_equal(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _objects_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)

@@ -8,27 +8,33 @@ documents; tests/test_schema_code_agreement.py proves it.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import gc
+import hashlib
 import json
 import math
+import platform
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeGuard
 
-import numpy as np
-
 from ucpformat import dtypes, jsonvalues
-from ucpformat.codecs import (
-    BLOSC_CNAMES,
-    BLOSC_SHUFFLES,
-    COMPRESSORS,
-    ChunkCodec,
-    Compression,
-    index_codecs_json,
-)
+from ucpformat._version import __version__
 from ucpformat.dtypes import DataType
-from ucpformat.errors import FormatError, UnsupportedFeatureError, VersionError
+from ucpformat.engine.codecs import ChunkCodec
+from ucpformat.engine.compression import BLOSC_CNAMES, BLOSC_SHUFFLES, COMPRESSORS, Compression
+from ucpformat.engine.grid import object_key
+from ucpformat.engine.sharding import index_codecs_json
+from ucpformat.errors import (
+    FormatError,
+    InvalidValueError,
+    UnsupportedFeatureError,
+    VersionError,
+)
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
+from ucpformat.schemas import DATE_TIME
 
 FORMAT_VERSION: Final = "1.0"
 FORMAT_MAJOR: Final = 1
@@ -120,9 +126,7 @@ class ArrayMeta:
 
     def object_key(self, coords: Sequence[int]) -> str:
         """Storage key of the stored object (shard or chunk) at grid ``coords``."""
-        suffix = "/".join(str(c) for c in coords)
-        base = f"{self.path}/c"
-        return f"{base}/{suffix}" if suffix else base
+        return object_key(self.path, coords)
 
     def to_zarr_json(self) -> dict[str, Any]:
         codec = self.codec
@@ -173,10 +177,12 @@ def _int_list(value: Any, what: str, where: str, *, minimum: int) -> tuple[int, 
     return tuple(out)
 
 
-#: The one chunk key encoding of format 1.0, in its two spellings (zarr v3 makes the
-#: configuration optional; tensorstore omits it).
+#: The one chunk key encoding of format 1.0, in its three spellings (UCP-1.0-R035: zarr v3
+#: makes the configuration and its separator optional, '/' by default; tensorstore omits
+#: the configuration).
 CHUNK_KEY_ENCODINGS: Final = (
     {"name": "default", "configuration": {"separator": "/"}},
+    {"name": "default", "configuration": {}},
     {"name": "default"},
 )
 ARRAY_ROLES: Final = ("parameter", "buffer", "optimizer_state", "training_state", "other")
@@ -185,6 +191,13 @@ _COMPRESSOR_KEYS: Final[dict[str, frozenset[str]]] = {
     "zstd": frozenset({"level", "checksum"}),
     "gzip": frozenset({"level"}),
     "blosc": frozenset({"cname", "clevel", "shuffle", "typesize", "blocksize"}),
+}
+#: Members a compressor's configuration must have (UCP-1.0-R039; blosc's typesize too when
+#: it shuffles).
+_COMPRESSOR_REQUIRED: Final[dict[str, tuple[str, ...]]] = {
+    "zstd": ("level",),
+    "gzip": ("level",),
+    "blosc": ("cname", "clevel", "shuffle", "blocksize"),
 }
 _SHARDING_KEYS: Final = frozenset({"chunk_shape", "codecs", "index_codecs", "index_location"})
 
@@ -198,6 +211,8 @@ def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], what: str, rule
 
 
 _BYTES_LITTLE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+#: The crc32c codec in a chunk chain and in index_codecs alike (UCP-1.0-R046).
+CRC32C_SPELLINGS: Final = ({"name": "crc32c"}, {"name": "crc32c", "configuration": {}})
 _BYTES_NO_ENDIAN: Final = {"name": "bytes"}
 
 
@@ -245,6 +260,13 @@ def _parse_compression(codec: Mapping[str, Any], where: str) -> Compression:
         raise _fail(f"{name} needs a configuration object", "UCP-1.0-R024", where)
     _check_keys(cfg, _COMPRESSOR_KEYS[str(name)], f"the {name} configuration", "UCP-1.0-R024",
                 where)
+    required = _COMPRESSOR_REQUIRED[str(name)]
+    if name == "blosc" and cfg.get("shuffle") in ("shuffle", "bitshuffle"):
+        required = (*required, "typesize")  # shuffling moves elements of typesize bytes
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise _fail(f"the {name} configuration lacks {missing}, which it requires",
+                    "UCP-1.0-R039", where)
 
     def int_in(key: str, lo: int, hi: int, *, required: bool = True) -> None:
         if key not in cfg and not required:
@@ -280,15 +302,13 @@ def _parse_chain(chain: Any, dt: DataType, where: str) -> Compression | None:
             where,
         )
     last = chain[-1]
-    if (
-        not _is_map(last)
-        or last.get("name") != "crc32c"
-        or set(last) - {"name", "configuration"}
-        or last.get("configuration", {}) != {}
-    ):
+    if not _is_map(last) or last.get("name") != "crc32c":
         raise _fail(
             f"every chunk must end with the crc32c codec, got {last!r}", "UCP-1.0-R040", where
         )
+    if last not in CRC32C_SPELLINGS:
+        raise _fail(f"the crc32c codec takes no configuration, got {last!r}", "UCP-1.0-R046",
+                    where)
     if not 2 <= len(chain) <= 3:
         raise _fail(
             "a codec chain must be bytes, an optional compressor, then crc32c",
@@ -310,6 +330,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         raise _fail("array metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
         raise _fail("not a zarr v3 array (zarr_format 3, node_type 'array')", "UCP-1.0-R001", where)
+    check_node_members(doc, ARRAY_MEMBERS, where)
     name = doc.get("data_type")
     if not isinstance(name, str) or name not in dtypes.BY_NAME:
         raise UnsupportedFeatureError(
@@ -347,7 +368,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
     if cke not in CHUNK_KEY_ENCODINGS:
         raise _fail(
             f"chunk_key_encoding must be 'default' with separator '/', got {cke!r}",
-            "UCP-1.0-R021",
+            "UCP-1.0-R035",
             where,
         )
     if "storage_transformers" in doc and doc["storage_transformers"] != []:
@@ -383,12 +404,19 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
                 f"a shard holds more than {MAX_CHUNKS_PER_SHARD} inner chunks", "UCP-1.0-R028",
                 where,
             )
-        if cfg.get("index_codecs") != index_codecs_json():
-            raise _fail(
-                "shard index_codecs must be bytes (little endian) then crc32c",
-                "UCP-1.0-R040",
-                where,
-            )
+        index_chain = cfg.get("index_codecs")
+        if index_chain != index_codecs_json():  # the common spelling: nothing more to check
+            if (not isinstance(index_chain, list) or len(index_chain) != 2
+                    or index_chain[0] != _BYTES_LITTLE or not _is_map(index_chain[1])
+                    or index_chain[1].get("name") != "crc32c"):
+                raise _fail(
+                    "shard index_codecs must be bytes (little endian) then crc32c",
+                    "UCP-1.0-R040",
+                    where,
+                )
+            if index_chain[1] not in CRC32C_SPELLINGS:
+                raise _fail(f"the crc32c codec takes no configuration, got {index_chain[1]!r}",
+                            "UCP-1.0-R046", where)
         if cfg.get("index_location", "end") != "end":
             raise _fail("shard index_location must be 'end'", "UCP-1.0-R022", where)
         compression = _parse_chain(cfg.get("codecs"), dt, where)
@@ -432,28 +460,6 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
     )
 
 
-def stored_object_coords(meta: ArrayMeta, keys: Iterable[str]) -> list[tuple[int, ...]]:
-    """Grid coordinates of the stored objects of ``meta`` among storage ``keys``, sorted.
-
-    Keys under the array's ``c/`` that are not objects of its grid are ignored.
-    """
-    base = f"{meta.path}/c"
-    grid = meta.object_grid
-    out: list[tuple[int, ...]] = []
-    for key in keys:
-        if key == base and not meta.shape:
-            out.append(())
-        elif key.startswith(base + "/"):
-            parts = key[len(base) + 1 :].split("/")
-            if len(parts) == len(grid) and all(
-                p.isascii() and p.isdigit() and str(int(p)) == p for p in parts
-            ):
-                coords = tuple(int(p) for p in parts)
-                if all(c < g for c, g in zip(coords, grid, strict=True)):
-                    out.append(coords)
-    return sorted(out)
-
-
 # -- groups and the root ----------------------------------------------------------------
 
 
@@ -476,6 +482,25 @@ class GroupMeta:
 
     def to_zarr_json(self) -> dict[str, Any]:
         return {"zarr_format": 3, "node_type": "group", "attributes": dict(self.attributes)}
+
+
+#: The members zarr v3 defines for an array's and a group's zarr.json (UCP-1.0-R007).
+ARRAY_MEMBERS: Final = frozenset({
+    "zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+    "fill_value", "codecs", "storage_transformers", "dimension_names", "attributes",
+})
+GROUP_MEMBERS: Final = frozenset({"zarr_format", "node_type", "attributes"})
+
+
+def check_node_members(doc: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    """Refuse a member zarr v3 does not define unless it is marked ``"must_understand":
+    false`` (UCP-1.0-R007, zarr v3's rule for extensions): such a one is ignored."""
+    if doc.keys() <= known:
+        return
+    for key, value in doc.items():
+        if key not in known and not (_is_map(value) and value.get("must_understand") is False):
+            raise _fail(f"member {key!r} is not one zarr v3 defines for this node, and is not "
+                        'marked "must_understand": false', "UCP-1.0-R007", where)
 
 
 def _parse_node_ucp(attributes: Mapping[str, Any], where: str) -> Mapping[str, Any]:
@@ -505,6 +530,8 @@ def parse_group(path: str, doc: Any, *, root: bool = False) -> GroupMeta:
         raise _fail("group metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise _fail("not a zarr v3 group", "UCP-1.0-R001", where)
+    if not root:  # the root's members are UCP-1.0-R057's
+        check_node_members(doc, GROUP_MEMBERS, where)
     attributes = doc.get("attributes", {})
     if not _is_map(attributes):
         raise _fail("attributes must be an object", "UCP-1.0-R001", where)
@@ -539,6 +566,60 @@ def parse_version(value: Any, *, where: str) -> tuple[int, int]:
     return major, minor
 
 
+# -- the root's attributes.ucp ---------------------------------------------------------
+
+
+def utc_now() -> str:
+    """The current time as an RFC 3339 UTC date-time to the second (``...T12:00:00Z``)."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def default_producer() -> dict[str, Any]:
+    """The ``producer`` of the checkpoints this library writes."""
+    return {"name": "ucpformat", "version": __version__, "python": platform.python_version()}
+
+
+def build_root_ucp(
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    values: Mapping[str, Any] | None = None,
+    producer: Mapping[str, Any] | None = None,
+    created: str | None = None,
+    saved_by: Mapping[str, Any] | None = None,
+    extensions: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The root group's ``attributes.ucp`` of a new checkpoint, but for ``version`` and
+    ``manifest``, which the commit adds (:func:`ucpformat.writer.commit`).
+
+    Members, in this order: ``producer`` (default: :func:`default_producer`), ``created``
+    (an RFC 3339 date-time; default: now), ``saved_by`` (how the checkpoint was saved:
+    world size, ...), the members of ``extensions`` (further members of
+    ``attributes.ucp`` a writer defines, JSON as it is to be stored), ``metadata``
+    (free-form) and ``values`` (the root's JSON values). ``producer``, ``saved_by``,
+    ``metadata`` and ``values`` are Python values, encoded here
+    (:func:`ucpformat.jsonvalues.encode`); an empty ``values`` is left out.
+    """
+    if created is not None and (not isinstance(created, str) or not DATE_TIME.match(created)):
+        raise InvalidValueError(
+            f"created must be an RFC 3339 date-time such as 2026-01-01T00:00:00Z, got {created!r}",
+            rule="UCP-1.0-R002",
+        )
+    ucp: dict[str, Any] = {
+        "producer": default_producer()
+        if producer is None
+        else jsonvalues.encode(dict(producer), where="producer"),
+        "created": utc_now() if created is None else created,
+    }
+    if saved_by is not None:
+        ucp["saved_by"] = jsonvalues.encode(dict(saved_by), where="saved_by")
+    ucp.update(extensions or {})
+    if metadata is not None:
+        ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
+    if values:
+        ucp["values"] = jsonvalues.encode(dict(values), where="values")
+    return ucp
+
+
 def dumps(doc: Any, *, compact: bool = False) -> bytes:
     """JSON encoding of metadata documents: indented, or compact for the large root.
 
@@ -567,29 +648,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
-#: below at most 8 levels of document structure); deeper documents are refused before
-#: anything walks them recursively (UCP-1.0-R096).
-MAX_DOCUMENT_DEPTH: Final = 80
-
-
-def json_depth(doc: Any) -> int:
-    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(doc, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((v, depth + 1) for v in children)
-    return deepest
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a large metadata document is parsed.
@@ -608,15 +666,59 @@ def gc_paused() -> Iterator[None]:
 
 
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
-    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys)."""
+    """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys, no
+    byte order mark, UCP-1.0-R009), whose strings are all Unicode scalar values (no
+    unpaired surrogate escape, UCP-1.0-R006)."""
+    if data[:3] == b"\xef\xbb\xbf":
+        raise FormatError("the document begins with a UTF-8 byte order mark",
+                          rule="UCP-1.0-R009", path=what)
     try:
         text = data.decode("utf-8")
         with gc_paused():
-            return json.loads(
+            doc = json.loads(
                 text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates
             )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"not valid JSON: {exc}", rule=rule, path=what) from None
+    # A surrogate can only come from a \uD800-\uDFFF escape (raw surrogate bytes are not
+    # UTF-8): only a document that has such an escape needs its strings walked.
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+        check_scalar_strings(doc, what=what)
+    return doc
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def check_scalar_strings(doc: Any, *, what: str) -> None:
+    """Refuse a document any of whose strings (member names included) holds an unpaired
+    surrogate: it has no UTF-8 encoding, so no writer, printer or other language can
+    carry it (UCP-1.0-R006). Walks without recursion."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        value, pointer = stack.pop()
+        if isinstance(value, str):
+            strings: list[tuple[str, str]] = [(value, pointer)]
+            children: list[tuple[Any, str]] = []
+        elif isinstance(value, dict):
+            strings = [(k, f"{pointer}/{k!r}") for k in value]
+            children = [(v, f"{pointer}/{k!r}") for k, v in value.items()]
+        elif isinstance(value, list):
+            strings = []
+            children = [(v, f"{pointer}/{i}") for i, v in enumerate(value)]
+        else:
+            continue
+        for string, at in strings:
+            try:
+                string.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError(
+                    f"the string {string!r} at {at or '/'} holds an unpaired surrogate "
+                    "escape (\\uD800 to \\uDFFF not in a pair): it is not Unicode text",
+                    rule="UCP-1.0-R006",
+                    path=what,
+                ) from None
+        stack.extend(children)
 
 
 def check_depth(doc: Any, *, what: str) -> None:
@@ -624,7 +726,7 @@ def check_depth(doc: Any, *, what: str) -> None:
 
     Validators call it before any recursive walk (schemas, comparisons); ``open`` does
     not walk JSON values recursively before decoding them, which bounds its own depth
-    (R070), so it skips this walk over every node of the consolidated metadata.
+    (UCP-1.0-R070), so it skips this walk over every node of the consolidated metadata.
     """
     if json_depth(doc) > MAX_DOCUMENT_DEPTH:
         raise FormatError(
@@ -633,6 +735,81 @@ def check_depth(doc: Any, *, what: str) -> None:
         )
 
 
-def native_scalar(value: Any) -> Any:
-    """A numpy scalar as a plain Python value (for JSON)."""
-    return value.item() if isinstance(value, np.generic) else value
+# -- the root's digest (UCP-1.0-R058) ---------------------------------------------------
+
+#: Member of the root's ``attributes.ucp`` that holds the SHA-256 of the root zarr.json.
+ROOT_DIGEST: Final = "root_sha256"
+_ZERO_DIGEST: Final = b"0" * 64
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def encode_root(doc: Mapping[str, Any]) -> bytes:
+    """The bytes of a root zarr.json, sealed: ``attributes.ucp.root_sha256`` is the SHA-256
+    of these bytes with its own 64 digits written as ``0`` (UCP-1.0-R058).
+
+    Compact JSON: the root holds every node's metadata and is parsed on every open.
+    """
+    attributes = doc["attributes"]
+    nonce = secrets.token_hex(32)  # a placeholder whose one occurrence is easy to find
+    ucp = {**attributes["ucp"], ROOT_DIGEST: nonce}
+    body = dumps({**doc, "attributes": {**attributes, "ucp": ucp}}, compact=True)
+    pos = body.index(nonce.encode())
+    assert body.find(nonce.encode(), pos + 1) < 0
+    zeroed = body[:pos] + _ZERO_DIGEST + body[pos + 64 :]
+    return zeroed[:pos] + hashlib.sha256(zeroed).hexdigest().encode() + zeroed[pos + 64 :]
+
+
+def check_root_digest_member(ucp: Mapping[str, Any], *, where: str) -> str:
+    """The root's digest (64 lower-case hex digits), or a FormatError naming UCP-1.0-R058."""
+    digest = ucp.get(ROOT_DIGEST)
+    if digest is None:
+        raise FormatError(
+            f"the root has no attributes.ucp.{ROOT_DIGEST}, so damage to it could go unseen: "
+            "a checkpoint written by a draft of format 1.0 older than this reader (save it "
+            "again with this version), or a damaged root",
+            rule="UCP-1.0-R058",
+            path=where,
+        )
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise FormatError(
+            f"attributes.ucp.{ROOT_DIGEST} must be 64 lower-case hexadecimal digits, "
+            f"got {digest!r}",
+            rule="UCP-1.0-R058",
+            path=where,
+        )
+    return digest
+
+
+def root_digest_problem(raw: bytes, digest: str) -> str | None:
+    """Why ``raw`` (the root's bytes) does not match its ``digest``, or None if it does."""
+    token = f'"{digest}"'.encode()
+    pos = raw.find(token)
+    if pos < 0 or raw.find(token, pos + 1) >= 0:
+        return (f"its {ROOT_DIGEST} must appear exactly once in the file, as written "
+                "(no escapes)")
+    view = memoryview(raw)
+    h = hashlib.sha256(view[: pos + 1])
+    h.update(_ZERO_DIGEST)
+    h.update(view[pos + 65 :])
+    computed = h.hexdigest()
+    if computed != digest:
+        return (f"the root zarr.json is damaged: its SHA-256 (with {ROOT_DIGEST} zeroed) is "
+                f"{computed}, it says {digest}")
+    return None
+
+
+def check_root_digest(raw: bytes, doc: Any, *, where: str) -> None:
+    """UCP-1.0-R058: refuse a root whose bytes differ from those its digest was made of.
+
+    A root that is no UCP root at all (no ``attributes.ucp`` object) is left to the
+    structural checks, which name what it lacks; a version other than 1.x is refused as
+    such (UCP-1.0-R003, UCP-1.0-R060) before the digest is looked at.
+    """
+    attributes = doc.get("attributes") if _is_map(doc) else None
+    ucp = attributes.get("ucp") if _is_map(attributes) else None
+    if not _is_map(ucp):
+        return
+    parse_version(ucp.get("version"), where=where)  # another major version: say that first
+    problem = root_digest_problem(raw, check_root_digest_member(ucp, where=where))
+    if problem is not None:
+        raise FormatError(problem, rule="UCP-1.0-R058", path=where)

@@ -56,7 +56,7 @@ How does a distributed save fail?
 * **A failure on any rank means no commit.** Only the coordinator commits, after an
   agreement that every rank wrote what it owns, and only if every planned stored object
   was written (UCP-1.0-R132). An uncommitted location keeps its in-progress marker, so
-  every reader refuses it (R051), and the same save can be retried into it.
+  every reader refuses it (UCP-1.0-R051), and the same save can be retried into it.
 * **The previous checkpoint survives every failure before the un-commit.** Until step
   5 nothing is written but the in-progress marker, and a checkpoint being replaced
   (``overwrite=True``) stays committed: a failure while describing, planning, reading a
@@ -69,6 +69,7 @@ How does a distributed save fail?
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
 import threading
@@ -80,14 +81,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ucpformat import jsonvalues
 from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import LayoutError, UCPError, WriteError
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
-from ucpformat.metadata import ArrayMeta
+from ucpformat.metadata import ArrayMeta, build_root_ucp
 from ucpformat.progress import ProgressCallback, byte_progress
 from ucpformat.saveplan import (
-    ObjectTask,
+    ObjectPlan,
     Plan,
     PlanOptions,
     RankTasks,
@@ -97,14 +98,10 @@ from ucpformat.saveplan import (
 )
 from ucpformat.storage import Store, open_store
 from ucpformat.writer import (
-    StoredObject,
-    _now,
     clear_destination,
-    default_producer,
     default_workers,
     mark_destination,
     unmark_destination,
-    write_object,
 )
 from ucpformat.writer import commit as commit_root
 
@@ -311,7 +308,7 @@ def _unpack(tasks: RankTasks, received: Mapping[int, memoryview]) -> Inbox:
 
 def mark(store: Store, *, overwrite: bool) -> bool:
     """End of step 2 (the coordinator): refuse a destination that must not be written,
-    else write the in-progress marker (R056), which leaves a checkpoint being replaced
+    else write the in-progress marker (UCP-1.0-R056), which leaves a checkpoint being replaced
     committed. True if it holds one (``overwrite=True``)."""
     return mark_destination(store, overwrite=overwrite)
 
@@ -389,7 +386,7 @@ def extract(
 
 def assemble(
     meta: ArrayMeta,
-    obj: ObjectTask,
+    obj: ObjectPlan,
     local: Sequence[tuple[Box, np.ndarray[Any, Any]]],
     inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
 ) -> np.ndarray[Any, Any]:
@@ -417,14 +414,17 @@ class _Resolved:
     """Each tensor's fragments, resolved once for the writing threads and dropped when
     its last stored object is written."""
 
-    def __init__(self, source: FragmentSource, objects: Iterable[ObjectTask]) -> None:
+    def __init__(self, source: FragmentSource, objects: Iterable[ObjectPlan]) -> None:
         self._source = source
-        self._left = Counter(o.path for o in objects)
-        self._locks = {p: threading.Lock() for p in self._left}
-        self._lock = threading.Lock()
+        self._total = Counter(o.path for o in objects)
+        self._done = {p: itertools.count(1) for p in self._total}  # next() is atomic
+        self._locks = {p: threading.Lock() for p in self._total}
         self._cache: dict[str, Sequence[tuple[Box, np.ndarray[Any, Any]]]] = {}
 
     def get(self, path: str) -> Sequence[tuple[Box, np.ndarray[Any, Any]]]:
+        local = self._cache.get(path)
+        if local is not None:
+            return local
         with self._locks[path]:
             local = self._cache.get(path)
             if local is None:
@@ -432,10 +432,8 @@ class _Resolved:
             return local
 
     def done(self, path: str) -> None:
-        with self._lock:
-            self._left[path] -= 1
-            if not self._left[path]:
-                self._cache.pop(path, None)
+        if next(self._done[path]) == self._total[path]:
+            self._cache.pop(path, None)
 
 
 def write(
@@ -457,7 +455,7 @@ def write(
         ThreadPoolExecutor(workers or default_workers()) as pool,
     ):
 
-        def run(obj: ObjectTask) -> StoredObject:
+        def run(obj: ObjectPlan) -> StoredObject:
             meta = tasks.arrays[obj.path]
             local = resolved.get(obj.path)
             data = assemble(meta, obj, local, inbox).astype(meta.dtype.numpy, copy=False)
@@ -493,18 +491,23 @@ def commit(
     comm: Communicator,
     store: Store,
     plan: Plan,
-    objects: Sequence[StoredObject],
+    written: Iterable[StoredObject],
     *,
     coordinator: bool,
     root_ucp: Mapping[str, Any],
     hash_algorithm: str | None,
 ) -> None:
-    """Step 7 (the coordinator, then collective): every rank's ``objects`` gathered, the
-    coordinator checks them against the plan and commits; every rank learns the outcome."""
+    """Step 7 (the coordinator, then collective): with what every rank ``written`` (read
+    by the coordinator only), the coordinator checks it against the plan and commits;
+    every rank learns the outcome."""
     error: BaseException | None = None
     if coordinator:
         try:
-            check_written(plan.object_keys(), (o.key for o in objects), store.location)
+            objects = list(written)
+            # every rank writes only the objects the plan gave it: as many distinct keys
+            # as planned objects means every one (else the keys say which are missing)
+            if len({o.key for o in objects}) != plan.object_count():
+                check_written(plan.object_keys(), (o.key for o in objects), store.location)
             commit_root(
                 store,
                 arrays=[tp.meta for tp in plan.tensors.values()],
@@ -554,14 +557,12 @@ def save(
     # 1. describe
     error: BaseException | None = None
     description: dict[str, Any] = {}
-    root: dict[str, Any] = {}
+    root_ucp: dict[str, Any] = {}
     try:
         description = describe(specs, source.boxes(), group_attributes)
         if coordinator:
-            if metadata is not None:
-                root["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-            if root_values:
-                root["values"] = jsonvalues.encode(dict(root_values), where="values")
+            root_ucp = build_root_ucp(metadata=metadata, values=root_values,
+                                      saved_by={"world_size": comm.world_size})
     except BaseException as exc:  # reported collectively below
         error = exc
     gathered = comm.allgather({"description": description, "error": error_report(error)})
@@ -596,9 +597,7 @@ def save(
     )
     raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", error)
     # 7. commit
-    root_ucp = {"producer": default_producer(), "created": _now(),
-                "saved_by": {"world_size": comm.world_size}, **root}
-    every = [StoredObject(k, n, h) for r in results for k, n, h in r["objects"]]
+    every = (StoredObject(k, n, h) for r in results for k, n, h in r["objects"])  # lazy
     commit(comm, store, plan, every, coordinator=coordinator, root_ucp=root_ucp,
            hash_algorithm=hash_algorithm)
     return DistributedSaveResult(

@@ -1,14 +1,14 @@
 """Reading checkpoints: one metadata read to open, then any slice of any tensor on demand.
 
 ``open`` reads only the root ``zarr.json`` (consolidated metadata) and checks it. A slice
-reads only the stored objects and inner chunks that overlap it. A chunk that must exist
-and does not is an error, never fill values; every chunk and shard index is CRC-checked
-and a failure names the tensor and the chunk.
+reads only the stored objects and inner chunks that overlap it, through the array engine
+(:mod:`ucpformat.engine.read`): a chunk that must exist and does not is an error, never
+fill values; every chunk and shard index is CRC-checked and a failure names the tensor
+and the chunk. This module holds the API: opening, selections, limits, batching.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
@@ -21,14 +21,12 @@ from typing import Any
 import numpy as np
 
 from ucpformat import jsonvalues, names
-from ucpformat.codecs import CRC_BYTES, EMPTY, crc32c, decode_index, index_nbytes
+from ucpformat.engine.grid import objects_overlapping
+from ucpformat.engine.read import ArrayReader, group_runs
 from ucpformat.errors import (
     CheckpointNotFoundError,
-    ChecksumError,
-    CorruptDataError,
     FormatError,
     IncompleteCheckpointError,
-    MissingChunkError,
     ResourceLimitError,
     SelectionError,
     TensorNotFoundError,
@@ -40,6 +38,8 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    check_root_digest,
+    check_root_digest_member,
     check_values,
     gc_paused,
     loads,
@@ -48,15 +48,20 @@ from ucpformat.metadata import (
     parse_version,
 )
 from ucpformat.schemas import DATE_TIME
-from ucpformat.storage import Store, open_store
+from ucpformat.storage import Store, read_guarded
 
-#: Root metadata larger than this is refused before parsing (hostile input).
-MAX_ROOT_METADATA_BYTES = 1 << 30
+#: Largest metadata document (root zarr.json, manifest, node zarr.json) read by default;
+#: a larger one is refused before it is read (UCP-1.0-R098). The root of 100,000 tensors
+#: is about 40 MiB.
+MAX_METADATA_BYTES = 256 << 20
+#: Peak memory of parsing a metadata document, in bytes per byte of it, at most: CPython's
+#: json reaches 37 on the worst structures (nested one-element lists), 10 on real roots
+#: (docs/reliability.md). The default limit keeps a parse within ``max_read_bytes``.
+METADATA_MEMORY_FACTOR = 48
+#: The default limit is never below this (a small max_read_bytes still opens small roots).
+MIN_METADATA_BYTES = 64 << 10
 #: Chunks (or stored objects) handed to the thread pool at a time.
 MAP_BATCH = 256
-#: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
-#: checks that the stored object is really that large.
-UNCHECKED_SCRATCH_BYTES = 1 << 20
 #: Features a 1.x reader understands (``attributes.ucp.must_understand``).
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
@@ -194,30 +199,6 @@ class Checkpoint:
             self.stats.bytes_read += nbytes
             self.stats.requests += 1
 
-    def _get(self, key: str) -> bytes | None:
-        data = self.store.get(key)
-        if data is not None:
-            self._count(len(data))
-        return data
-
-    def _get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        data = self.store.get_range(key, offset, length)
-        if data is not None:
-            self._count(len(data))
-        return data
-
-    def _get_suffix(self, key: str, length: int) -> bytes | None:
-        data = self.store.get_suffix(key, length)
-        if data is not None:
-            self._count(len(data))
-        return data
-
-    def _read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        got = self.store.read_into(key, offset, buffers)
-        if got is not None:
-            self._count(got)
-        return got
-
     def read_regions(self, regions: Sequence[Region]) -> list[np.ndarray[Any, Any]]:
         """Read many boxes, of one tensor or many, as one batch; the arrays, in order.
 
@@ -228,7 +209,7 @@ class Checkpoint:
         with one request (up to :attr:`RUN_BYTES`) and checked one by one.
         """
         outs: list[np.ndarray[Any, Any]] = []
-        jobs: list[tuple[Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+        jobs: list[tuple[ArrayReader, tuple[int, ...], tuple[int, ...], tuple[int, ...],
                          np.ndarray[Any, Any]]] = []
         for region in regions:
             tensor = self[region.path]
@@ -238,14 +219,18 @@ class Checkpoint:
                 continue
             lo = tuple(int(a) for a in region.starts)
             hi = tuple(int(b) for b in region.stops)
-            jobs.extend((tensor, coords, lo, hi, out) for coords in tensor._objects(lo, hi))
-        planned = self._map(lambda j: j[0]._plan_object(j[1], j[2], j[3], j[4]), jobs)
+            reader = ArrayReader(self.store, tensor.meta, self._count)
+            jobs.extend(
+                (reader, coords, lo, hi, out)
+                for coords in objects_overlapping(tensor.meta, lo, hi)
+            )
+        planned = self._map(lambda j: j[0].plan_object(j[1], j[2], j[3], j[4]), jobs)
         runs = [
             (job[0], run, job[2], job[3], job[4])
             for job, reads in zip(jobs, planned, strict=True)
-            for run in _runs(reads, self.RUN_BYTES)
+            for run in group_runs(reads, self.RUN_BYTES)
         ]
-        self._map(lambda r: r[0]._read_run(r[1], r[2], r[3], r[4]), runs)
+        self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs)
         return outs
 
     def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
@@ -401,309 +386,6 @@ class Tensor:
             return out
         return np.empty(out_shape, dtype=meta.dtype.numpy)
 
-    def _objects(self, starts: Sequence[int], stops: Sequence[int]) -> list[tuple[int, ...]]:
-        """Grid coordinates of the stored objects overlapping a (non-empty) region."""
-        ranges = [
-            range(a // e, -(-b // e))
-            for a, b, e in zip(starts, stops, self.meta.object_shape, strict=True)
-        ]
-        return list(itertools.product(*ranges))
-
-    # -- object and chunk reads ---------------------------------------------------------
-
-    def _chunk_label(self, global_chunk: Sequence[int], key: str) -> str:
-        return f"({', '.join(str(c) for c in global_chunk)}) [object {key}]"
-
-    def _missing(self, what: str) -> MissingChunkError:
-        return MissingChunkError(
-            f"{what} is missing; a non-sparse array stores every chunk, so this checkpoint "
-            "is incomplete or damaged (never read as fill values)",
-            rule="UCP-1.0-R031",
-            tensor=self.path,
-        )
-
-    def _overlap(
-        self, chunk_lo: Sequence[int], req_lo: Sequence[int], req_hi: Sequence[int]
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
-        """(source box in the chunk, destination box in the output), or None if disjoint."""
-        src, dst = [], []
-        for lo, n, a, b in zip(chunk_lo, self.meta.chunk_shape, req_lo, req_hi, strict=True):
-            s, e = max(lo, a), min(lo + n, b)
-            if s >= e:
-                return None
-            src.append((s - lo, e - lo))
-            dst.append((s - a, e - a))
-        return src, dst
-
-    def _place(
-        self,
-        chunk_lo: Sequence[int],
-        chunk: np.ndarray[Any, Any] | None,
-        req_lo: Sequence[int],
-        req_hi: Sequence[int],
-        out: np.ndarray[Any, Any],
-    ) -> None:
-        """Copy the overlap of a chunk (at global ``chunk_lo``) into ``out`` (None: fill)."""
-        ov = self._overlap(chunk_lo, req_lo, req_hi)
-        if ov is None:
-            return
-        src, dst = ov
-        target = tuple(slice(a, b) for a, b in dst)
-        if chunk is None:
-            out[target] = self.meta.fill_value
-        else:
-            out[target] = chunk[tuple(slice(a, b) for a, b in src)]
-
-    def _plan_object(
-        self,
-        coords: tuple[int, ...],
-        req_lo: tuple[int, ...],
-        req_hi: tuple[int, ...],
-        out: np.ndarray[Any, Any],
-    ) -> list[_ChunkRead]:
-        """The chunk reads one stored object contributes (reads a shard's index)."""
-        meta = self.meta
-        key = meta.object_key(coords)
-        obj_lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
-        if meta.shard_shape is None:
-            return [_ChunkRead(key, 0, None, tuple(obj_lo), tuple(coords))]
-        cs = meta.chunk_shape
-        cps = meta.chunks_per_shard
-        local_ranges = []
-        for d in range(len(cs)):
-            lo = max(req_lo[d], obj_lo[d]) - obj_lo[d]
-            hi = min(req_hi[d], obj_lo[d] + meta.object_shape[d], meta.shape[d]) - obj_lo[d]
-            local_ranges.append(range(lo // cs[d], -(-hi // cs[d])))
-        isize = index_nbytes(cps)
-        raw_index = self.checkpoint._get_suffix(key, isize)
-        # (the shard's index, checked first, bounds the list below by the shard's size)
-        needed = (
-            list(itertools.product(*local_ranges))
-            if raw_index is None or len(raw_index) == isize
-            else []
-        )
-        if raw_index is None:
-            if meta.sparse:
-                for local in needed:
-                    chunk_lo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
-                    self._place(chunk_lo, None, req_lo, req_hi, out)
-                return []
-            raise self._missing(f"shard {key}")
-        if len(raw_index) != isize:
-            raise CorruptDataError(
-                f"shard {key} is truncated ({len(raw_index)} bytes, its index alone is {isize})",
-                rule="UCP-1.0-R041",
-                tensor=self.path,
-            )
-        index = decode_index(raw_index, cps, tensor=self.path, shard=key)
-        reads = []
-        for local in needed:
-            offset, nbytes = (int(v) for v in index[local])
-            glo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
-            gchunk = tuple(g // c for g, c in zip(glo, cs, strict=True))
-            if offset == int(EMPTY) and nbytes == int(EMPTY):
-                if meta.sparse:
-                    self._place(glo, None, req_lo, req_hi, out)
-                    continue
-                raise self._missing(f"inner chunk {self._chunk_label(gchunk, key)}")
-            if offset >= 2**62 or nbytes >= 2**62:
-                raise CorruptDataError(
-                    f"inner chunk {self._chunk_label(gchunk, key)} has an impossible index entry "
-                    f"(offset {offset}, {nbytes} bytes)",
-                    rule="UCP-1.0-R041",
-                    tensor=self.path,
-                )
-            reads.append(_ChunkRead(key, offset, nbytes, glo, gchunk))
-        return reads
-
-    def _read_chunk(
-        self,
-        read: _ChunkRead,
-        req_lo: tuple[int, ...],
-        req_hi: tuple[int, ...],
-        out: np.ndarray[Any, Any],
-    ) -> None:
-        """Read, verify and place one chunk; uncompressed row blocks go straight into ``out``."""
-        meta = self.meta
-        label = self._chunk_label(read.chunk, read.key)
-        ov = self._overlap(read.lo, req_lo, req_hi)
-        if ov is None:
-            return
-        src, dst = ov
-        cs = meta.chunk_shape
-        view = self._direct(read, src, dst, out)
-        if view is not None:
-            payload = math.prod(cs) * meta.dtype.itemsize
-            self._read_rows_into(read, src, view, payload, label)
-            return
-        if read.nbytes is None:
-            data = self.checkpoint._get(read.key)
-            if data is None:
-                if meta.sparse:
-                    self._place(read.lo, None, req_lo, req_hi, out)
-                    return
-                raise self._missing(f"chunk {label}")
-        else:
-            data = self.checkpoint._get_range(read.key, read.offset, read.nbytes)
-            if data is None or len(data) != read.nbytes:
-                raise CorruptDataError(
-                    f"chunk {label} is cut short: its shard is smaller than its index says",
-                    rule="UCP-1.0-R094",
-                    tensor=self.path,
-                )
-        chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
-        self._place(read.lo, chunk, req_lo, req_hi, out)
-
-    def _read_rows_into(
-        self,
-        read: _ChunkRead,
-        src: Sequence[tuple[int, int]],
-        view: np.ndarray[Any, Any],
-        payload: int,
-        label: str,
-    ) -> None:
-        """Zero-copy path: the chunk's wanted rows land in ``view``; the rest in scratch."""
-        meta = self.meta
-        row = payload // meta.chunk_shape[0] if meta.chunk_shape else payload
-        before = src[0][0] * row if meta.chunk_shape else 0
-        middle = view.reshape(-1).view(np.uint8).data
-        after = payload - before - len(middle)
-        if read.nbytes is None and before + after > UNCHECKED_SCRATCH_BYTES:
-            # Allocate scratch for the unwanted rows only once the object is that large
-            # (UCP-1.0-R094): metadata alone cannot make a reader allocate.
-            size = self.checkpoint.store.size(read.key)
-            if size is not None and size != payload + CRC_BYTES:
-                raise CorruptDataError(
-                    f"chunk {label} is {size} bytes, expected {payload + CRC_BYTES}",
-                    rule="UCP-1.0-R041",
-                    tensor=self.path,
-                )
-        head = bytearray(before)
-        tail = bytearray(after + CRC_BYTES + (1 if read.nbytes is None else 0))
-        got = self.checkpoint._read_into(read.key, read.offset, [head, middle, tail])
-        if got is None:
-            if meta.sparse:
-                view[...] = meta.fill_value
-                return
-            raise self._missing(f"chunk {label}")
-        expected = payload + CRC_BYTES
-        if got != expected:
-            # a shard whose index points past its end (R094), or a chunk of the wrong size
-            beyond = read.nbytes is not None and got < expected
-            raise CorruptDataError(
-                f"chunk {label} holds {got - CRC_BYTES if got >= CRC_BYTES else got} bytes"
-                f"{' or more' if got > expected else ''}, expected {payload}"
-                f"{': its shard is smaller than its index says' if beyond else ''}",
-                rule="UCP-1.0-R094" if beyond else "UCP-1.0-R041",
-                tensor=self.path,
-            )
-        self._verify(read, head, middle, tail, after)
-
-    def _direct(self, read: _ChunkRead, src: Sequence[tuple[int, int]],
-                dst: Sequence[tuple[int, int]], out: np.ndarray[Any, Any]) -> Any:
-        """The rows of ``out`` a chunk can be read into without a copy, or None.
-
-        Uncompressed chunks that span every dimension but the first (row blocks) and whose
-        wanted rows are contiguous in ``out`` qualify.
-        """
-        meta = self.meta
-        cs = meta.chunk_shape
-        if meta.compression is not None:
-            return None
-        if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
-            return None
-        payload = math.prod(cs) * meta.dtype.itemsize
-        if read.nbytes is not None and read.nbytes != payload + CRC_BYTES:
-            return None
-        rows: tuple[Any, ...] = (*(slice(a, b) for a, b in dst), Ellipsis)
-        view = out[rows]
-        return view if view.flags.c_contiguous else None
-
-    def _read_run(
-        self,
-        run: Sequence[_ChunkRead],
-        req_lo: tuple[int, ...],
-        req_hi: tuple[int, ...],
-        out: np.ndarray[Any, Any],
-    ) -> None:
-        """Read chunks that lie back to back in one shard with one request, then verify
-        and place each: row blocks land in ``out`` directly, others are decoded."""
-        if len(run) == 1:
-            self._read_chunk(run[0], req_lo, req_hi, out)
-            return
-        meta = self.meta
-        cs = meta.chunk_shape
-        payload = math.prod(cs) * meta.dtype.itemsize
-        row = payload // cs[0] if cs else payload
-        key = run[0].key
-        end = run[-1].offset + (run[-1].nbytes or 0)
-        scratch_bytes = sum((r.nbytes or 0) for r in run)  # at most this much is not ``out``
-        if scratch_bytes > UNCHECKED_SCRATCH_BYTES:
-            # the shard's index gave these ranges: allocate for them only once the shard is
-            # known to hold them (UCP-1.0-R094)
-            size = self.checkpoint.store.size(key)
-            if size is not None and size < end:
-                raise CorruptDataError(
-                    f"chunk {self._chunk_label(run[-1].chunk, key)} is cut short: its shard "
-                    f"is {size} bytes, its index says it ends at {end}",
-                    rule="UCP-1.0-R094",
-                    tensor=self.path,
-                )
-        buffers: list[Any] = []
-        parts: list[tuple[_ChunkRead, Any, Any]] = []
-        for read in run:
-            assert read.nbytes is not None
-            ov = self._overlap(read.lo, req_lo, req_hi)
-            view = None if ov is None else self._direct(read, ov[0], ov[1], out)
-            if view is not None and ov is not None:
-                before = ov[0][0][0] * row
-                middle = view.reshape(-1).view(np.uint8).data
-                head = bytearray(before)
-                tail = bytearray(payload - before - len(middle) + CRC_BYTES)
-                buffers += [head, middle, tail]
-                parts.append((read, (head, middle, tail), view))
-            else:
-                scratch = bytearray(read.nbytes)
-                buffers.append(scratch)
-                parts.append((read, scratch, None))
-        total = sum(r.nbytes or 0 for r in run)
-        got = self.checkpoint._read_into(run[0].key, run[0].offset, buffers)
-        if got is None:
-            raise self._missing(f"shard {run[0].key}")
-        pos = 0
-        for read, data, view in parts:
-            assert read.nbytes is not None
-            if got < pos + read.nbytes:
-                raise CorruptDataError(
-                    f"chunk {self._chunk_label(read.chunk, read.key)} is cut short: its "
-                    "shard is smaller than its index says",
-                    rule="UCP-1.0-R094",
-                    tensor=self.path,
-                )
-            pos += read.nbytes
-            if view is None:
-                label = self._chunk_label(read.chunk, read.key)
-                chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
-                self._place(read.lo, chunk, req_lo, req_hi, out)
-            else:
-                head, middle, tail = data
-                self._verify(read, head, middle, tail, len(tail) - CRC_BYTES)
-        assert pos == total
-
-    def _verify(self, read: _ChunkRead, head: Any, middle: Any, tail: Any, after: int) -> None:
-        """Check the CRC32C of a chunk read in three parts (the last ends with the CRC)."""
-        crc = crc32c(head)
-        crc = crc32c(middle, crc)
-        crc = crc32c(memoryview(tail)[:after], crc)
-        stored = bytes(tail[after : after + CRC_BYTES])
-        if crc.to_bytes(4, "little") != stored:
-            raise ChecksumError(
-                f"chunk {self._chunk_label(read.chunk, read.key)} fails its CRC32C check "
-                f"(stored {stored.hex()}, computed {crc.to_bytes(4, 'little').hex()})",
-                rule="UCP-1.0-R041",
-                tensor=self.path,
-            )
-
 
 @dataclass(frozen=True)
 class Region:
@@ -714,39 +396,6 @@ class Region:
     starts: Sequence[int]
     stops: Sequence[int]
     out: np.ndarray[Any, Any] | None = None
-
-
-@dataclass(frozen=True)
-class _ChunkRead:
-    """One chunk to read: object key, byte range (None: the whole object), where it goes."""
-
-    key: str
-    offset: int
-    nbytes: int | None
-    lo: tuple[int, ...]  # global coordinates of the chunk's first element
-    chunk: tuple[int, ...]  # global chunk coordinates (for messages)
-
-
-def _runs(reads: Sequence[_ChunkRead], limit: int) -> list[list[_ChunkRead]]:
-    """Chunk reads grouped into runs that lie back to back in one stored object."""
-    runs: list[list[_ChunkRead]] = []
-    ordered = sorted(reads, key=lambda r: (r.key, r.offset))
-    size = 0
-    for read in ordered:
-        if (
-            runs
-            and read.nbytes is not None
-            and size + read.nbytes <= limit
-            and (last := runs[-1][-1]).key == read.key
-            and last.nbytes is not None
-            and last.offset + last.nbytes == read.offset
-        ):
-            runs[-1].append(read)
-            size += read.nbytes
-        else:
-            runs.append([read])
-            size = read.nbytes or 0
-    return runs
 
 
 def _parse_selection(
@@ -817,38 +466,79 @@ def open_checkpoint(
     *,
     max_read_bytes: int | None = None,
     workers: int | None = None,
+    max_metadata_bytes: int | None = None,
 ) -> Checkpoint:
-    """Open a committed checkpoint: one read of the root metadata, checked strictly."""
-    store = open_store(path, durable=False)
-    size = store.size(ZARR_JSON)
-    if size is None:
-        if store.exists(IN_PROGRESS_KEY):
-            raise IncompleteCheckpointError(
-                "this checkpoint was never committed (a save is in progress or was "
-                "interrupted): it has no root zarr.json",
-                rule="UCP-1.0-R051",
-                path=store.location,
-            )
-        if store.is_empty():
-            raise CheckpointNotFoundError("no checkpoint here", rule="UCP-1.0-R051",
-                                          path=store.location)
-        raise IncompleteCheckpointError(
-            "no root zarr.json: not a committed UCP checkpoint", rule="UCP-1.0-R051",
-            path=store.location,
-        )
-    if size > MAX_ROOT_METADATA_BYTES:
-        raise ResourceLimitError(
-            f"root metadata is {size} bytes, over the limit of {MAX_ROOT_METADATA_BYTES}",
-            rule="UCP-1.0-R090",
-            path=store.location,
-        )
-    raw = store.get(ZARR_JSON)
-    if raw is None:  # removed between the two calls
-        raise IncompleteCheckpointError("root zarr.json vanished", rule="UCP-1.0-R051",
-                                        path=store.location)
+    """Open a committed checkpoint: one read of the root metadata, checked strictly.
+
+    ``max_metadata_bytes``: the largest root zarr.json read (default
+    :func:`metadata_limit`); a larger one is refused before it is read (UCP-1.0-R098).
+    """
+    store = read_guarded(path)
+    limit = metadata_limit(max_metadata_bytes, max_read_bytes)
+    raw = read_root(store, limit=limit)
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
+    check_root_digest(raw, doc, where=store.location)
+    del raw
     root, arrays, groups = parse_root(doc, where=store.location)
     return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+
+
+def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -> int:
+    """The largest metadata document a reader reads (UCP-1.0-R098): ``max_metadata_bytes``
+    if given, else :data:`MAX_METADATA_BYTES`, and never so large that parsing it (at most
+    :data:`METADATA_MEMORY_FACTOR` bytes of memory per byte) could exceed ``max_read_bytes``
+    (but at least :data:`MIN_METADATA_BYTES`)."""
+    if max_metadata_bytes is not None:
+        return max_metadata_bytes
+    memory = max_read_bytes if max_read_bytes is not None else physical_memory()
+    return min(MAX_METADATA_BYTES, max(MIN_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
+
+
+def read_metadata(
+    store: Store, key: str, *, limit: int, what: str = "", size: int | None = None
+) -> bytes | None:
+    """A metadata document's bytes (None if absent), refused before it is read when it is
+    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read.
+    ``size``: the document's size, if the caller has it from a listing (not asked again)."""
+    size = store.size(key) if size is None else size
+    if size is None:
+        return None
+
+    def too_big(size: int) -> ResourceLimitError:
+        return ResourceLimitError(
+            f"{what or key} is {size} bytes or more, over the limit of {limit} for a "
+            "metadata document (refused unread; raise max_metadata_bytes to read it)",
+            rule="UCP-1.0-R098",
+            path=f"{store.location}/{key}",
+        )
+
+    if size > limit:
+        raise too_big(size)
+    raw = store.get_range(key, 0, limit + 1)  # the file may have grown since
+    if raw is not None and len(raw) > limit:
+        raise too_big(size)
+    return raw
+
+
+def read_root(store: Store, *, limit: int) -> bytes:
+    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (UCP-1.0-R051)."""
+    raw = read_metadata(store, ZARR_JSON, limit=limit, what="the root zarr.json")
+    if raw is not None:
+        return raw
+    if store.exists(IN_PROGRESS_KEY):
+        raise IncompleteCheckpointError(
+            "this checkpoint was never committed (a save is in progress or was "
+            "interrupted): it has no root zarr.json",
+            rule="UCP-1.0-R051",
+            path=store.location,
+        )
+    if store.is_empty():
+        raise CheckpointNotFoundError("no checkpoint here", rule="UCP-1.0-R051",
+                                      path=store.location)
+    raise IncompleteCheckpointError(
+        "no root zarr.json: not a committed UCP checkpoint", rule="UCP-1.0-R051",
+        path=store.location,
+    )
 
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -870,7 +560,10 @@ def parse_root(
             rule="UCP-1.0-R002",
             path=where,
         )
+    # members of ucp (and of attributes) that this reader does not know are ignored,
+    # never refused (UCP-1.0-R062): only must_understand names what must be understood
     parse_version(ucp.get("version"), where=where)
+    check_root_digest_member(ucp, where=where)
     must = ucp.get("must_understand", [])
     if (
         not isinstance(must, list)
@@ -928,7 +621,7 @@ CONSOLIDATED_MEMBERS = frozenset({"kind", "must_understand", "metadata"})
 
 def check_root_members(doc: Any, *, where: str) -> None:
     """UCP-1.0-R057: the root and its consolidated metadata have only the members UCP
-    defines, so that no byte of the root can change unnoticed (R045, R055)."""
+    defines, so that no byte of the root can change unnoticed (UCP-1.0-R045, UCP-1.0-R055)."""
     if not isinstance(doc, Mapping):
         return  # parse_group reports it
     extra = sorted(set(doc) - ROOT_MEMBERS)

@@ -9,8 +9,10 @@ every rank that computes it gets the same one:
 1. coverage: every element of every tensor is held by at least one rank, and ranks
    holding the same element hold replicas (spec UCP-1.0-R131);
 2. a shard grid per tensor, aligned with every fragment boundary when that gives
-   shards of reasonable size, so each shard lies inside one rank's fragment;
-3. one owner per shard, balancing bytes across the ranks that hold replicas; where no
+   shards of reasonable size, so each shard lies inside one rank's fragment
+   (UCP-1.0-R134);
+3. one owner per shard, balancing bytes across the ranks that hold replicas
+   (UCP-1.0-R133); where no
    single rank holds a whole shard (flat ZeRO partitions cutting through rows), the
    owner receives the missing cells from the ranks that hold them before writing —
    never two writers per shard (UCP-1.0-R130).
@@ -30,12 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking, dtypes, jsonvalues, names
-from ucpformat.codecs import Compression
+from ucpformat import dtypes, jsonvalues, names
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
 from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
-from ucpformat.writer import object_coords, zero_bits
+from ucpformat.writer import zero_bits
 
 #: Aligned shards smaller than this on average make the planner use a coarse grid and
 #: exchange boundary cells instead (too many tiny files otherwise). Measured
@@ -81,30 +85,22 @@ class PlanOptions:
 # -- the plan ----------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectPlan:
-    """One stored object: its region, its writer, and cells it must receive."""
+    """One stored object: its region, its writer (``owner``), and the cells the owner
+    receives from other ranks, which hold them (``remote``: (sender rank, cell))."""
 
+    path: str
     coords: tuple[int, ...]
     region: Box
     owner: int
-    remote: list[tuple[int, Box]] = field(default_factory=list)  # (sender rank, cell)
+    remote: tuple[tuple[int, Box], ...] = ()
 
 
 @dataclass
 class TensorPlan:
     meta: ArrayMeta
     objects: list[ObjectPlan]
-
-
-@dataclass(frozen=True)
-class ObjectTask:
-    """A stored object a rank writes: its region, and the cells others send for it."""
-
-    path: str
-    coords: tuple[int, ...]
-    region: Box
-    remote: tuple[tuple[int, Box], ...] = ()  # (sender rank, cell)
 
 
 @dataclass
@@ -119,7 +115,7 @@ class RankTasks:
 
     rank: int
     arrays: dict[str, ArrayMeta] = field(default_factory=dict)
-    objects: list[ObjectTask] = field(default_factory=list)
+    objects: list[ObjectPlan] = field(default_factory=list)
     sends: list[tuple[int, str, Box]] = field(default_factory=list)
     recvs: list[tuple[int, str, Box]] = field(default_factory=list)
 
@@ -150,10 +146,11 @@ class RankTasks:
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> RankTasks:
+        rank = int(doc["rank"])
         return RankTasks(
-            int(doc["rank"]),
+            rank,
             {p: parse_array(p, m) for p, m in doc["arrays"].items()},
-            [ObjectTask(p, tuple(int(c) for c in coords), _box(region),
+            [ObjectPlan(p, tuple(int(c) for c in coords), _box(region), rank,
                         tuple((int(s), _box(c)) for s, c in remote))
              for p, coords, region, remote in doc["objects"]],
             [(int(r), str(p), _box(c)) for r, p, c in doc["sends"]],
@@ -171,18 +168,22 @@ def _box(doc: Iterable[Sequence[int]]) -> Box:
 
 @dataclass
 class Plan:
+    """Every array's metadata and stored objects, and the groups; ``owned``: each rank's
+    objects, ``moves``: (owner, sender, tensor path, cell) of every cell that moves, in
+    the order every rank agrees on (both filled by :func:`make_plan`)."""
+
     tensors: dict[str, TensorPlan]
     groups: dict[str, GroupMeta]
     world_size: int = 1
+    owned: dict[int, list[ObjectPlan]] = field(default_factory=dict)
+    moves: list[tuple[int, int, str, Box]] = field(default_factory=list)
 
     def transfers(self) -> list[tuple[int, int, str, Box]]:
         """(owner, sender, tensor path, cell) in the order every rank agrees on."""
-        out = []
-        for path in sorted(self.tensors):
-            for obj in self.tensors[path].objects:
-                for sender, cell in obj.remote:
-                    out.append((obj.owner, sender, path, cell))
-        return out
+        return list(self.moves)
+
+    def object_count(self) -> int:
+        return sum(len(tp.objects) for tp in self.tensors.values())
 
     def object_keys(self) -> set[str]:
         """The storage key of every stored object the plan writes."""
@@ -193,28 +194,23 @@ class Plan:
         return self._tasks([rank])[rank]
 
     def all_tasks(self) -> list[RankTasks]:
-        """Every rank's share, in one pass over the plan (for a coordinator that hands
-        each rank its own)."""
+        """Every rank's share (for a coordinator that hands each rank its own)."""
         by_rank = self._tasks(range(self.world_size))
         return [by_rank[r] for r in range(self.world_size)]
 
     def _tasks(self, ranks: Iterable[int]) -> dict[int, RankTasks]:
         out = {r: RankTasks(r) for r in ranks}
-        for path in sorted(self.tensors):
-            tp = self.tensors[path]
-            for obj in tp.objects:
-                mine = out.get(obj.owner)
-                if mine is not None:
-                    mine.objects.append(ObjectTask(path, obj.coords, obj.region,
-                                                   tuple(obj.remote)))
-                    mine.arrays[path] = tp.meta
-                for sender, cell in obj.remote:
-                    if mine is not None:
-                        mine.recvs.append((sender, path, cell))
-                    theirs = out.get(sender)
-                    if theirs is not None:
-                        theirs.sends.append((obj.owner, path, cell))
-                        theirs.arrays[path] = tp.meta
+        for rank, tasks in out.items():
+            tasks.objects = list(self.owned.get(rank, ()))
+            tasks.arrays = {o.path: self.tensors[o.path].meta for o in tasks.objects}
+        for owner, sender, path, cell in self.moves:
+            mine = out.get(owner)
+            if mine is not None:
+                mine.recvs.append((sender, path, cell))
+            theirs = out.get(sender)
+            if theirs is not None:
+                theirs.sends.append((owner, path, cell))
+                theirs.arrays.setdefault(path, self.tensors[path].meta)
         return out
 
 
@@ -263,7 +259,7 @@ def plan_from_descriptions(
                     tensor=spec.path,
                 )
         for p, box in desc["boxes"]:
-            boxes.setdefault(p, []).append((r, _box(box)))
+            boxes.setdefault(p, []).append((r, tuple((int(a), int(b)) for a, b in box)))
     unknown = sorted(set(boxes) - set(specs_by_path))
     if unknown:
         raise LayoutError(
@@ -442,6 +438,8 @@ def make_plan(
     load = [0] * world_size
     counter = 0
     tensors: dict[str, TensorPlan] = {}
+    owned: dict[int, list[ObjectPlan]] = {}
+    moves: list[tuple[int, int, str, Box]] = []
     for path in sorted(specs):
         spec = specs[path]
         dt = dtypes.by_name(spec.dtype, tensor=path)
@@ -475,7 +473,7 @@ def make_plan(
             candidates = sorted({r for r, b in held if contains(b, region)})
             if candidates:
                 owner = min(candidates, key=lambda r: (load[r], (r - counter) % world_size))
-                objects.append(ObjectPlan(coords, region, owner))
+                obj = ObjectPlan(path, coords, region, owner)
             else:
                 overlap = [0] * world_size
                 for r, b in held:
@@ -490,7 +488,10 @@ def make_plan(
                         continue
                     sender = min(r for r, b in held if contains(b, cell))
                     remote.append((sender, cell))
-                objects.append(ObjectPlan(coords, region, owner, remote))
+                    moves.append((owner, sender, path, cell))
+                obj = ObjectPlan(path, coords, region, owner, tuple(remote))
+            objects.append(obj)
+            owned.setdefault(owner, []).append(obj)
             load[owner] += nbytes
             counter += 1
         tensors[path] = TensorPlan(meta, objects)
@@ -506,7 +507,7 @@ def make_plan(
             parts = gp.split("/")
             for i in range(1, len(parts)):
                 groups.setdefault("/".join(parts[:i]), GroupMeta("/".join(parts[:i]), {}))
-    return Plan(tensors, groups, world_size)
+    return Plan(tensors, groups, world_size, owned, moves)
 
 
 def _cells(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
@@ -524,7 +525,6 @@ def _cells(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
 __all__ = [
     "DEFAULT_MIN_SHARD_BYTES",
     "ObjectPlan",
-    "ObjectTask",
     "Plan",
     "PlanOptions",
     "RankTasks",

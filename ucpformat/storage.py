@@ -13,6 +13,7 @@ import ctypes
 import os
 import re
 import shutil
+import stat
 import sys
 import threading
 import uuid
@@ -22,9 +23,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ucpformat.errors import UnsafePathError
+from ucpformat.errors import (
+    CheckpointNotFoundError,
+    StorageError,
+    UCPError,
+    UnsafePathError,
+)
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
+
+
+def _key_part_ok(part: str) -> bool:
+    """One component of a key that :func:`check_key` accepts."""
+    return part not in (".", "..") and len(part) <= 255 and _KEY_PART.match(part) is not None
 
 
 def check_key(key: str) -> None:
@@ -106,6 +117,14 @@ class Store(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """All keys under ``prefix`` (recursively), in no particular order."""
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        """The keys :meth:`list` gives, in its order, each with the size :meth:`size`
+        would return where the listing tells it without another request; None where it
+        does not (ask :meth:`size`, which also makes that key's checks). This default
+        tells none."""
+        for key in self.list(prefix):
+            yield key, None
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
@@ -265,6 +284,49 @@ class LocalStore(Store):
             rel = os.path.relpath(dirpath, self.location)
             for name in sorted(filenames):
                 yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        """:meth:`list`'s walk, and the size of every regular file it reaches through
+        directories that are no links and whose key :func:`check_key` accepts: what
+        :meth:`size` returns for it (its real path lies inside the checkpoint), at the cost
+        of one ``lstat`` instead of a path resolution per key. Links and other files get
+        None, and so does every key of a subclass that overrides :meth:`size`."""
+        base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
+        if not os.path.isdir(base):
+            return
+        rel = os.path.relpath(base, self.location)
+        root_real = os.path.realpath(self.location)
+        exact = type(self).size is LocalStore.size and os.path.realpath(base) == (
+            root_real if rel == "." else os.path.join(root_real, rel))
+        key_ok = exact and (rel == "." or all(_key_part_ok(p) for p in rel.split(os.sep)))
+        # os.walk(base)'s order and choices: top-down, directories sorted, links to
+        # directories not followed, a directory that cannot be read skipped
+        stack = [(base, "" if rel == "." else rel.replace(os.sep, "/") + "/", key_ok)]
+        while stack:
+            directory, key_prefix, dir_ok = stack.pop()
+            dirs: list[os.DirEntry[str]] = []
+            files: list[os.DirEntry[str]] = []
+            try:
+                with os.scandir(directory) as entries:
+                    for entry in entries:
+                        try:
+                            is_dir = entry.is_dir()
+                        except OSError:
+                            is_dir = False
+                        (dirs if is_dir else files).append(entry)
+            except OSError:
+                continue
+            for entry in sorted(files, key=lambda e: e.name):
+                size = None
+                if dir_ok and _key_part_ok(entry.name):
+                    with contextlib.suppress(OSError):
+                        st = entry.stat(follow_symlinks=False)
+                        size = st.st_size if stat.S_ISREG(st.st_mode) else None
+                yield key_prefix + entry.name, size
+            for entry in sorted(dirs, key=lambda e: e.name, reverse=True):
+                if not os.path.islink(entry.path):
+                    stack.append((entry.path, f"{key_prefix}{entry.name}/",
+                                  dir_ok and _key_part_ok(entry.name)))
 
     # -- writes -----------------------------------------------------------------------
 
@@ -487,3 +549,111 @@ def open_store(
     if text.startswith("file://"):
         text = text[len("file://") :]
     return LocalStore(text, durable=durable)
+
+
+class ReadGuard(Store):
+    """The reads of another store, with every failure of the operating system (permission
+    denied, a file where a directory should be, a name too long, an I/O error) raised as a
+    :class:`~ucpformat.errors.StorageError` that names the file (UCP-1.0-R099).
+
+    ``open`` and ``validate`` read through it, so that no public read call lets a raw
+    ``OSError`` escape; writes pass through unchanged (the writer reports its own).
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.location = inner.location
+
+    def _error(self, key: str, exc: OSError) -> UCPError:
+        if isinstance(exc, NotADirectoryError) and key.count("/") == 0:
+            return CheckpointNotFoundError(
+                "not a directory: a checkpoint is a directory", rule="UCP-1.0-R051",
+                path=self.location,
+            )
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        where = self.location if key in ("", ".") else f"{self.location}/{key}"
+        return StorageError(f"cannot read it: {reason}", rule="UCP-1.0-R099", path=where)
+
+    def _call(self, key: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except UCPError:
+            raise
+        except OSError as exc:
+            raise self._error(key, exc) from exc
+
+    def get(self, key: str) -> bytes | None:
+        result: bytes | None = self._call(key, lambda: self.inner.get(key))
+        return result
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        result: bytes | None = self._call(key, lambda: self.inner.get_range(key, offset, length))
+        return result
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        result: bytes | None = self._call(key, lambda: self.inner.get_suffix(key, length))
+        return result
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        result: int | None = self._call(key, lambda: self.inner.read_into(key, offset, buffers))
+        return result
+
+    def size(self, key: str) -> int | None:
+        result: int | None = self._call(key, lambda: self.inner.size(key))
+        return result
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call(key, lambda: self.inner.exists(key)))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        keys = iter(self._call(prefix or ".", lambda: self.inner.list(prefix)))
+        while True:
+            try:
+                key = next(keys)
+            except StopIteration:
+                return
+            except UCPError:
+                raise
+            except OSError as exc:
+                raise self._error(prefix or ".", exc) from exc
+            yield key
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        found = iter(self._call(prefix or ".", lambda: self.inner.list_sizes(prefix)))
+        while True:
+            try:
+                item = next(found)
+            except StopIteration:
+                return
+            except UCPError:
+                raise
+            except OSError as exc:
+                raise self._error(prefix or ".", exc) from exc
+            yield item
+
+    def is_empty(self) -> bool:
+        return bool(self._call(".", self.inner.is_empty))
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        return self.inner.put(key, buffers, atomic=atomic)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def delete_keys(self, keys: Iterable[str]) -> None:
+        self.inner.delete_keys(keys)
+
+    def delete_all(self) -> None:
+        self.inner.delete_all()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+def read_guarded(location: str | os.PathLike[str] | Store) -> Store:
+    """The store of a location for reading (``durable=False``), behind a :class:`ReadGuard`."""
+    if not isinstance(location, Store) and "\x00" in os.fspath(location):
+        raise StorageError("a location cannot contain a NUL character", rule="UCP-1.0-R099",
+                           path=repr(os.fspath(location)))
+    store = open_store(location, durable=False)
+    return store if isinstance(store, ReadGuard) else ReadGuard(store)

@@ -6,34 +6,36 @@ then the manifest, and finally the root ``zarr.json`` with the consolidated meta
 Until that last write succeeds, what is on disk is not a checkpoint and every reader
 refuses it. A committed checkpoint is never modified; ``overwrite=True`` first
 un-commits it (deletes the root) before anything else is touched.
+
+This module holds the API (save, adopt, StreamingWriter, the commit); how a stored
+object's bytes are encoded is the array engine's (:mod:`ucpformat.engine.write`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import hashlib
-import itertools
 import json
-import math
 import os
-import platform
-import re
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking, dtypes, jsonvalues, names
+from ucpformat import dtypes, jsonvalues, names
 from ucpformat._version import __version__
-from ucpformat.codecs import EMPTY, Compression, encode_index
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region, stored_object_coords
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     CheckpointExistsError,
     InvalidValueError,
+    MissingChunkError,
     UCPError,
     WriteError,
 )
@@ -46,148 +48,31 @@ from ucpformat.metadata import (
     ZARR_JSON,
     ArrayMeta,
     GroupMeta,
+    build_root_ucp,
     dumps,
+    encode_root,
+    loads,
     parse_array,
+    parse_group,
+    utc_now,
 )
 from ucpformat.storage import Store, open_store
 
 HASH_ALGORITHMS = ("sha256",)
 
 
-@dataclass(frozen=True)
-class StoredObject:
-    """One file (object) written into the checkpoint, as the manifest records it."""
-
-    key: str
-    nbytes: int
-    sha256: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"nbytes": self.nbytes}
-        if self.sha256 is not None:
-            doc["sha256"] = self.sha256
-        return doc
-
-
-# -- encoding stored objects -----------------------------------------------------------
-
-
-def _region_of(meta: ArrayMeta, coords: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """The part of the array covered by the stored object at ``coords``, clipped."""
-    return tuple(
-        (c * e, min((c + 1) * e, s))
-        for c, e, s in zip(coords, meta.object_shape, meta.shape, strict=True)
-    )
-
-
-def _padded(block: np.ndarray[Any, Any], shape: Sequence[int], fill: Any) -> np.ndarray[Any, Any]:
-    """``block`` extended to ``shape`` with the fill value (zarr edge chunks are full size)."""
-    if tuple(block.shape) == tuple(shape):
-        return block
-    out = np.full(tuple(shape), fill, dtype=block.dtype)
-    out[tuple(slice(0, n) for n in block.shape)] = block
-    return out
-
-
-def encode_object(
-    meta: ArrayMeta,
-    coords: Sequence[int],
-    data: np.ndarray[Any, Any],
-    *,
-    pad: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None = None,
-) -> list[Any]:
-    """Buffers of the stored object at ``coords``, given ``data`` = that object's region.
-
-    ``pad`` makes a whole chunk of an edge chunk's block (default: the fill value beyond
-    the array, R034).
-    """
-    if pad is None:
-        def pad(block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-            return _padded(block, meta.chunk_shape, meta.fill_value)
-    region = _region_of(meta, coords)
-    expected = tuple(b - a for a, b in region)
-    if tuple(data.shape) != expected:
-        raise WriteError(
-            f"object {coords} needs data of shape {expected}, got {tuple(data.shape)}",
-            tensor=meta.path,
-        )
-    codec = meta.codec
-    if meta.shard_shape is None:
-        return codec.encode(pad(data))
-
-    def chunks() -> Iterator[tuple[tuple[int, ...], list[Any]]]:
-        for local in itertools.product(*(range(n) for n in meta.chunks_per_shard)):
-            lo = [i * c for i, c in zip(local, meta.chunk_shape, strict=True)]
-            if any(low >= n for low, n in zip(lo, expected, strict=True)):
-                continue  # wholly outside the array: not stored (zarr semantics)
-            if math.prod(meta.chunk_shape) == 0:
-                continue
-            block = data[
-                tuple(
-                    slice(low, min(low + c, n))
-                    for low, c, n in zip(lo, meta.chunk_shape, expected, strict=True)
-                )
-            ]
-            yield local, codec.encode(pad(block))
-
-    return pack_shard(meta.chunks_per_shard, chunks())
-
-
-def pack_shard(
-    chunks_per_shard: Sequence[int], chunks: Iterable[tuple[tuple[int, ...], list[Any]]]
-) -> list[Any]:
-    """A shard's buffers: each encoded chunk (its coordinates in the shard, its buffers),
-    back to back in the order given, then the index; chunks not given are absent."""
-    index = np.full((*chunks_per_shard, 2), EMPTY, dtype="<u8")
-    buffers: list[Any] = []
-    offset = 0
-    for local, parts in chunks:
-        size = sum(memoryview(p).nbytes for p in parts)
-        index[local] = (offset, size)
-        offset += size
-        buffers.extend(parts)
-    buffers.append(encode_index(index))
-    return buffers
-
-
-def write_object(
-    store: Store,
-    meta: ArrayMeta,
-    coords: Sequence[int],
-    data: np.ndarray[Any, Any],
-    *,
-    hash_algorithm: str | None = None,
-) -> StoredObject:
-    """Encode and write one stored object; the caller owns it alone (one writer per shard)."""
-    buffers = encode_object(meta, coords, data)
-    digest = None
-    if hash_algorithm == "sha256":
-        h = hashlib.sha256()
-        for b in buffers:
-            h.update(b)
-        digest = h.hexdigest()
-    key = meta.object_key(coords)
-    nbytes = store.put(key, buffers)
-    return StoredObject(key, nbytes, digest)
-
-
-def object_coords(meta: ArrayMeta) -> Iterator[tuple[int, ...]]:
-    """Grid coordinates of every stored object of an array (none if it has no elements)."""
-    if math.prod(meta.shape) == 0:
-        return iter(())
-    return itertools.product(*(range(n) for n in meta.object_grid))
-
-
-def object_region(meta: ArrayMeta, coords: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in _region_of(meta, coords))
-
-
 # -- the commit protocol -----------------------------------------------------------------
 
 
-def check_destination(store: Store, *, overwrite: bool) -> bool:
-    """Refuse what :func:`prepare_destination` refuses, changing nothing; True if ``store``
-    holds a committed checkpoint (which ``overwrite=True`` would replace)."""
+def prepare_destination(store: Store, *, overwrite: bool) -> None:
+    """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
+    clear_destination(store, committed=mark_destination(store, overwrite=overwrite))
+
+
+def mark_destination(store: Store, *, overwrite: bool) -> bool:
+    """The first half of :func:`prepare_destination`: refuse as it does, else write the
+    in-progress marker (UCP-1.0-R056), which leaves a committed checkpoint committed (UCP-1.0-R053).
+    True if a committed checkpoint is here, to be replaced."""
     committed = store.exists(ZARR_JSON)
     in_progress = store.exists(IN_PROGRESS_KEY)
     if committed and not overwrite:
@@ -204,19 +89,6 @@ def check_destination(store: Store, *, overwrite: bool) -> bool:
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    return committed
-
-
-def prepare_destination(store: Store, *, overwrite: bool) -> None:
-    """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
-    clear_destination(store, committed=mark_destination(store, overwrite=overwrite))
-
-
-def mark_destination(store: Store, *, overwrite: bool) -> bool:
-    """The first half of :func:`prepare_destination`: refuse as it does, else write the
-    in-progress marker (R056), which leaves a committed checkpoint committed (R053).
-    True if a committed checkpoint is here, to be replaced."""
-    committed = check_destination(store, overwrite=overwrite)
     # Mark first, then un-commit, then clear: a crash at any point leaves either the old
     # committed checkpoint intact or something every reader refuses. The marker is not
     # written atomically: a crash while writing it leaves a partial marker, which still
@@ -248,7 +120,7 @@ def _in_progress_marker() -> bytes:
             "writer": f"ucpformat {__version__}",
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "started": _now(),
+            "started": utc_now(),
         }
     )
 
@@ -317,8 +189,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    # Compact: the root holds every node's metadata; it is parsed on every open.
-    store.put(ZARR_JSON, [dumps(root, compact=True)], atomic=True)
+    store.put(ZARR_JSON, [encode_root(root)], atomic=True)  # sealed by its digest (UCP-1.0-R058)
     store.delete(IN_PROGRESS_KEY)
     return root
 
@@ -330,37 +201,16 @@ def _describe(body: bytes, hash_algorithm: str | None) -> dict[str, Any]:
     return doc
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def default_producer() -> dict[str, Any]:
-    return {"name": "ucpformat", "version": __version__, "python": platform.python_version()}
-
-
-#: Former name of :func:`default_producer` (``save`` has a ``producer`` argument now).
-producer = default_producer
-
-_RFC3339 = re.compile(
-    r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
-)
-
-
-def _check_created(created: str) -> str:
-    if not isinstance(created, str) or not _RFC3339.match(created):
-        raise InvalidValueError(
-            f"created must be an RFC 3339 date-time such as 2026-01-01T00:00:00Z, got {created!r}",
-            rule="UCP-1.0-R002",
-        )
-    return created
-
-
 # -- planning a save from a nested mapping ------------------------------------------------
 
 
 @dataclass
 class Plan:
-    """What a save writes: array metadata with its data, groups, root values."""
+    """What a save writes: array metadata with its data, groups, root values.
+
+    ``root_values`` are the JSON values of the root as given (checked); the values of
+    other groups are in their ``GroupMeta``, encoded.
+    """
 
     arrays: list[tuple[ArrayMeta, np.ndarray[Any, Any]]] = field(default_factory=list)
     groups: list[GroupMeta] = field(default_factory=list)
@@ -477,7 +327,10 @@ def plan(
                         rule="UCP-1.0-R070",
                         path=where,
                     )
-                group_values[key] = jsonvalues.encode(value, where=where)
+                encoded = jsonvalues.encode(value, where=where)
+                # the root's values are stored as given: build_root_ucp encodes them (a bad
+                # one is refused here all the same, named by its key)
+                group_values[key] = encoded if prefix else value
         names.check_case_collisions(node_names, parent=prefix)
 
     visit(state, "", result.root_values)
@@ -521,7 +374,8 @@ def _array_meta(
 
 
 def zero_bits(dt: dtypes.DataType) -> Any:
-    """The value whose bits are all zero: the fill value ucpformat writes for every type."""
+    """The value whose bits are all zero: the fill value ucpformat writes for every type
+    (UCP-1.0-R033)."""
     return np.frombuffer(bytes(dt.itemsize), dtype=dt.numpy)[0]
 
 
@@ -579,16 +433,8 @@ def save(
         shard_bytes=shard_bytes,
         array_attributes=array_attributes,
     )
-    root_ucp: dict[str, Any] = {
-        "producer": jsonvalues.encode(dict(producer), where="producer")
-        if producer is not None
-        else default_producer(),
-        "created": _now() if created is None else _check_created(created),
-    }
-    if metadata is not None:
-        root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-    if the_plan.root_values:
-        root_ucp["values"] = the_plan.root_values
+    ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
+                         created=created)
     store = open_store(path, durable=durable)
     with _storage_errors(store):
         prepare_destination(store, overwrite=overwrite)
@@ -601,7 +447,7 @@ def save(
             arrays=[m for m, _ in the_plan.arrays],
             groups=the_plan.groups,
             objects=objects,
-            root_ucp=root_ucp,
+            root_ucp=ucp,
             hash_algorithm=hash_algorithm,
         )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
@@ -697,16 +543,9 @@ def adopt(
     belong to no node (the manifest could not list them, UCP-1.0-R044). The stored
     objects are read once, to size and hash them; they are never modified.
     """
-    from ucpformat.errors import MissingChunkError
-    from ucpformat.metadata import loads, parse_group, stored_object_coords
-
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
-    root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
-    if metadata is not None:
-        root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-    if values:
-        root_ucp["values"] = jsonvalues.encode(dict(values), where="values")
+    ucp = build_root_ucp(metadata=metadata, values=values)
     extra_attributes = dict(attributes or {})
     store = open_store(path, durable=durable)
     with _storage_errors(store):
@@ -810,7 +649,7 @@ def adopt(
             arrays=ordered,
             groups=sorted(groups.values(), key=lambda g: g.path),
             objects=objects,
-            root_ucp=root_ucp,
+            root_ucp=ucp,
             root_attributes=root_attributes,
             hash_algorithm=hash_algorithm,
         )
@@ -1068,17 +907,12 @@ class StreamingWriter:
             children.setdefault(parent, []).append(leaf)
         for parent, leaves in children.items():
             names.check_case_collisions(leaves, parent=parent)
-        root_ucp: dict[str, Any] = {"producer": default_producer(), "created": _now()}
-        if metadata is not None:
-            root_ucp["metadata"] = jsonvalues.encode(dict(metadata), where="metadata")
-        if root_values:
-            root_ucp["values"] = jsonvalues.encode(dict(root_values), where="values")
         commit(
             self.store,
             arrays=list(self._arrays.values()),
             groups=list(groups.values()),
             objects=self._objects,
-            root_ucp=root_ucp,
+            root_ucp=build_root_ucp(metadata=metadata, values=root_values),
             root_attributes=root_attributes,
             hash_algorithm=self.hash_algorithm,
         )

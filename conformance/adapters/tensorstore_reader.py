@@ -4,14 +4,20 @@
 It does not import ucpformat (a test checks that): tensorstore reads the zarr arrays;
 this file adds what a generic zarr reader lacks and spec/ucp-1.0.md requires:
 
-* the root ``zarr.json`` as strict JSON (R001), checked against the JSON Schemas of
+* the root ``zarr.json`` as strict JSON (UCP-1.0-R001), checked against the JSON Schemas of
   ``schemas/1.0`` (found next to this repository, or in ``$UCP_SCHEMAS``), then the rules
-  the schemas cannot express: version (R060), ``must_understand`` (R061), canonical node
-  names (R010, R012), parent groups (R005), endianness (R023), fill values (R026), sizes
-  (R027), shard shapes (R028);
+  the schemas cannot express: version (UCP-1.0-R060), ``must_understand`` (UCP-1.0-R061), canonical
+  node
+  names (UCP-1.0-R010, UCP-1.0-R012), parent groups (UCP-1.0-R005), endianness (UCP-1.0-R023), fill
+  values (UCP-1.0-R026, UCP-1.0-R036 to
+  UCP-1.0-R038: tensorstore is handed them as bits, since it rounds some numbers otherwise), sizes
+  (UCP-1.0-R027), shard shapes (UCP-1.0-R028);
 * before reading, every stored object the selection needs exists, and no shard index
-  entry it needs is empty (R031) -- tensorstore would return fill values instead --
-  unless the array is sparse (R032); no file is a link out of the checkpoint (R091);
+  entry it needs is empty (UCP-1.0-R031) -- tensorstore would return fill values instead --
+  unless the array is sparse (UCP-1.0-R032); no entry reaches into its shard's index
+  (UCP-1.0-R048); every
+  zstd chunk is one frame that declares its size and no larger window (UCP-1.0-R047), which
+  tensorstore does not check; no file is a link out of the checkpoint (UCP-1.0-R091);
 * layout-aware reading of target layouts (spec/ucp-1.0-layout.md, section 2).
 
 Usage (the adapter contract of spec/ucp-1.0-conformance.md)::
@@ -30,6 +36,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +68,7 @@ TYPES: dict[str, tuple[int, str, float, bool]] = {
 
 
 #: Data types to leave out, to try the suite's handling of readers that lack some
-#: (comma-separated names in $UCP_TS_WITHOUT); they are refused by name (R092).
+#: (comma-separated names in $UCP_TS_WITHOUT); they are refused by name (UCP-1.0-R092).
 WITHOUT = {t for t in os.environ.get("UCP_TS_WITHOUT", "").split(",") if t}
 
 
@@ -134,10 +141,33 @@ def strict_json(data: bytes, what: str) -> Any:
     def constant(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
+    if data.startswith(b"\xef\xbb\xbf"):  # Python's json.loads(bytes) would skip it
+        raise Refused(R + "009", f"{what} begins with a byte order mark")
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Refused(R + "001", f"{what} is not valid JSON: {exc}") from None
+    try:  # UCP-1.0-R006: every string Unicode text; a lone \ud800 escape has no UTF-8 encoding
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise Refused(R + "006", f"{what} holds an unpaired surrogate escape") from None
+    return doc
+
+
+def check_root_digest(data: bytes, root: Any) -> None:
+    """UCP-1.0-R058: the root's SHA-256, with its own 64 digits written as 0, is root_sha256."""
+    ucp = (root.get("attributes") or {}).get("ucp") if isinstance(root, dict) else None
+    digest = ucp.get("root_sha256") if isinstance(ucp, dict) else None
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return  # the schema check names it
+    token = f'"{digest}"'.encode()
+    pos = data.find(token) + 1
+    if pos == 0 or data.find(token, pos) >= 0:
+        raise Refused(R + "058", "root_sha256 must appear exactly once in the root")
+    zeroed = data[:pos] + b"0" * 64 + data[pos + 64 :]
+    if hashlib.sha256(zeroed).hexdigest() != digest:
+        raise Refused(R + "058", "the root zarr.json is damaged: its SHA-256 differs from "
+                      "root_sha256")
 
 
 def schema_dir() -> Path:
@@ -196,38 +226,114 @@ def check_schema(root: Any) -> None:
 # -- the checks the schemas cannot express -----------------------------------------------------
 
 
-def check_fill(dtype: str, value: Any, where: str) -> None:
+# Floating-point formats of Table 1: exponent bits, mantissa bits, bias, special values
+# ("ieee": infinities and NaNs in the all-ones exponent; "fn": the all-ones exponent holds
+# finite values but S.1111.111; "fnuz": no infinities, no negative zero, NaN 0x80;
+# "e8m0": an exponent only).
+FLOATS: dict[str, tuple[int, int, int, str]] = {
+    "float16": (5, 10, 15, "ieee"), "float32": (8, 23, 127, "ieee"),
+    "float64": (11, 52, 1023, "ieee"), "bfloat16": (8, 7, 127, "ieee"),
+    "float8_e5m2": (5, 2, 15, "ieee"), "float8_e4m3fn": (4, 3, 7, "fn"),
+    "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
+    "float8_e8m0fnu": (8, 0, 127, "e8m0"),
+}
+# The bits of "NaN" (UCP-1.0-R037)
+NAN = {"float16": 0x7E00, "float32": 0x7FC00000, "float64": 0x7FF8000000000000,
+       "bfloat16": 0x7FC0, "float8_e5m2": 0x7E, "float8_e4m3fn": 0x7F,
+       "float8_e4m3fnuz": 0x80, "float8_e5m2fnuz": 0x80, "float8_e8m0fnu": 0xFF}
+
+
+def largest_finite(dtype: str) -> Fraction:
+    ebits, mbits, bias, flavour = FLOATS[dtype]
+    top = (1 << ebits) - 1  # the all-ones exponent
+    if flavour == "e8m0":
+        return Fraction(2) ** (top - 1 - bias)
+    if flavour == "ieee":
+        return (2 - Fraction(1, 1 << mbits)) * Fraction(2) ** (top - 1 - bias)
+    if flavour == "fn":  # S.1111.111 is the NaN
+        return (2 - Fraction(2, 1 << mbits)) * Fraction(2) ** (top - bias)
+    return (2 - Fraction(1, 1 << mbits)) * Fraction(2) ** (top - bias)  # fnuz
+
+
+def number_bits(dtype: str, number: float) -> int | None:
+    """UCP-1.0-R036: the bits of the type's value nearest to ``number`` (a binary64 already), ties
+    to even; None when that is beyond the type's finite range (or, for e8m0, not 2**k)."""
+    ebits, mbits, bias, flavour = FLOATS[dtype]
+    sign = 1 if math.copysign(1.0, number) < 0 else 0
+    if flavour == "e8m0":
+        mantissa, exponent = math.frexp(number)
+        ok = mantissa == 0.5 and -127 <= exponent - 1 <= 127
+        return exponent - 1 + bias if ok else None
+    if number == 0:
+        return 0 if flavour == "fnuz" else sign << (ebits + mbits)
+    magnitude = Fraction(abs(number))
+    exponent = max(math.frexp(abs(number))[1] - 1, 1 - bias)  # subnormals: the least one
+    units = magnitude / Fraction(2) ** (exponent - mbits)
+    n = math.floor(units)
+    if units - n > Fraction(1, 2) or (units - n == Fraction(1, 2) and n % 2):
+        n += 1
+    if n == 1 << (mbits + 1):  # the rounding carried into the next binade
+        n, exponent = n // 2, exponent + 1
+    if n * Fraction(2) ** (exponent - mbits) > largest_finite(dtype):
+        return None
+    if n == 0:
+        return 0 if flavour == "fnuz" else sign << (ebits + mbits)
+    if n < 1 << mbits:  # subnormal
+        return sign << (ebits + mbits) | n
+    return sign << (ebits + mbits) | (exponent + bias) << mbits | (n - (1 << mbits))
+
+
+def fill_json(dtype: str, value: Any, where: str) -> Any:
+    """The fill value checked (UCP-1.0-R026, UCP-1.0-R036 to UCP-1.0-R038), as tensorstore is
+    handed it: hexadecimal
+    bits for floating-point types, since tensorstore rounds some JSON numbers otherwise (it
+    reads 465 as the NaN of float8_e4m3fn, 3.0 as 2**-62 for float8_e8m0fnu)."""
     size, kind, largest, has_inf = TYPES[dtype]
 
-    def bad(why: str) -> Refused:
-        return Refused(R + "026", f"{where}: fill_value {value!r} for {dtype}: {why}")
+    def bad(why: str, rule: str = "026") -> Refused:
+        return Refused(R + rule, f"{where}: fill_value {value!r} for {dtype}: {why}")
 
     if kind == "bool":
         if not isinstance(value, bool):
             raise bad("not true or false")
-    elif kind in ("int", "uint"):
+        return value
+    if kind in ("int", "uint"):
         low = 0 if kind == "uint" else -largest - 1
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= largest:
             raise bad("not an integer of the type's range")
-    elif kind == "complex":
+        return value
+    if kind == "complex":
         if not isinstance(value, list) or len(value) != 2:
             raise bad("not [real, imag]")
         part = "float32" if dtype == "complex64" else "float64"
-        for v in value:
-            check_fill(part, v, where)
-    elif isinstance(value, str):
-        if value.startswith("0x"):
-            if not re.fullmatch(f"[0-9a-fA-F]{{{2 * size}}}", value[2:]):
-                raise bad(f"a hexadecimal fill value has {2 * size} digits")
+        return [fill_json(part, v, where) for v in value]
+    if isinstance(value, str):
+        if value[:2] in ("0x", "0X"):
+            if value[1] != "x" or not re.fullmatch(f"[0-9a-fA-F]{{{2 * size}}}", value[2:]):
+                raise bad(f"not 0x and {2 * size} hexadecimal digits", "038")
+            bits = int(value[2:], 16)
+        elif value == "NaN":
+            bits = NAN[dtype]
         elif value in ("Infinity", "-Infinity"):
             if not has_inf:
                 raise bad("the type has no infinities")
-        elif value != "NaN":
+            ebits, mbits, _, _ = FLOATS[dtype]
+            bits = ((1 << ebits) - 1) << mbits | (1 << (ebits + mbits) if value[0] == "-" else 0)
+        else:
             raise bad("not a number, NaN, Infinity or 0x...")
     elif isinstance(value, bool) or not isinstance(value, int | float):
         raise bad("not a number")
-    elif abs(value) > largest:
-        raise bad("outside the type's finite range")
+    else:
+        try:
+            number = float(value)  # the nearest binary64 first
+        except OverflowError:
+            raise bad("beyond the type's finite range", "036") from None
+        found = number_bits(dtype, number)
+        if found is None:
+            raise bad("beyond the type's finite range once rounded, or (for float8_e8m0fnu) "
+                      "not a power of two", "036")
+        bits = found
+    return f"0x{bits:0{2 * size}x}"
 
 
 def chain_of(doc: Mapping[str, Any]) -> tuple[list[Any], list[int] | None]:
@@ -239,7 +345,8 @@ def chain_of(doc: Mapping[str, Any]) -> tuple[list[Any], list[int] | None]:
     return codecs, None
 
 
-def check_array(path: str, doc: Mapping[str, Any]) -> None:
+def check_array(path: str, doc: Mapping[str, Any]) -> Any:
+    """Check what the schema cannot; the fill value as tensorstore is to read it."""
     dtype = doc["data_type"]
     size = TYPES[dtype][0]
     shape = doc["shape"]
@@ -261,7 +368,45 @@ def check_array(path: str, doc: Mapping[str, Any]) -> None:
         raise Refused(R + "023", f"{path}: {dtype} must be little-endian, got {endian!r}")
     if not chain or chain[-1].get("name") != "crc32c":
         raise Refused(R + "040", f"{path}: the chunk chain does not end with crc32c")
-    check_fill(dtype, doc["fill_value"], path)
+    return fill_json(dtype, doc["fill_value"], path)
+
+
+def check_zstd(data: bytes, nbytes: int, where: str) -> None:
+    """UCP-1.0-R047: a zstd chunk is one frame (RFC 8878) without a dictionary, declaring a content
+    size of ``nbytes`` and a window no larger; tensorstore decodes other frames too."""
+    def refuse(why: str) -> Refused:
+        return Refused(R + "047", f"{where}: {why}")
+
+    if len(data) < 6 or int.from_bytes(data[:4], "little") != 0xFD2FB528:
+        raise refuse("not one zstd frame")
+    fhd = data[4]
+    single, fcs_flag = fhd >> 5 & 1, fhd >> 6
+    if fhd & 3:
+        raise refuse("the zstd frame names a dictionary")
+    if not single and not fcs_flag:
+        raise refuse("the zstd frame does not declare its content size")
+    pos = 5
+    window = None
+    if not single:
+        base = 1 << (10 + (data[pos] >> 3))
+        window = base + (base >> 3) * (data[pos] & 7)
+        pos += 1
+    length = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    content = int.from_bytes(data[pos:pos + length], "little") + (256 if length == 2 else 0)
+    pos += length
+    if content != nbytes or (window is not None and window > nbytes):
+        raise refuse(f"the zstd frame declares {content} bytes and a window of "
+                     f"{window or content}; the chunk is {nbytes} bytes")
+    last = 0
+    while not last:
+        if pos + 3 > len(data):
+            raise refuse("a zstd block header is cut short")
+        header = int.from_bytes(data[pos:pos + 3], "little")
+        last = header & 1
+        pos += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)
+    pos += 4 if fhd & 4 else 0
+    if pos != len(data):
+        raise refuse("the chunk is not exactly one zstd frame")
 
 
 class Checkpoint:
@@ -272,19 +417,22 @@ class Checkpoint:
         root_file = self.root_dir / "zarr.json"
         if not root_file.is_file():
             raise Refused(R + "051", "no root zarr.json: not a committed checkpoint")
-        self.root = strict_json(root_file.read_bytes(), "the root zarr.json")
+        data = root_file.read_bytes()
+        self.root = strict_json(data, "the root zarr.json")
         if not isinstance(self.root, dict):
             raise Refused(R + "001", "the root zarr.json is not an object")
         ucp = (self.root.get("attributes") or {}).get("ucp")
         version = ucp.get("version") if isinstance(ucp, dict) else None
         if isinstance(version, str) and VERSION.match(version) and version.split(".")[0] != "1":
             raise Refused(R + "060", f"format version {version}: this reader reads 1.x only")
+        check_root_digest(data, self.root)
         check_schema(self.root)
         ucp = self.root["attributes"]["ucp"]
         if ucp.get("must_understand"):
             raise Refused(R + "061", f"features this reader lacks: {ucp['must_understand']}")
         self.nodes: dict[str, dict[str, Any]] = dict(
             self.root["consolidated_metadata"]["metadata"])
+        self.fills: dict[str, Any] = {}
         for path, node in self.nodes.items():
             for part in path.split("/"):
                 check_node_name(part)
@@ -293,7 +441,7 @@ class Checkpoint:
                            or self.nodes[parent].get("node_type") != "group"):
                 raise Refused(R + "005", f"{path}: its parent group {parent!r} is missing")
             if node.get("node_type") == "array":
-                check_array(path, node)
+                self.fills[path] = check_array(path, node)
         self._open: dict[str, Any] = {}
 
     def arrays(self) -> dict[str, dict[str, Any]]:
@@ -301,14 +449,20 @@ class Checkpoint:
 
     def store(self, path: str) -> Any:
         if path not in self._open:
+            # the checked metadata of the root, with the fill value as its bits
+            metadata = {k: v for k, v in self.nodes[path].items()
+                        if k not in ("zarr_format", "node_type")}
+            metadata["fill_value"] = self.fills[path]
             self._open[path] = ts.open({
                 "driver": "zarr3",
                 "kvstore": {"driver": "file", "path": str(self.root_dir / path) + "/"},
+                "metadata": metadata,
+                "assume_metadata": True,
                 "open": True,
             }).result()
         return self._open[path]
 
-    # -- chunk presence (R031) and safe files (R091) -------------------------------------------
+    # -- chunk presence (UCP-1.0-R031) and safe files (UCP-1.0-R091)
 
     def _file(self, key: str) -> Path | None:
         path = self.root_dir / key
@@ -322,14 +476,18 @@ class Checkpoint:
         return path
 
     def check_present(self, path: str, lo: Sequence[int], hi: Sequence[int]) -> None:
-        """Every stored object and inner chunk the box [lo, hi) needs exists (R031)."""
+        """Every stored object and inner chunk the box [lo, hi) needs exists (UCP-1.0-R031), lies
+        before its shard's index (UCP-1.0-R048), and, zstd-compressed, is one frame that declares
+        its size (UCP-1.0-R047): tensorstore checks none of these."""
         node = self.nodes[path]
         shape = node["shape"]
         if any(b <= a for a, b in zip(lo, hi, strict=True)):
             return
         sparse = bool(((node.get("attributes") or {}).get("ucp") or {}).get("sparse", False))
         grid = node["chunk_grid"]["configuration"]["chunk_shape"]
-        _, inner = chain_of(node)
+        chain, inner = chain_of(node)
+        zstd = any(c.get("name") == "zstd" for c in chain)
+        chunk_bytes = math.prod(inner or grid) * TYPES[node["data_type"]][0]
         for coords in _product([range(a // g, -(-b // g)) for a, b, g in zip(lo, hi, grid,
                                                                               strict=True)]):
             key = f"{path}/c" + "".join(f"/{c}" for c in coords)
@@ -339,13 +497,17 @@ class Checkpoint:
                     continue
                 raise Refused(R + "031", f"{path}: stored object {key} is missing (never read "
                                          "as fill values)")
-            if inner is None or sparse:
+            if inner is None:
+                if zstd:
+                    check_zstd(file.read_bytes()[:-4], chunk_bytes, key)
                 continue
-            self._check_index(path, key, file, coords, grid, inner, shape, lo, hi)
+            self._check_index(path, key, file, coords, grid, inner, shape, lo, hi,
+                              sparse=sparse, zstd=zstd, chunk_bytes=chunk_bytes)
 
     def _check_index(self, path: str, key: str, file: Path, coords: Sequence[int],
                      grid: Sequence[int], inner: Sequence[int], shape: Sequence[int],
-                     lo: Sequence[int], hi: Sequence[int]) -> None:
+                     lo: Sequence[int], hi: Sequence[int], *, sparse: bool, zstd: bool,
+                     chunk_bytes: int) -> None:
         per = [g // c for g, c in zip(grid, inner, strict=True)]
         n = math.prod(per)
         size = file.stat().st_size
@@ -366,9 +528,22 @@ class Checkpoint:
             if any(s >= b or s + c <= a
                    for s, c, a, b in zip(start, inner, lo, hi, strict=True)):
                 continue  # not needed for this box
-            if int(index[i, 0]) == EMPTY and int(index[i, 1]) == EMPTY:
+            offset, nbytes = int(index[i, 0]), int(index[i, 1])
+            if offset == EMPTY and nbytes == EMPTY:
+                if sparse:
+                    continue
                 raise Refused(R + "031", f"{path}: inner chunk {list(local)} of {key} was "
                                          "never written")
+            if offset + nbytes > size:
+                raise Refused(R + "094", f"{key}: inner chunk {list(local)} reaches beyond "
+                                         "the end of its shard")
+            if offset + nbytes > size - 16 * n - 4:
+                raise Refused(R + "048", f"{key}: inner chunk {list(local)} reaches into the "
+                                         "shard index")
+            if zstd and nbytes >= 4:
+                with open(file, "rb") as f:
+                    f.seek(offset)
+                    check_zstd(f.read(nbytes - 4), chunk_bytes, f"{key} {list(local)}")
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -397,7 +572,8 @@ class Checkpoint:
         try:
             return self.store(path)[index].read().result()
         except Exception as exc:  # tensorstore reports damage as ValueError and others
-            raise Refused(R + "041", f"{path}: {str(exc)[:300]}") from None
+            rule = "008" if "Invalid bool value" in str(exc) else "041"
+            raise Refused(R + rule, f"{path}: {str(exc)[:300]}") from None
 
 
 def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
@@ -454,33 +630,59 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
         if degree < 1 or not 0 <= rank < degree:
             raise Refused(R + "110", f"degree {degree}, rank {rank}: not a parallel layout")
     dims: list[tuple[int, list[Segment]]] = [(n, [(0, 0, n)] if n else []) for n in shape]
-    layer, layers = layout.get("layer"), layout.get("layers")
-    if pp > 1 and (layer is not None or layers is not None):
-        num_layers = cfg.get("num_layers") or (shape[layers["dim"]] if layers else None)
-        if num_layers is None or num_layers % pp:
-            raise Refused(R + "112", f"{num_layers} layers do not split over pp={pp}")
-        per = num_layers // pp
-        if layer is not None:
-            if not 0 <= layer < num_layers:
-                raise Refused(R + "112", f"layer {layer} is outside the model")
-            if layer // per != ppr:
-                return None
-        else:
-            d = layers["dim"]
-            dims[d] = _restrict(*dims[d], ppr * per, (ppr + 1) * per)
     experts, expert = layout.get("experts"), layout.get("expert")
-    if experts is not None:
+    num_experts = cfg.get("num_experts")
+    if experts is not None:  # a stacked tensor holds every expert of the model (UCP-1.0-R117)
         d, count = experts["dim"], shape[experts["dim"]]
-        if count % ep:
-            raise Refused(R + "111", f"ep={ep} does not divide {count} experts")
+        if count % ep or (num_experts is not None and num_experts != count):
+            raise Refused(R + "111", f"ep={ep}, num_experts={num_experts}: {count} experts")
         dims[d] = _restrict(*dims[d], epr * count // ep, (epr + 1) * count // ep)
-    if expert is not None:
-        num = cfg.get("num_experts") or (expert + 1 if ep == 1 else None)
+    if expert is not None:  # rank floor(e / (E / ep)), E from the configuration (UCP-1.0-R117)
+        num = num_experts if num_experts is not None else (expert + 1 if ep == 1 else None)
         if num is None or num % ep or expert >= num:
             raise Refused(R + "111", f"ep={ep} and num_experts={num} cannot place expert "
                                      f"{expert}")
-        if expert // (num // ep) != epr:
+    held = expert is None or expert // (num // ep) == epr
+    layer, layers = layout.get("layer"), layout.get("layers")
+    pp_layers = cfg.get("pp_layers")
+    if pp_layers is not None and len(pp_layers) != pp:
+        raise Refused(R + "112", f"pp_layers {pp_layers} is not one count per stage")
+    num_layers = cfg.get("num_layers")  # (UCP-1.0-R116)
+    if num_layers is None and pp_layers is not None:
+        num_layers = sum(pp_layers)
+    if num_layers is None and layers is not None:
+        num_layers = shape[layers["dim"]]  # a stacked tensor holds every layer
+    if layers is not None and num_layers != shape[layers["dim"]]:
+        raise Refused(R + "112", f"num_layers={num_layers}, {shape[layers['dim']]} stacked")
+    if layer is None and layers is None:  # placed by the stage convention (UCP-1.0-R115)
+        stage = cfg.get("stage", "all")
+        if not (stage == "all" or (stage == "first" and ppr == 0)
+                or (stage == "last" and ppr == pp - 1)
+                or (stage == "first_and_last" and ppr in (0, pp - 1))):
             return None
+    elif num_layers is None:
+        if pp > 1:
+            raise Refused(R + "112", f"pp={pp} needs the model's number of layers")
+    else:
+        counts = pp_layers
+        if counts is None:
+            if num_layers % pp:
+                raise Refused(R + "112", f"{num_layers} layers do not split over pp={pp}")
+            counts = [num_layers // pp] * pp
+        elif sum(counts) != num_layers:
+            raise Refused(R + "112", f"pp_layers {counts} do not sum to {num_layers}")
+        start = sum(counts[:ppr])
+        stop = start + counts[ppr]
+        if layer is not None:
+            if not 0 <= layer < num_layers:
+                raise Refused(R + "112", f"layer {layer} is outside the model")
+            if not start <= layer < stop:
+                return None
+        else:
+            d = layers["dim"]
+            dims[d] = _restrict(*dims[d], start, stop)
+    if not held:  # another expert-parallel rank's expert
+        return None
     tp_dim = (layout.get("tp") or {}).get("dim")
     vocab_dim = (layout.get("vocab") or {}).get("dim")
     parts = layout.get("parts") or []
@@ -517,9 +719,9 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
                 segs.append((local, o + g * gsize, gsize))
                 local += gsize
             dims[tp_dim] = (local, segs)
-    elif vocab_dim is not None and multiple > 1:
+    elif vocab_dim is not None:  # not split, padded as the model's vocabulary (UCP-1.0-R118)
         n = shape[vocab_dim]
-        padded = -(-n // multiple) * multiple
+        padded = -(-n // (multiple * tp)) * (multiple * tp)
         dims[vocab_dim] = (padded, [(0, 0, n)] if n else [])
     return dims
 

@@ -33,6 +33,7 @@ def test_broken_exporter(script: str, only: list[str], faults: bool, rules: set[
         ("wrong_digest_reader.py", ["valid/dtypes-*", "valid/basic"], {"UCP-1.0-R210"}),
         ("fill_value_reader.py", ["invalid/missing-*", "invalid/empty-index-entry",
                                   "valid/basic"], {"UCP-1.0-R031"}),
+        ("loose_values_reader.py", ["valid/json-numbers"], {"UCP-1.0-R211"}),
     ],
 )
 def test_broken_reader(script: str, only: list[str], rules: set[str]) -> None:

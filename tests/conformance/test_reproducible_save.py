@@ -34,3 +34,15 @@ def test_same_state_same_bytes(tmp_path: Path, compression: str | None) -> None:
 def test_created_must_be_rfc3339(tmp_path: Path) -> None:
     with pytest.raises(InvalidValueError, match="RFC 3339"):
         ucpformat.save(tmp_path / "c", {"model": {"w": np.zeros(2)}}, created="yesterday")
+
+
+@pytest.mark.parametrize("created", ["2026-13-01T00:00:00Z", "2026-02-30T25:00:00Z",
+                                     "2026-01-01T00:00:00+1:00"])
+def test_created_that_readers_refuse_is_refused_before_writing(tmp_path: Path,
+                                                               created: str) -> None:
+    """The writer checks ``created`` with the reader's rule: a date-time the reader refuses
+    (month 13, hour 25) is never written into a checkpoint that then cannot be opened."""
+    with pytest.raises(InvalidValueError, match="RFC 3339") as info:
+        ucpformat.save(tmp_path / "c", {"model": {"w": np.zeros(2)}}, created=created)
+    assert info.value.rule == "UCP-1.0-R002"
+    assert not (tmp_path / "c").exists()

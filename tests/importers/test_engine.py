@@ -12,8 +12,9 @@ import pytest
 
 import ucpformat
 from ucpformat import dtypes
+from ucpformat.conversion import bounded_map
 from ucpformat.errors import IncompleteCheckpointError, WriteError
-from ucpformat.importers._engine import Scan, TensorSource, bounded_map, write_scan
+from ucpformat.importers._engine import Scan, TensorSource, write_scan
 
 
 def test_bounded_map_keeps_order_and_memory_bound() -> None:

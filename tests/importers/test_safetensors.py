@@ -32,6 +32,8 @@ def _tensors() -> dict[str, Any]:
         raw = torch.randint(0, 256, (5, 3 + i), dtype=torch.uint8, generator=g)
         width = torch.empty((), dtype=dt).element_size()
         raw = torch.randint(0, 256, (5, (3 + i) * width), dtype=torch.uint8, generator=g)
+        if dt == torch.bool:
+            raw = raw % 2  # a bool is 0x00 or 0x01 (UCP-1.0-R008, Table 1)
         out[f"layer.{i}.{str(dt).removeprefix('torch.')}"] = raw.view(dt)  # every bit pattern
     out["scalar"] = torch.tensor(3.5)
     out["empty"] = torch.zeros((0, 4), dtype=torch.bfloat16)
@@ -74,6 +76,18 @@ def test_every_dtype_bit_exact_and_file_identical(
     loaded = st.load_file(str(out))
     for name, want in tensors.items():
         assert_same(loaded[name], want, name)
+
+
+def test_bool_bytes_other_than_0_and_1_are_refused(tmp_path: Path) -> None:
+    """A BOOL tensor of the file holds a byte that is neither 0x00 nor 0x01: damage in UCP
+    (UCP-1.0-R008), refused by name rather than stored or turned into true."""
+    path = tmp_path / "model.safetensors"
+    st.save_file({"mask": torch.tensor([0, 1, 2], dtype=torch.uint8).view(torch.bool)},
+                 str(path))
+    with pytest.raises(ucpformat.errors.InvalidValueError) as info:
+        importers.convert(path, tmp_path / "ckpt", durable=False)
+    assert info.value.rule == "UCP-1.0-R008" and info.value.tensor == "model/mask"
+    assert not (tmp_path / "ckpt" / "zarr.json").exists()
 
 
 def test_sharded_huggingface_directory(tmp_path: Path) -> None:
@@ -190,7 +204,7 @@ def test_minilm_round_trip_bit_exact_and_same_outputs(tmp_path: Path, minilm_dir
         want = original(**batch).last_hidden_state
     # a fresh model given the UCP tensors
     fresh = transformers.AutoModel.from_config(original.config).eval()
-    from ucpformat.importers._torch import from_numpy
+    from ucpformat.conversion import from_numpy
 
     state = {t.name: from_numpy(t.read()) for t in ckpt.tensors("model")}
     missing, unexpected = fresh.load_state_dict(state, strict=False)

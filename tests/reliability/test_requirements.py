@@ -12,6 +12,7 @@ import pytest
 import ucpformat
 from tests import spec_helpers as sh
 from ucpformat.errors import UnsupportedFeatureError
+from ucpformat.metadata import encode_root
 
 HERE = Path(__file__).parent
 #: Reader safety (section 15), and the integrity and commit requirements measured here.
@@ -33,7 +34,7 @@ def test_a_data_type_outside_the_table_is_refused_by_name(saved: Callable[..., P
     root = json.loads((path / "zarr.json").read_text())
     node = root["consolidated_metadata"]["metadata"]["model/fc.bias"]
     node["data_type"] = "float8_e4m3"  # zarr-extensions' type, not PyTorch's e4m3fn
-    (path / "zarr.json").write_text(json.dumps(root))
+    (path / "zarr.json").write_bytes(encode_root(root))
     with pytest.raises(UnsupportedFeatureError) as info:
         ucpformat.open(path)
     assert info.value.tensor == "model/fc.bias" and "float8_e4m3" in str(info.value)

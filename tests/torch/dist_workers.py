@@ -10,6 +10,7 @@ process: saving must write the truth, loading must place exactly it.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 import ucpformat
 from ucpformat.torch.async_save import AsyncSaver
-from ucpformat.torch.distributed import load_distributed, save_distributed
+from ucpformat.torch.distributed import load_distributed, local_map_of, save_distributed
 
 LR = 0.0123
 WEIGHT_DECAY = 0.05
@@ -219,6 +220,9 @@ def load_two(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model = build("fsdp", seed=4)
     opt = make_optimizer(model, lr=0.5)
+    train(model, opt, 1, seed=3)  # the optimizer holds state before loading
+    out["failed loads"] = failed_loads_change_nothing(rank, root, model, opt)
+    out["failed in place"] = failed_in_place_load_says_what_changed(rank, root, model, opt)
     result = load_distributed(f"{root}/fsdp4", model=model, optimizer=opt)
     out["fsdp4 -> fsdp2"] = check_state(f"{root}/fsdp4", model, opt)
     ck = ucpformat.open_checkpoint(f"{root}/fsdp4")
@@ -251,6 +255,109 @@ def load_two(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's part of every tensor of the model and the optimizer, as bytes."""
+    def raw(t: torch.Tensor) -> bytes:
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous()
+        return bytes(local.reshape(-1).view(torch.uint8).numpy())
+
+    out: dict[str, Any] = {f"model/{k}": raw(v) for k, v in model.state_dict().items()}
+    for i, state in enumerate(opt.state.values()):
+        for name, value in state.items():
+            out[f"optimizer/{i}/{name}"] = raw(value)
+    out["lr"] = [g["lr"] for g in opt.param_groups]
+    return out
+
+
+def _rows_read(model: torch.nn.Module, fqn: str) -> tuple[int, int]:
+    """The rows (dim 0) of parameter ``fqn`` this rank reads when loading."""
+    lm = local_map_of(model.get_parameter(fqn), name=fqn)
+    assert lm is not None
+    rows = [piece.glob[0] for piece in lm.pieces]
+    return min(a for a, _ in rows), max(b for _, b in rows)
+
+
+def failed_loads_change_nothing(
+    rank: int, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> list[str]:
+    """Load copies of a checkpoint (stored in objects of 2 rows) in which an object only
+    rank 1 reads is damaged or missing: rank 1 fails reading, rank 0 hears of it, and
+    neither changes anything."""
+    import ucpformat.torch as ucpt
+
+    source = f"{root}/two-rows"
+    if rank == 0:
+        plain = build("plain", seed=7)
+        plain_opt = make_optimizer(plain)
+        train(plain, plain_opt, 1)
+        ucpt.save(source, model=plain, optimizer=plain_opt, chunk_bytes=48, shard_bytes=48)
+    dist.barrier()
+    ranges = torch.zeros(2 * dist.get_world_size(), dtype=torch.int64)
+    dist.all_gather_into_tensor(ranges, torch.tensor(_rows_read(model, "emb.weight")))
+    (lo0, hi0), (lo1, hi1) = ranges.view(-1, 2).tolist()
+    meta = ucpformat.open_checkpoint(source).arrays["model/emb.weight"]
+    rows, n = meta.object_shape[0], meta.shape[0]
+    spans = [(k, k * rows, min((k + 1) * rows, n)) for k in range(-(-n // rows))]
+    coords = next(k for k, a, b in spans if lo1 <= a and b <= hi1 and (b <= lo0 or a >= hi0))
+    key = meta.object_key((coords, 0))
+    done = []
+    for damage in ("crc", "missing"):
+        path = f"{root}/two-rows-{damage}"
+        if rank == 0:
+            shutil.copytree(source, path)
+            target = Path(path) / key
+            if damage == "crc":
+                data = bytearray(target.read_bytes())
+                data[0] ^= 0x01
+                target.write_bytes(bytes(data))
+            else:
+                target.unlink()
+        dist.barrier()
+        before = _local_bytes(model, opt)
+        try:
+            load_distributed(path, model=model, optimizer=opt)
+        except ucpformat.errors.UCPError as exc:
+            if rank == 1:
+                expected = {"crc": ("ChecksumError", "UCP-1.0-R041"),
+                            "missing": ("MissingChunkError", "UCP-1.0-R031")}[damage]
+                assert (type(exc).__name__, exc.rule) == expected, repr(exc)
+                assert exc.tensor == "model/emb.weight", repr(exc)
+            else:
+                assert type(exc).__name__ == "LoadError" and "rank 1" in str(exc), repr(exc)
+        else:
+            raise AssertionError(f"a load of a checkpoint with a {damage} object succeeded")
+        assert _local_bytes(model, opt) == before, f"{damage}: the state changed"
+        done.append(damage)
+    return done
+
+
+def failed_in_place_load_says_what_changed(
+    rank: int, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> str:
+    """``in_place=True`` on the copy with a damaged object only rank 1 reads (made by
+    :func:`failed_loads_change_nothing`): every rank raises, each saying that its own
+    tensors were changed and naming them."""
+    before = _local_bytes(model, opt)
+    try:
+        load_distributed(f"{root}/two-rows-crc", model=model, optimizer=opt, in_place=True)
+    except ucpformat.errors.UCPError as exc:
+        message = str(exc)
+        if rank == 1:
+            assert type(exc).__name__ == "ChecksumError", repr(exc)
+            assert exc.tensor == "model/emb.weight", repr(exc)
+        else:
+            assert type(exc).__name__ == "LoadError" and "rank 1" in message, repr(exc)
+    else:
+        raise AssertionError("an in-place load of a damaged checkpoint succeeded")
+    assert "in_place=True), so the model and the optimizer were partly changed" in message
+    after = _local_bytes(model, opt)
+    changed = [k for k in before if k.startswith("model/") and after[k] != before[k]]
+    assert changed, "nothing was read in place"
+    for name in changed:
+        assert f"'{name}'" in message, (name, message)
+    return "named"
+
+
 def save_single(path: Path) -> dict[str, torch.Tensor]:
     """The single-process checkpoint that the 2-rank run loads (ucpformat.torch.save)."""
     import ucpformat.torch as ucpt
@@ -260,3 +367,52 @@ def save_single(path: Path) -> dict[str, torch.Tensor]:
     train(model, opt, 2)
     ucpt.save(path, model=model, optimizer=opt, step=2)
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def meta_loads(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks: FSDP2 and TP models built on the meta device. Without ``assign`` the load
+    is refused; ``to_empty`` then a plain load (model and optimizer), or ``assign=True``
+    (then an optimizer built on the new parameters), give the checkpoint's state."""
+    out: dict[str, Any] = {}
+    model = build("fsdp")
+    opt = make_optimizer(model)
+    train(model, opt, 2)
+    path = f"{root}/fsdp-src"
+    save_distributed(path, model=model, optimizer=opt, step=2)
+
+    def on_meta(layout: str) -> torch.nn.Module:
+        with torch.device("meta"):
+            return build(layout, seed=5)
+
+    meta = on_meta("fsdp")
+    try:
+        load_distributed(path, model=meta)
+    except ucpformat.errors.LoadError as exc:
+        assert "meta device" in str(exc) and "assign=True" in str(exc), repr(exc)
+    else:
+        raise AssertionError("a meta model loaded without assign")
+    assert all(t.is_meta for t in meta.state_dict().values())
+    # the torchtitan way: to_empty, optimizer, one load of both
+    meta.to_empty(device="cpu")
+    meta_opt = make_optimizer(meta, lr=0.5)
+    result = load_distributed(path, model=meta, optimizer=meta_opt)
+    assert result.step == 2 and result.on_meta == []
+    out["fsdp meta + to_empty"] = check_state(path, meta, meta_opt)
+    # by assignment, then an optimizer on the new parameters, which trains
+    for layout in ("fsdp", "tp", "2x2"):
+        meta = on_meta(layout)
+        try:
+            load_distributed(path, model=meta, optimizer=make_optimizer(meta), assign=True)
+        except ucpformat.errors.LoadError as exc:
+            assert "build the optimizer" in str(exc), repr(exc)
+        else:
+            raise AssertionError("assign=True with an optimizer built before was accepted")
+        load_distributed(path, model=meta, assign=True)
+        for name, t in meta.named_parameters():
+            assert isinstance(t, torch.nn.Parameter) and t.requires_grad, name
+            assert not t.is_meta and (layout == "tp" or isinstance(t, DTensor)), name
+        out[f"{layout} meta + assign"] = check_state(path, meta, None)
+        new_opt = make_optimizer(meta)
+        train(meta, new_opt, 1)
+        assert all(not s["exp_avg"].is_meta for s in new_opt.state.values())
+    return out

@@ -31,12 +31,14 @@ TARGET_DEFAULTS: Mapping[str, Any] = {
     "ep_rank": 0,
     "fused_order": "part-major",
     "vocab_multiple": 1,
+    "stage": "all",
 }
 
 
 @dataclass(frozen=True)
 class Target:
-    """One rank of a target parallel layout (tensor, pipeline and expert parallelism)."""
+    """One rank of a target parallel layout (tensor, pipeline and expert parallelism; no
+    data-parallel degree: ``ep`` stands for it, UCP-1.0-R216)."""
 
     tp: int = 1
     tp_rank: int = 0
@@ -48,25 +50,31 @@ class Target:
     num_experts: int | None = None
     fused_order: str = "part-major"
     vocab_multiple: int = 1
+    stage: str = "all"  # the stages that hold tensors without a layer index (UCP-1.0-R115)
+    pp_layers: tuple[int, ...] | None = None  # layers of each stage (default: even, UCP-1.0-R116)
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> Target:
         known = {f for f in Target.__dataclass_fields__}
-        return Target(**{k: v for k, v in doc.items() if k in known})
+        given = {k: v for k, v in doc.items() if k in known}
+        if given.get("pp_layers") is not None:
+            given["pp_layers"] = tuple(given["pp_layers"])
+        return Target(**given)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in Target.__dataclass_fields__:
             value = getattr(self, key)
             if value is not None and TARGET_DEFAULTS.get(key) != value:
-                out[key] = value
+                out[key] = list(value) if isinstance(value, tuple) else value
         return out
 
     def local_map(self, shape: Sequence[int], layout: TensorLayout, *, tensor: str
                   ) -> LocalMap | None:
         """The rank's local tensor as pieces of the consolidated one; None if not held.
 
-        Raises LayoutError (with UCP-1.0-R110, R111 or R112) for a target that cannot
+        Raises LayoutError (with UCP-1.0-R110, UCP-1.0-R111 or UCP-1.0-R112) for a target that
+        cannot
         hold the tensor exactly.
         """
         for name in ("tp", "pp", "ep"):
@@ -82,6 +90,12 @@ class Target:
                 rule="UCP-1.0-R111",
                 tensor=tensor,
             )
+        if (layout.experts_dim is not None and self.num_experts is not None
+                and self.num_experts != shape[layout.experts_dim]):
+            raise LayoutError(  # a stacked tensor holds every expert (UCP-1.0-R117)
+                f"num_experts={self.num_experts} differs from the {shape[layout.experts_dim]} "
+                "stacked experts", rule="UCP-1.0-R111", tensor=tensor,
+            )
         num_experts = self.num_experts
         if layout.expert is not None and num_experts is None and self.ep == 1:
             num_experts = layout.expert + 1  # one expert-parallel rank holds every expert
@@ -91,12 +105,13 @@ class Target:
         if layout.expert is not None and num_experts is not None and layout.expert >= num_experts:
             raise LayoutError(f"expert {layout.expert} is outside the model's {num_experts}",
                               rule="UCP-1.0-R111", tensor=tensor)
-        num_layers = self.num_layers
-        if num_layers is None and self.pp == 1:  # one stage holds every layer
-            if layout.layers_dim is not None:
-                num_layers = shape[layout.layers_dim]
-            elif layout.layer is not None:
-                num_layers = layout.layer + 1
+        num_layers = self.num_layers  # (UCP-1.0-R116)
+        if num_layers is None and self.pp_layers is not None:
+            num_layers = sum(self.pp_layers)
+        if num_layers is None and layout.layers_dim is not None:
+            num_layers = shape[layout.layers_dim]  # a stacked tensor holds every layer
+        elif num_layers is None and self.pp == 1 and layout.layer is not None:
+            num_layers = layout.layer + 1  # one stage holds every layer
         if layout.layers_dim is not None and num_layers != shape[layout.layers_dim]:
             raise LayoutError(
                 f"num_layers={num_layers} differs from the {shape[layout.layers_dim]} "
@@ -108,10 +123,12 @@ class Target:
             dp=self.ep,
             ep=self.ep,
             num_layers=num_layers,
+            pp_layers=self.pp_layers,
             num_experts=num_experts,
         )
         coords = RankCoords(tp=self.tp_rank, dp=self.ep_rank, pp=self.pp_rank)
-        conv = Conventions(fused_order=self.fused_order, vocab_multiple=self.vocab_multiple)
+        conv = Conventions(fused_order=self.fused_order, stage=self.stage,
+                           vocab_multiple=self.vocab_multiple)
         return local_map(shape, layout, conv, cfg, coords, zero3=False, tensor=tensor)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -14,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ucpformat import names
+from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map
 from ucpformat.errors import CheckpointExistsError, InvalidValueError
-from ucpformat.importers._engine import DEFAULT_MEMORY_LIMIT, bounded_map
 from ucpformat.progress import byte_progress
 from ucpformat.reader import Checkpoint, Tensor
 from ucpformat.writer import default_workers
@@ -109,23 +108,3 @@ def atomic_dir(path: Path, *, overwrite: bool) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(value: int | str) -> int:
-    """``5000000000``, ``"5GB"`` (decimal, as Hugging Face counts) or ``"4GiB"``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise InvalidValueError(f"size must be positive, got {value}")
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise InvalidValueError(f"not a size: {value!r} (e.g. 5GB, 500MiB, 1000000)")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    if n <= 0:
-        raise InvalidValueError(f"size must be positive, got {value!r}")
-    return n

@@ -30,11 +30,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map, from_numpy, torch_module
 from ucpformat.errors import InvalidValueError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import atomic_dir, model_tensors, optimizer_states
 from ucpformat.exporters.torch_save import TorchFile
-from ucpformat.importers._torch import from_numpy, torch_module
 from ucpformat.layout.semantics import layout_of
 from ucpformat.reader import Checkpoint, Tensor
 
@@ -211,7 +211,6 @@ def _run(
     progress: bool | Callable[[int], None],
 ) -> Iterator[tuple[str, int]]:
     """``fn`` over the jobs on threads, bounded memory (each job holds one tensor)."""
-    from ucpformat.importers._engine import DEFAULT_MEMORY_LIMIT, bounded_map
     from ucpformat.progress import byte_progress
     from ucpformat.writer import default_workers
 

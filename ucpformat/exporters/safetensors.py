@@ -18,13 +18,13 @@ from typing import Any, Final
 
 import numpy as np
 
+from ucpformat.conversion import parse_size
 from ucpformat.errors import InvalidValueError, UnsupportedDtypeError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import (
     atomic_dir,
     atomic_file,
     model_tensors,
-    parse_size,
     read_stream,
 )
 from ucpformat.importers.safetensors import FROM_UCP

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from ucpformat import names
+from ucpformat.conversion import torch_dtype_of, torch_module
 from ucpformat.errors import InvalidValueError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import atomic_file, model_tensors, optimizer_states, read_stream
-from ucpformat.importers._torch import torch_dtype_of, torch_module
 from ucpformat.reader import Checkpoint, Tensor
 
 FORMAT: Final = "torch"

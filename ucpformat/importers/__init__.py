@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ucpformat import chunking
+from ucpformat.engine import chunking
 from ucpformat.errors import FormatError, InvalidValueError
 from ucpformat.importers._engine import ImportResult, Scan, TensorSource, write_scan
 

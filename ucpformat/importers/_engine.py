@@ -12,29 +12,23 @@ and no temporary copy of the checkpoint is ever made.
 
 from __future__ import annotations
 
-import collections
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from ucpformat import chunking, names
+from ucpformat import names
+from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map
 from ucpformat.dtypes import DataType
+from ucpformat.engine import chunking
 from ucpformat.errors import InvalidValueError, LayoutError, UCPError, WriteError
 from ucpformat.layout.rules import RuleSet
 from ucpformat.progress import byte_progress
 from ucpformat.writer import StreamingWriter, default_workers
-
-#: Default bound on tensor bytes held in memory at once by a conversion.
-DEFAULT_MEMORY_LIMIT = 1 << 30
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -106,49 +100,6 @@ class ImportResult:
             "seconds": round(self.seconds, 3),
             "notes": list(self.notes),
         }
-
-
-def bounded_map(
-    fn: Callable[[T], R],
-    items: Iterable[T],
-    size: Callable[[T], int],
-    *,
-    workers: int,
-    memory_limit: int,
-) -> Iterator[R]:
-    """``fn`` over ``items`` on a pool of threads, results in order, bounded memory.
-
-    An item's ``size`` bytes are reserved before ``fn`` starts and released once the
-    caller has taken its result (so a result may be the data itself). At most
-    ``memory_limit`` bytes are reserved at once, except that one item larger than the
-    limit runs alone. Items start in order; an error is raised in order, and items not
-    yet started are cancelled.
-    """
-    if memory_limit <= 0:
-        raise InvalidValueError(f"memory_limit must be positive, got {memory_limit}")
-    workers = max(1, workers)
-    queue: collections.deque[tuple[Future[R], int]] = collections.deque()
-    used = 0
-    it = iter(items)
-    end = object()
-    nxt: Any = next(it, end)
-    with ThreadPoolExecutor(workers) as pool:
-        try:
-            while queue or nxt is not end:
-                while nxt is not end and len(queue) < 2 * workers:
-                    want = min(max(size(nxt), 0), memory_limit)
-                    if queue and used + want > memory_limit:
-                        break
-                    queue.append((pool.submit(fn, nxt), want))
-                    used += want
-                    nxt = next(it, end)
-                future, held = queue.popleft()
-                result = future.result()
-                yield result
-                used -= held
-        finally:
-            for future, _ in queue:
-                future.cancel()
 
 
 # -- layout semantics from a rule file ------------------------------------------------
@@ -281,9 +232,3 @@ def write_scan(
         seconds=time.perf_counter() - start,
         notes=tuple(scan.notes),
     )
-
-
-def iter_chunks(total: int, step: int) -> Iterable[tuple[int, int]]:
-    """[start, stop) ranges of at most ``step`` covering [0, total)."""
-    for a in range(0, total, max(1, step)):
-        yield a, min(total, a + step)

@@ -1,6 +1,6 @@
-"""torch helpers of the importers and exporters (torch is imported lazily, by callers).
+"""torch file helpers of the importers (torch is imported lazily, by callers; torch itself
+and the tensor <-> numpy conversions are in :mod:`ucpformat.conversion`).
 
-* tensor <-> numpy, bit for bit, for bfloat16 and float8 too (``ucpformat.torch.convert``);
 * :func:`load_restricted`: ``torch.load(weights_only=True)`` with an allowlist of
   stand-in classes for the few framework classes a checkpoint names (DeepSpeed's
   ``fragment_address``, ``LossScaler``, ``ZeroStageEnum``; Megatron's
@@ -22,50 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucpformat.dtypes import DataType
+from ucpformat.conversion import to_numpy, torch_module
 from ucpformat.errors import FormatError
 
 if TYPE_CHECKING:
     import torch
 
 _LOCK = threading.RLock()
-
-
-def torch_module() -> Any:
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is in the import extra
-        raise FormatError(
-            "this conversion needs torch (pip install 'ucpformat[import]')"
-        ) from exc
-    return torch
-
-
-def data_type_of(dtype: torch.dtype, *, tensor: str | None = None) -> DataType:
-    """The closed-list entry of a torch dtype (``ucpformat.torch.convert``)."""
-    from ucpformat.torch.convert import data_type
-
-    return data_type(dtype, tensor=tensor)
-
-
-def torch_dtype_of(dt: DataType, *, tensor: str | None = None) -> torch.dtype:
-    from ucpformat.torch.convert import torch_dtype
-
-    return torch_dtype(dt, tensor=tensor)
-
-
-def to_numpy(t: torch.Tensor, *, name: str | None = None) -> np.ndarray[Any, Any]:
-    """A numpy array with the exact bits of ``t`` (shares memory when it can)."""
-    from ucpformat.torch.convert import to_numpy as convert
-
-    return convert(t, name=name)
-
-
-def from_numpy(a: np.ndarray[Any, Any], *, name: str | None = None) -> torch.Tensor:
-    """A torch tensor with the exact bits of ``a`` (shares memory when it can)."""
-    from ucpformat.torch.convert import from_numpy as convert
-
-    return convert(a, name=name)
 
 
 # -- stand-ins for framework classes ----------------------------------------------------
@@ -262,13 +225,9 @@ def plain(value: Any) -> Any:
 __all__ = [
     "STAND_INS",
     "FragmentAddress",
-    "data_type_of",
     "drop_pages",
-    "from_numpy",
     "is_tensor",
     "load_restricted",
     "plain",
     "tensor_reader",
-    "to_numpy",
-    "torch_dtype_of",
 ]

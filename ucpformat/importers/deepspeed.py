@@ -60,17 +60,10 @@ from typing import Any, Final
 import numpy as np
 
 from ucpformat import dtypes, jsonvalues
+from ucpformat.conversion import data_type_of, from_numpy, to_numpy
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
 from ucpformat.importers._engine import Scan, TensorSource, model_attributes, node
-from ucpformat.importers._torch import (
-    data_type_of,
-    drop_pages,
-    from_numpy,
-    load_restricted,
-    plain,
-    tensor_reader,
-    to_numpy,
-)
+from ucpformat.importers._torch import drop_pages, load_restricted, plain, tensor_reader
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, contains, full_box
 from ucpformat.layout.rules import RuleSet
 from ucpformat.layout.semantics import PART_MAJOR, Part, TensorLayout

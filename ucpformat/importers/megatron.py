@@ -36,9 +36,10 @@ from typing import Any, Final
 import numpy as np
 
 from ucpformat import dtypes, jsonvalues
+from ucpformat.conversion import to_numpy
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
 from ucpformat.importers._engine import Scan, TensorSource
-from ucpformat.importers._torch import STAND_INS, load_restricted, plain, to_numpy
+from ucpformat.importers._torch import STAND_INS, load_restricted, plain
 from ucpformat.layout.boxes import Box, as_slices, box_shape, contains, full_box
 from ucpformat.layout.framework import ModelLayout
 from ucpformat.layout.rules import RuleSet

@@ -268,6 +268,7 @@ def tp_dim_map(
     mine = range(tp_rank * groups // tp, (tp_rank + 1) * groups // tp)
     pieces: list[DimMap] = []
     offsets = layout.part_offsets()
+    # the fused order applies at every degree, tp=1 included (UCP-1.0-R119)
     if conventions.fused_order == GROUP_MAJOR:
         order = [(g, p, off) for g in mine for p, off in offsets]
     else:
@@ -323,9 +324,10 @@ def local_map(
         dims[layout.tp_dim] = tp_dim_map(
             shape[layout.tp_dim], layout, conventions, cfg.tp, coords.tp, tensor=tensor
         )
-    elif layout.vocab_dim is not None and conventions.vocab_multiple:
+    elif layout.vocab_dim is not None:
+        # not split, but padded as the model's vocabulary is: to m * tp (UCP-1.0-R118)
         dims[layout.vocab_dim] = vocab_dim_map(
-            shape[layout.vocab_dim], conventions.vocab_multiple, 1, 0
+            shape[layout.vocab_dim], (conventions.vocab_multiple or 1) * cfg.tp, 1, 0
         )
     if zero3 and cfg.zero == 3 and cfg.zero_style == "dim0" and dims:
         ways = cfg.dp // cfg.ep if is_expert else cfg.dp

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucpformat.codecs import index_nbytes
+from ucpformat.engine.sharding import index_nbytes
 from ucpformat.errors import UCPError
+from ucpformat.jsonvalues import json_equal
 from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 from ucpformat.reader import open_checkpoint
 from ucpformat.testing.common import (
@@ -46,7 +47,7 @@ from ucpformat.testing.common import (
     small_state,
     tree_bytes,
 )
-from ucpformat.validation import json_equal, validate
+from ucpformat.validation import validate
 from ucpformat.writer import save
 
 TARGETS = ("chunk", "shard-index", "node-metadata", "root-metadata", "manifest")

@@ -12,8 +12,9 @@ checkpoint - then runs the readers: ``open``, a read of every tensor, ``validate
 The only outcome allowed (UCP-1.0-R097) is success or a :class:`~ucpformat.errors.UCPError`
 with a message; :class:`Guard` fails the example on any other exception, on a run longer
 than its time limit, on a traced allocation beyond ``max_read_bytes`` plus a margin
-(R090, R093, R094), and on any file opened outside the checkpoint and the library's own
-files (R091), recorded with a ``sys.addaudithook`` hook.
+(UCP-1.0-R090, UCP-1.0-R093, UCP-1.0-R094), and on any file opened outside the checkpoint and the
+library's own
+files (UCP-1.0-R091), recorded with a ``sys.addaudithook`` hook.
 
 Run ``python -m ucpformat.testing.hostile --examples 2000`` (``make stress``) for the
 figures; the test suite runs each target with fewer examples.
@@ -24,6 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gzip
+import hashlib
+import io
 import json
 import os
 import signal
@@ -45,10 +49,11 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import ucpformat
-from ucpformat.codecs import crc_bytes
+from ucpformat.engine.checksum import crc_bytes
 from ucpformat.errors import UCPError
-from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
+from ucpformat.metadata import MANIFEST_KEY, ROOT_DIGEST, ZARR_JSON
 from ucpformat.reader import open_checkpoint
+from ucpformat.storage import LocalStore, Store
 from ucpformat.testing.common import tree_bytes
 from ucpformat.validation import validate
 
@@ -58,6 +63,9 @@ LIMIT = 8 << 20
 MARGIN = 24 << 20
 #: Seconds one example may take.
 TIME_LIMIT = 20.0
+#: The CLI (which reads with its default limits, 256 MiB of metadata) runs on roots up to
+#: this size; larger hostile roots are for the library's readers, which get LIMIT.
+CLI_ROOT_BYTES = 32 << 10
 
 
 class HostileInputFailure(AssertionError):
@@ -154,7 +162,7 @@ class Guard:
         elapsed = time.monotonic() - start
         if peak > self.limit + MARGIN:
             self.violations.append(
-                f"allocated {peak} bytes at peak, over {self.limit} + {MARGIN} (R090)"
+                f"allocated {peak} bytes at peak, over {self.limit} + {MARGIN} (UCP-1.0-R090)"
             )
         if elapsed > self.time_limit:
             self.violations.append(f"took {elapsed:.1f} s")
@@ -162,17 +170,24 @@ class Guard:
             raise HostileInputFailure("; ".join(self.violations))
 
 
-def exercise(root: Path, *, limit: int = LIMIT) -> list[str]:
+def exercise(root: Path, *, limit: int = LIMIT, store: Store | None = None,
+             opened: list[bool] | None = None) -> list[str]:
     """Run every reader on ``root``; return the errors (UCPError) met, raise on anything else.
 
     The readers are ``open`` and a read of every tensor, ``validate`` and
-    ``validate(deep=True)``.
+    ``validate(deep=True)`` (through ``store`` if given: one that fails as the operating
+    system can), and ``ucp inspect --json`` and ``ucp validate --json`` writing to a strict
+    UTF-8 stream, which must exit 0, 1 or 2 with no internal error. ``opened`` receives
+    whether ``open`` succeeded.
     """
     outcomes: list[str] = []
     guard = Guard(root, limit)
+    location: Path | Store = root if store is None else store
     with guard.armed():
         try:
-            with open_checkpoint(root, max_read_bytes=limit, workers=1) as ckpt:
+            with open_checkpoint(location, max_read_bytes=limit, workers=1) as ckpt:
+                if opened is not None:
+                    opened.append(True)
                 for path in list(ckpt.arrays):
                     try:
                         ckpt[path].read()
@@ -187,9 +202,27 @@ def exercise(root: Path, *, limit: int = LIMIT) -> list[str]:
         except UCPError as exc:
             outcomes.append(_describe(exc))
         # deep validation runs every shallow check first
-        report = validate(root, deep=True, max_read_bytes=limit, workers=1)
+        report = validate(location, deep=True, max_read_bytes=limit, workers=1)
         outcomes.extend(f"{i.rule} {i.path}: {i.message}" for i in report.errors)
+        if store is None and (root / ZARR_JSON).is_file() and (
+                (root / ZARR_JSON).stat().st_size <= CLI_ROOT_BYTES):
+            _run_cli(root)
     return outcomes
+
+
+def _run_cli(root: Path) -> None:
+    """``ucp inspect --json`` and ``ucp validate --json``, as a pipe would take their output
+    (strict UTF-8): exit 0, 1 or 2, and never an internal error (UCP-1.0-R006, UCP-1.0-R097)."""
+    from ucpformat.cli import main as ucp
+
+    for argv in (["inspect", "--json", str(root)], ["validate", "--json", str(root)]):
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+        err = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = ucp(argv)
+            out.flush()
+        if code not in (0, 1, 2) or "internal error" in err.getvalue():
+            raise HostileInputFailure(f"ucp {argv[0]}: exit {code}: {err.getvalue()[:300]}")
 
 
 def _describe(exc: UCPError) -> str:
@@ -294,6 +327,27 @@ def mutated(draw: st.DrawFn, doc: Any) -> Any:
     return doc
 
 
+def dump_root(doc: Any, *, replace: tuple[bytes, bytes] | None = None) -> bytes:
+    """A root document's text (as :func:`dump`), sealed with its digest (UCP-1.0-R058) where
+    it has an ``attributes.ucp`` object, so that what is fuzzed is the document, not only
+    the digest check. (The ``root-edited`` target leaves roots unsealed.)"""
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    if not isinstance(attributes, dict) or not isinstance(attributes.get("ucp"), dict):
+        return dump(doc) if replace is None else dump(doc).replace(*replace)
+    placeholder = "f" * 64
+    sealed = {**doc, "attributes": {**attributes,
+                                    "ucp": {**attributes["ucp"], ROOT_DIGEST: placeholder}}}
+    body = dump(sealed)
+    if replace is not None:
+        body = body.replace(*replace)
+    token = f'"{placeholder}"'.encode()
+    pos = body.find(token) + 1
+    if pos == 0 or body.find(token, pos) >= 0:
+        return body
+    zeroed = body[:pos] + b"0" * 64 + body[pos + 64 :]
+    return zeroed[:pos] + hashlib.sha256(zeroed).hexdigest().encode() + zeroed[pos + 64 :]
+
+
 def dump(doc: Any) -> bytes:
     """JSON text, with NaN tokens and deep nesting allowed (readers must refuse them)."""
     deep: dict[str, Deep] = {}
@@ -390,10 +444,10 @@ def make_fixture(directory: Path, *, compression: str | None = "zstd") -> Fixtur
 
 
 def _with_node(fx: Fixture, path: str, node: Any) -> dict[str, bytes | None]:
-    """The root and the node's own zarr.json, both holding ``node`` (so R055 holds)."""
+    """The root and the node's own zarr.json, both holding ``node`` (so UCP-1.0-R055 holds)."""
     root = fx.doc(ZARR_JSON)
     root["consolidated_metadata"]["metadata"][path] = node
-    return {ZARR_JSON: dump(root), f"{path}/{ZARR_JSON}": dump(node)}
+    return {ZARR_JSON: dump_root(root), f"{path}/{ZARR_JSON}": dump(node)}
 
 
 # -- targets ---------------------------------------------------------------------------------
@@ -413,7 +467,7 @@ def target(name: str) -> Callable[[Any], Any]:
 
 @target("root-document")
 def _root_document(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
-    return mutated(fx.doc(ZARR_JSON)), lambda doc: {ZARR_JSON: dump(doc)}
+    return mutated(fx.doc(ZARR_JSON)), lambda doc: {ZARR_JSON: dump_root(doc)}
 
 
 @target("root-bytes")
@@ -502,7 +556,7 @@ def _node_names(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | Non
         root = fx.doc(ZARR_JSON)
         meta = root["consolidated_metadata"]["metadata"]
         meta[f"model/{name}"] = meta.pop("model/norm.scale")
-        return {ZARR_JSON: dump(root)}
+        return {ZARR_JSON: dump_root(root)}
 
     names = st.one_of(st.sampled_from(HOSTILE_NAMES), st.text(max_size=12),
                       st.builds("/".join, st.lists(st.sampled_from(["..", ".", "a", ""]),
@@ -521,7 +575,7 @@ def _manifest(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]
         root["attributes"]["ucp"]["manifest"].update(
             nbytes=len(body), sha256=hashlib.sha256(body).hexdigest()
         )
-        return {MANIFEST_KEY: body, ZARR_JSON: dump(root)}
+        return {MANIFEST_KEY: body, ZARR_JSON: dump_root(root)}
 
     return mutated(fx.doc(MANIFEST_KEY)), put
 
@@ -614,6 +668,107 @@ def _symlinks(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]
     return st.sampled_from(keys), lambda key: {"__link__": key.encode()}
 
 
+@target("root-edited")
+def _root_edited(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
+    """The root edited and left unsealed: ``open`` must refuse every change (UCP-1.0-R058)."""
+    def put(doc: Any) -> dict[str, bytes | None]:
+        body = dump(doc)
+        return {ZARR_JSON: body, "__must_refuse__": b"" if body != fx.files[ZARR_JSON] else None}
+
+    return mutated(fx.doc(ZARR_JSON)), put
+
+
+#: Errors the operating system gives a read (the classes of issue 13).
+OS_ERRORS = [
+    PermissionError(13, "Permission denied"), NotADirectoryError(20, "Not a directory"),
+    IsADirectoryError(21, "Is a directory"), OSError(36, "File name too long"),
+    OSError(5, "Input/output error"), FileNotFoundError(2, "No such file or directory"),
+    OSError(40, "Too many levels of symbolic links"),
+]
+_READS = ("get", "get_range", "get_suffix", "read_into", "size", "exists", "list", "list_sizes",
+          "is_empty")
+
+
+class FailingStore(LocalStore):
+    """A local store one of whose read operations fails, for one key (or every key), with
+    an error of the operating system."""
+
+    def __init__(self, root: Path, *, key: str | None, operation: str, error: OSError) -> None:
+        super().__init__(root, durable=False)
+        self.failing_key, self.operation, self.error = key, operation, error
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        if name not in _READS or name != super().__getattribute__("operation"):
+            return attr
+        failing, error = super().__getattribute__("failing_key"), super().__getattribute__(
+            "error")
+
+        def failing_call(*args: Any, **kw: Any) -> Any:
+            if failing is None or (args and args[0] == failing):
+                raise error
+            return attr(*args, **kw)
+
+        return failing_call
+
+
+@target("os-errors")
+def _os_errors(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
+    """A read the operating system refuses (UCP-1.0-R099): only UCPError, validate never raises."""
+    keys = st.one_of(st.none(), st.sampled_from(sorted(fx.files)))
+    return st.tuples(keys, st.sampled_from(_READS), st.sampled_from(OS_ERRORS)), lambda arg: {
+        "__store__": json.dumps([arg[0], arg[1], OS_ERRORS.index(arg[2])]).encode()}
+
+
+def _nested(depth: int, leaf: str) -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+@target("large-root")
+def _large_root(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
+    """Roots of up to 4 MiB of the structures that cost the most memory to parse (nested
+    one-element lists, empty objects, short strings, many keys): refused unread beyond
+    the metadata limit, parsed within 48 times their size below it (UCP-1.0-R098)."""
+    shapes: dict[str, Callable[[int], str]] = {
+        "nested lists": lambda n: "[" + ",".join([_nested(40, "{}")] * (n // 84)) + "]",
+        "empty objects": lambda n: "[" + "{}," * (n // 3) + "{}]",
+        "short strings": lambda n: "[" + '"ab",' * (n // 5) + '"x"]',
+        "many keys": lambda n: "{" + ",".join(f'"{i:x}":0' for i in range(n // 9)) + "}",
+    }
+
+    def put(arg: tuple[str, int]) -> dict[str, bytes | None]:
+        shape, size = arg
+        doc = fx.doc(ZARR_JSON)
+        doc["attributes"]["ucp"]["metadata"] = {"x": "__BIG__"}
+        return {ZARR_JSON: dump_root(doc, replace=(b'"__BIG__"', shapes[shape](size).encode()))}
+
+    # Readers get LIMIT (8 MiB), so roots over 8 MiB / 48 are refused unread; the small
+    # ones are parsed (validate's JSON Schema check of values costs about 0.1 ms per
+    # hostile byte, so they stay small enough to be checked within the time limit).
+    sizes = st.sampled_from([1 << 10, 4 << 10, 200 << 10, 1 << 20, 4 << 20])
+    return st.tuples(st.sampled_from(sorted(shapes)), sizes), put
+
+
+@target("gzip-members")
+def _gzip_members(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
+    """A gzip chunk of up to 400,000 concatenated members, empty or not (UCP-1.0-R098: decoded in
+    one pass, not once per member over the rest of the chunk)."""
+    path = "model/norm.scale"
+    node = fx.doc(ZARR_JSON)["consolidated_metadata"]["metadata"][path]
+    doc = copy.deepcopy(node)
+    doc["codecs"] = [doc["codecs"][0], {"name": "gzip", "configuration": {"level": 1}},
+                     {"name": "crc32c"}]
+    empty = gzip.compress(b"", mtime=0)
+
+    def put(arg: tuple[int, int]) -> dict[str, bytes | None]:
+        members, tail = arg
+        payload = empty * members + gzip.compress(bytes(tail), mtime=0)
+        return {**_with_node(fx, path, doc), f"{path}/c/0": payload + crc_bytes(payload)}
+
+    counts = st.sampled_from([0, 1, 2, 1000, 3000, 100_000, 400_000])
+    return st.tuples(counts, st.sampled_from([0, 6, 7, 8, 1000])), put
+
+
 # -- running ---------------------------------------------------------------------------------
 
 
@@ -636,14 +791,23 @@ def fuzz_target(name: str, fx: Fixture, examples: int, figures: Figures,
         nonlocal count
         count += 1
         new = make(value)
+        must_refuse = "__must_refuse__" in new and new.pop("__must_refuse__") is not None
+        opened: list[bool] = []
         if "__link__" in new:
             with fx.linked(new["__link__"].decode(), fx.canary):  # type: ignore[union-attr]
                 outcomes = exercise(fx.root)
+        elif "__store__" in new:
+            key, operation, error = json.loads(new["__store__"] or b"")
+            store = FailingStore(fx.root, key=key, operation=operation,
+                                 error=OS_ERRORS[error])
+            outcomes = exercise(fx.root, store=store)
         elif new:
             with fx.replaced(new):
-                outcomes = exercise(fx.root)
+                outcomes = exercise(fx.root, opened=opened)
         else:
             return  # the target ran its own check (rule files)
+        if must_refuse and opened:
+            raise HostileInputFailure("open accepted a root edited after its commit (UCP-1.0-R058)")
         if outcomes:
             figures.refused += 1
 

@@ -75,9 +75,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ucpformat import chunking, dtypes, jsonvalues, names, schemas
-from ucpformat.codecs import Compression
+from ucpformat import dtypes, names, schemas
 from ucpformat.comm import Communicator, SingleProcess
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region
+from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     FormatError,
     InvalidValueError,
@@ -86,7 +89,7 @@ from ucpformat.errors import (
     WriteError,
 )
 from ucpformat.layout.boxes import Box, box_shape, box_size
-from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta
+from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.pipeline import check_written, exchange_and_prepare, mark, write
 from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.saveplan import DEFAULT_MIN_SHARD_BYTES, RankTasks, TensorSpec, make_plan
@@ -112,18 +115,9 @@ from ucpformat.torch.dcp_keys import (
     record_from_json,
     record_to_json,
 )
-from ucpformat.torch.state import like, qualified_name, unwrap
-from ucpformat.writer import (
-    StoredObject,
-    _now,
-    commit,
-    default_producer,
-    default_workers,
-    object_coords,
-    object_region,
-    write_object,
-    zero_bits,
-)
+from ucpformat.torch.planner import like
+from ucpformat.torch.state import qualified_name, unwrap
+from ucpformat.writer import commit, default_workers, zero_bits
 
 CheckpointId = str | os.PathLike[str]
 
@@ -507,14 +501,13 @@ class UCPWriter(StorageWriter):
             GroupMeta(g, {"ucp": {"values": group_values[g]}} if g in group_values else {})
             for g in sorted(groups)
         ]
-        root_ucp: dict[str, Any] = {
-            "producer": default_producer(),
-            "created": _now(),
-            "saved_by": {"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
-            RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()},
-        }
-        if self.metadata is not None:
-            root_ucp["metadata"] = jsonvalues.encode(self.metadata, where="metadata")
+        root_ucp = build_root_ucp(
+            metadata=self.metadata,
+            saved_by={"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
+            extensions={
+                RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()}
+            },
+        )
         commit(store, arrays=final_metas, groups=group_metas, objects=objects,
                root_ucp=root_ucp, hash_algorithm=self.hash_algorithm)
         self._state = None
@@ -632,7 +625,8 @@ def _bytes_meta(
 
 
 def _check_optimizer_values(values: Mapping[str, Any], arrays: Mapping[str, ArrayMeta]) -> None:
-    """Refuse param groups the spec refuses (R081, R082), before anything is committed."""
+    """Refuse param groups the spec refuses (UCP-1.0-R081, UCP-1.0-R082), before anything is
+    committed."""
     if not values:
         return
     hint = ("save the optimizer state of torch.distributed.checkpoint.state_dict."

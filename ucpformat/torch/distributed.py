@@ -53,10 +53,8 @@ from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
 from ucpformat.distributed import save_distributed as _core_save_distributed
 from ucpformat.errors import (
     InvalidValueError,
-    KeyMismatchError,
     LayoutError,
     LoadError,
-    ShapeMismatchError,
 )
 from ucpformat.layout.boxes import LocalMap, Piece, as_slices, box_size, full_box
 from ucpformat.layout.dtensor import (
@@ -69,24 +67,40 @@ from ucpformat.layout.dtensor import (
 )
 from ucpformat.reader import Checkpoint
 from ucpformat.storage import Store
+from ucpformat.torch.assign import (
+    AssignGroup,
+    assign_groups,
+    assign_step,
+    assigned_state,
+    live_tensors,
+)
 from ucpformat.torch.comm import ProcessGroup, communicator
 from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
-from ucpformat.torch.reads import TensorRead, read_tensors
+from ucpformat.torch.planner import (
+    Device,
+    ModelPlan,
+    OptimizerPlan,
+    OptimizerView,
+    PathOrCheckpoint,
+    Step,
+    apply_steps,
+    check_device,
+    opened,
+    plan_model,
+    plan_optimizer,
+    plan_scheduler,
+    refuse_meta_parameters,
+    refuse_optimizer_with_assign,
+    scheduler_step,
+    tree_to_torch,
+)
+from ucpformat.torch.reads import StagedReads, TensorRead, partly_changed, read_tensors, whole
 from ucpformat.torch.state import (
     LoadResult,
-    PathOrCheckpoint,
     Stateful,
-    _ArrayRef,
-    _children,
-    _opened,
-    _optimizer_entries,
-    _refuse_model_mismatch,
-    _refuse_optimizer_mismatch,
-    _to_torch,
-    _values,
-    like,
+    meta_left,
+    non_persistent_buffers,
     qualified_name,
-    saved_param_groups,
     tied_aliases,
     to_json,
     unwrap,
@@ -461,65 +475,35 @@ def write_collected(
 @dataclass
 class _Read:
     path: str  # node path in the checkpoint
-    target: torch.Tensor  # DTensor or plain tensor, filled in place
+    target: torch.Tensor  # DTensor or plain tensor: live state, or a new optimizer state
 
 
 @dataclass
 class _LoadPlan:
     reads: list[_Read] = field(default_factory=list)
-    model_sd: dict[str, Any] | None = None
-    optim_sd: dict[str, Any] | None = None
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    missing_optimizer: list[str] = field(default_factory=list)
-    unexpected_optimizer: list[str] = field(default_factory=list)
-
-
-def _check_shape(ckpt: Checkpoint, path: str, target: torch.Tensor) -> None:
-    stored = ckpt.arrays[path].shape
-    if tuple(int(n) for n in target.shape) != stored:
-        raise ShapeMismatchError(
-            f"stored shape {list(stored)} differs from the target's {list(target.shape)}",
-            tensor=path,
-        )
+    model: ModelPlan | None = None
+    model_sd: dict[str, Any] | None = None  # for set_model_state_dict (targets filled)
+    assign: list[AssignGroup] = field(default_factory=list)  # assign=True: new tensors
+    optimizer: OptimizerPlan | None = None
+    scheduler: tuple[bool, Any] = (False, None)
 
 
 def _plan_model(
-    ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool
-) -> dict[str, Any]:
+    ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool, assign: bool
+) -> None:
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
-    if "model" not in ckpt.groups:
-        if strict:
-            raise KeyMismatchError("the checkpoint has no model group; pass strict=False to "
-                                   "load the rest anyway", path=ckpt.location)
-        plan.missing = list(msd)
-        return msd
-    stored = _children(ckpt, "model")
-    meta = ckpt.groups.get("model")
-    for alias, target in (meta.ucp.get("aliases", {}) if meta else {}).items():
-        if isinstance(target, str) and target in stored and alias not in stored:
-            stored[str(alias)] = stored[target]
-    values = _values(ckpt, "model")
-    plan.missing = [k for k in msd if k not in stored and k not in values]
-    plan.unexpected = [k for k in [*stored, *values] if k not in msd]
-    if strict:
-        _refuse_model_mismatch(plan.missing, plan.unexpected,
-                               state_dict="the model's state dict", path=ckpt.location)
-    for fqn, current in msd.items():
-        if fqn in values:
-            msd[fqn] = like(current, values[fqn])
-            continue
-        path = stored.get(fqn)
-        if path is None:
-            continue
-        if not isinstance(current, torch.Tensor):
-            raise LoadError(f"the checkpoint stores a tensor, the model's state dict has a "
-                            f"{type(current).__name__}", tensor=path)
-        _check_tensor(current, path)
-        _check_shape(ckpt, path, current)
-        plan.reads.append(_Read(path, current))
-    return msd
+    plan.model = plan_model(ckpt, msd, strict=strict, owner="the model's state dict",
+                            skip=non_persistent_buffers(model, msd), assign=assign)
+    if assign:
+        _, canonical = _model_fqns(model)
+        live = {canonical(name): t for name, t in live_tensors(model).items()}
+        plan.assign = assign_groups(live, plan.model.tensors)
+    else:
+        for fqn, path in plan.model.tensors.items():
+            plan.reads.append(_Read(path, msd[fqn]))
+    msd.update(plan.model.values)
+    plan.model_sd = msd
 
 
 def _plan_optimizer(
@@ -528,68 +512,22 @@ def _plan_optimizer(
     optimizer: torch.optim.Optimizer,
     plan: _LoadPlan,
     strict: bool,
-) -> dict[str, Any] | None:
+) -> None:
+    params = _param_tensors(model)
+    refuse_meta_parameters(params)  # before torch initialises the state (on meta)
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
-    current_groups: list[dict[str, Any]] = list(osd.get("param_groups", []))
-    current = [str(f) for g in current_groups for f in g["params"]]
-    if "optimizer" not in ckpt.groups:
-        if strict:
-            raise KeyMismatchError("the checkpoint has no optimizer group; pass strict=False "
-                                   "to load the rest anyway", path=ckpt.location)
-        plan.missing_optimizer = current
-        return None
-    saved_groups = saved_param_groups(ckpt, optimizer, strict=strict)
-    group_of = {str(f): gi for gi, g in enumerate(saved_groups) for f in g["params"]}
-    current_set = set(current)
-    plan.missing_optimizer = [f for f in current if f not in group_of]
-    plan.unexpected_optimizer = [f for f in group_of if f not in current_set]
-    if strict:
-        _refuse_optimizer_mismatch(plan.missing_optimizer, plan.unexpected_optimizer)
-    entries = _optimizer_entries(ckpt)
-    params = _param_tensors(model)
-    groups: list[dict[str, Any]] = []
-    state: dict[str, dict[str, Any]] = {}
-    for gi, group in enumerate(current_groups):
-        fqns = [str(f) for f in group["params"]]
-        sources = sorted({group_of[f] for f in fqns if f in group_of})
-        if len(sources) > 1:
-            raise LoadError(
-                f"param group {gi} of the optimizer holds parameters of the checkpoint's "
-                f"param groups {sources}, whose hyperparameters may differ",
-                path="optimizer",
-            )
-        if sources:
-            hyper = {k: like(group.get(k), v) for k, v in saved_groups[sources[0]].items()
-                     if k != "params"}
-        else:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-        hyper["params"] = list(group["params"])
-        groups.append(hyper)
-        for fqn in fqns:
-            cur: dict[str, Any] = dict(osd.get("state", {}).get(fqn, {}))
-            if fqn not in group_of:  # strict=False: keep what the optimizer has
-                if cur:
-                    state[fqn] = cur
-                continue
-            entry = entries.get(fqn)
-            if entry is None:
-                continue  # stateless in the checkpoint: no state after loading either
-            new: dict[str, Any] = {}
-            for key, value in entry.items():
-                where = f"optimizer/state/{fqn}/{key}"
-                if isinstance(value, _ArrayRef):
-                    target = cur.get(key)
-                    if not isinstance(target, torch.Tensor):
-                        target = _new_state_tensor(ckpt, value.path, params.get(fqn))
-                    _check_tensor(target, where)
-                    _check_shape(ckpt, value.path, target)
-                    plan.reads.append(_Read(value.path, target))
-                    new[key] = target
-                else:
-                    new[key] = like(cur.get(key), value)
-            state[fqn] = new
-    return {"state": state, "param_groups": groups}
+    groups: list[dict[str, Any]] = list(osd.get("param_groups", []))
+    current: dict[str, Any] = osd.get("state", {})
+    view = OptimizerView(qualified_name(optimizer), groups,
+                         [[str(f) for f in g["params"]] for g in groups], current, params)
+    plan.optimizer = plan_optimizer(ckpt, view, strict=strict)
+    for fqn, entry, name, array in plan.optimizer.stored_arrays():
+        target = current.get(fqn, {}).get(name)  # its shape was checked by the planner
+        if not isinstance(target, torch.Tensor):
+            target = _new_state_tensor(ckpt, array.path, params.get(fqn))
+        plan.reads.append(_Read(array.path, target))
+        entry[name] = target
 
 
 def _param_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -603,7 +541,7 @@ def _new_state_tensor(
     """A tensor to read a state into that the live optimizer lacks: laid out like its
     parameter if it has the parameter's shape, else whole on every rank."""
     meta = ckpt.arrays[path]
-    dtype = data_type_torch(meta.dtype.name)
+    dtype = torch_dtype(meta.dtype.name, tensor=path)
     if (
         isinstance(param, DTensor)
         and tuple(int(n) for n in param.shape) == meta.shape
@@ -615,15 +553,15 @@ def _new_state_tensor(
     return torch.empty(meta.shape, dtype=dtype, device=device)
 
 
-def data_type_torch(name: str) -> torch.dtype:
-    return torch_dtype(name)
-
-
-def _read_all(ckpt: Checkpoint, reads: Sequence[_Read]) -> None:
-    """Read every target's local part, as one batch; contiguous CPU local tensors of the
-    stored type are the read buffers themselves (zero-copy)."""
+def _read_all(
+    ckpt: Checkpoint, plan: _LoadPlan, map_location: Device, in_place: bool
+) -> tuple[StagedReads, list[torch.Tensor]]:
+    """Read every target's local part, and the new local part of every tensor assigned,
+    as one batch: into staging (no target changes before :meth:`StagedReads.apply`), or
+    ``in_place``. The new tensors assigned come back laid out as their live tensors
+    (DTensors of the same mesh and placements)."""
     requests: list[TensorRead] = []
-    for read in reads:
+    for read in plan.reads:
         target = read.target
         if isinstance(target, DTensor):
             lm = local_map_of(target, name=read.path)
@@ -631,23 +569,90 @@ def _read_all(ckpt: Checkpoint, reads: Sequence[_Read]) -> None:
                 continue
             local = target.to_local()
         else:
-            lm = _whole(tuple(int(n) for n in target.shape))
+            lm = whole(target.shape)
             local = target
         if local.numel() == 0:
             continue
         requests.append(TensorRead(read.path, local, lm))
-    read_tensors(ckpt, requests)
+    first = len(requests)
+    layouts: list[Any] = []
+    for group in plan.assign:
+        like = (plan.model_sd or {}).get(group.names[0])
+        lm = None
+        if isinstance(like, DTensor):
+            lm = local_map_of(like, name=group.path)
+            if lm is None:
+                raise LoadError("this rank is not in the tensor's device mesh, so it cannot "
+                                "be given a local part", tensor=group.path)
+        layouts.append(like)
+        requests.append(TensorRead(group.path, local=lm, device=map_location))
+    staged = read_tensors(ckpt, requests, in_place=in_place)
+    new: list[torch.Tensor] = []
+    for like, local in zip(layouts, staged.tensors[first:], strict=True):
+        if isinstance(like, DTensor):
+            local = DTensor.from_local(local, like.device_mesh, like.placements,
+                                       run_check=False, shape=like.shape, stride=like.stride())
+        new.append(local)
+    return staged, new
 
 
-def _agree(comm: Communicator, error: BaseException | None, stage: str) -> None:
-    """Collective: raise on every rank if any rank failed (its own error where it has one)."""
+def _agree(
+    comm: Communicator, error: BaseException | None, stage: str, written: Sequence[str] = ()
+) -> None:
+    """Collective: raise on every rank if any rank failed (its own error where it has one;
+    ``written``: what this rank has changed already, read in place)."""
     failed = gather_failures(comm, error)
     if not failed:
         return
     if error is not None:
         raise error
     detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-    raise LoadError(f"loading failed on other ranks while {stage} ({detail})")
+    failure = LoadError(f"loading failed on other ranks while {stage} ({detail})")
+    raise partly_changed(failure, written) if written else failure
+
+
+def _steps(
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Stateful | None,
+    plan: _LoadPlan,
+    staged: StagedReads,
+    assigned: Sequence[torch.Tensor],
+    strict: bool,
+) -> list[Step]:
+    """The changes a load makes, in order: the scheduler (undone on a later failure),
+    then the tensors and the state dicts (which cannot be). In place, the tensors were
+    changed by the read already: a later failure says so."""
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
+    steps: list[Step] = []
+    if staged.written:
+        steps.append(Step("the model's and the optimizer's tensors (read in place)", "model",
+                          lambda: None))
+    load_scheduler, scheduler_state = plan.scheduler
+    if scheduler is not None and load_scheduler:
+        steps.append(scheduler_step(scheduler, scheduler_state))
+    steps.append(Step("the model's and the optimizer's tensors", "model", staged.apply))
+    model_sd = plan.model_sd
+    if model is not None and model_sd is not None and plan.assign:
+        rename: dict[str, list[str]] = {}
+        _, canonical = _model_fqns(model)
+        for name in live_tensors(model):
+            rename.setdefault(canonical(name), []).append(name)
+        state = assigned_state(plan.assign, assigned, rename)
+        for fqn, value in (plan.model.values if plan.model else {}).items():
+            for key in rename.get(fqn, [fqn]):
+                state[key] = value
+        steps.append(assign_step(model, state))
+    elif model is not None and model_sd is not None:
+        steps.append(Step("the model", "model",
+                          lambda: set_model_state_dict(model, model_sd, options=options)))
+    optim = plan.optimizer
+    if model is not None and optimizer is not None and optim is not None:
+        optim_sd = optim.state_dict
+        if optim_sd is not None:
+            steps.append(Step("the optimizer", "optimizer", lambda: set_optimizer_state_dict(
+                model, optimizer, optim_sd, options=options)))
+    return steps
 
 
 def load_distributed(
@@ -659,66 +664,81 @@ def load_distributed(
     strict: bool = True,
     group: ProcessGroup | None = None,
     map_location: str | torch.device = "cpu",
+    assign: bool = False,
+    in_place: bool = False,
 ) -> LoadResult:
     """Collective: load a checkpoint into a model and optimizer laid out in any way.
 
     Each rank reads only the regions its DTensors' placements give it (plain tensors:
     the whole tensor), whatever layout and world size saved the checkpoint (or a single
-    process). Names, shapes and the optimizer type are checked on every rank and the
-    ranks agree before anything is modified (``strict=False`` loads what matches and
-    lists the rest). Model-only loading: pass no optimizer. Tensors of ``training/``
-    come back on ``map_location``.
+    process). Names, shapes, stored values and the optimizer type are checked on every
+    rank, every rank reads its part into staging (each chunk's checksum checked), and
+    the ranks agree before anything is modified: a load that fails on any rank changes
+    nothing on any rank (``strict=False`` loads what matches and lists the rest).
+    Model-only loading: pass no optimizer. Tensors of ``training/`` come back on
+    ``map_location``.
+
+    ``assign``: the model's tensors are replaced by new ones (the checkpoint's dtype; a
+    DTensor's local part read on ``map_location``, then on its mesh's device, with the
+    same mesh and placements) through ``model.load_state_dict(assign=True)``, as a
+    model built on the meta device needs (FSDP2 and TP models too); a meta tensor is
+    refused without it. ``in_place``: each rank reads straight into its local tensors
+    (no staging); a load that then fails leaves them partly changed, and the error says
+    so and names them.
     """
     comm = communicator(group)
     if optimizer is not None and model is None:
         raise InvalidValueError("loading an optimizer needs model= (it names the parameters)")
-    with _opened(path) as ckpt:
+    with opened(path) as ckpt:
         start = ckpt.stats.bytes_read
         plan = _LoadPlan()
         error: BaseException | None = None
-        training_values: dict[str, Any] = {}
-        training: dict[str, Any] = {}
         try:
+            check_device(map_location)
+            refuse_optimizer_with_assign(assign, optimizer)
             if model is not None:
-                plan.model_sd = _plan_model(ckpt, model, plan, strict)
+                _plan_model(ckpt, model, plan, strict, assign)
             if optimizer is not None:
                 assert model is not None
-                plan.optim_sd = _plan_optimizer(ckpt, model, optimizer, plan, strict)
-            training_values = _values(ckpt, "training")
-            if scheduler is not None and "scheduler" not in training_values and strict:
-                raise KeyMismatchError("the checkpoint holds no scheduler state "
-                                       "(training/scheduler); pass strict=False to load the "
-                                       "rest anyway", path=ckpt.location)
+                _plan_optimizer(ckpt, model, optimizer, plan, strict)
+            if scheduler is not None:
+                plan.scheduler = plan_scheduler(ckpt, scheduler.state_dict(), strict=strict)
             for read in plan.reads:  # placements that cannot be laid out fail here
                 if isinstance(read.target, DTensor):
                     local_map_of(read.target, name=read.path)
         except BaseException as exc:
             error = exc
         _agree(comm, error, "checking the checkpoint")
+        staged = StagedReads([])
+        assigned: list[torch.Tensor] = []
+        training: dict[str, Any] = {}
         try:
-            _read_all(ckpt, plan.reads)
-            training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
+            staged, assigned = _read_all(ckpt, plan, map_location, in_place)
+            training = tree_to_torch(
+                ckpt.to_dict("training") if "training" in ckpt.groups else {},
+                map_location, "training",
+            )
         except BaseException as exc:
             error = exc
-        _agree(comm, error, "reading")
-        options = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
-        if model is not None and plan.model_sd is not None:
-            set_model_state_dict(model, plan.model_sd, options=options)
-        if optimizer is not None and plan.optim_sd is not None:
-            assert model is not None
-            set_optimizer_state_dict(model, optimizer, plan.optim_sd, options=options)
-        if scheduler is not None and "scheduler" in training_values:
-            scheduler.load_state_dict(like(scheduler.state_dict(), training_values["scheduler"]))
+        _agree(comm, error, "reading", staged.written)
+        try:
+            apply_steps(_steps(model, optimizer, scheduler, plan, staged, assigned, strict))
+        except BaseException as exc:
+            error = exc
+        _agree(comm, error, "loading the checked state", staged.written)
         step = training.get("step")
+        mp, op = plan.model, plan.optimizer
         return LoadResult(
             step=int(step) if isinstance(step, int) else None,
-            training=_to_torch(training, map_location, "training"),
+            training=training,
             metadata=ckpt.metadata,
-            missing_keys=plan.missing,
-            unexpected_keys=plan.unexpected,
-            missing_optimizer_params=plan.missing_optimizer,
-            unexpected_optimizer_params=plan.unexpected_optimizer,
+            missing_keys=mp.missing if mp else [],
+            unexpected_keys=mp.unexpected if mp else [],
+            ignored_keys=mp.ignored if mp else [],
+            missing_optimizer_params=op.missing if op else [],
+            unexpected_optimizer_params=op.unexpected if op else [],
             bytes_read=ckpt.stats.bytes_read - start,
+            on_meta=meta_left(model),
         )
 
 

@@ -1,0 +1,448 @@
+"""The read path of stored objects: from a box of an array to bytes in caller memory.
+
+For each stored object that overlaps the box, :meth:`ArrayReader.plan_object` lists the
+inner chunks to read (for a shard, from its CRC-checked index); :func:`group_runs` groups
+chunks that lie back to back in one object into runs; :meth:`ArrayReader.read_run` reads
+a run with one request and checks every chunk's CRC32C. Uncompressed row blocks land
+straight in the caller's array (zero copy), others are decoded and copied. A chunk that
+must exist and does not is an error, never fill values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ucpformat.engine.checksum import CRC_BYTES, crc32c
+from ucpformat.engine.sharding import EMPTY, decode_index, index_nbytes
+from ucpformat.errors import ChecksumError, CorruptDataError, MissingChunkError
+from ucpformat.storage import Store
+
+if TYPE_CHECKING:
+    from ucpformat.metadata import ArrayMeta
+
+#: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
+#: checks that the stored object is really that large.
+UNCHECKED_SCRATCH_BYTES = 1 << 20
+#: Bytes an encoded chunk may hold beyond twice its decoded size (UCP-1.0-R098): no
+#: compressor of the closed list needs that much (zstd, gzip and blosc add at most a
+#: few bytes per block, and headers).
+ENCODING_SLACK = 1 << 16
+
+
+def max_encoded_nbytes(decoded: int) -> int:
+    """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), UCP-1.0-R098."""
+    return 2 * decoded + ENCODING_SLACK
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """One chunk to read: object key, byte range (None: the whole object), where it goes."""
+
+    key: str
+    offset: int
+    nbytes: int | None
+    lo: tuple[int, ...]  # global coordinates of the chunk's first element
+    chunk: tuple[int, ...]  # global chunk coordinates (for messages)
+
+
+def group_runs(reads: Sequence[ChunkRead], limit: int) -> list[list[ChunkRead]]:
+    """Chunk reads grouped into runs that lie back to back in one stored object."""
+    runs: list[list[ChunkRead]] = []
+    ordered = sorted(reads, key=lambda r: (r.key, r.offset))
+    size = 0
+    for read in ordered:
+        if (
+            runs
+            and read.nbytes is not None
+            and size + read.nbytes <= limit
+            and (last := runs[-1][-1]).key == read.key
+            and last.nbytes is not None
+            and last.offset + last.nbytes == read.offset
+        ):
+            runs[-1].append(read)
+            size += read.nbytes
+        else:
+            runs.append([read])
+            size = read.nbytes or 0
+    return runs
+
+
+class ArrayReader:
+    """Reads boxes of one array's stored objects into caller memory, checking every chunk.
+
+    ``count`` is told the size of every read (a checkpoint's read statistics).
+    """
+
+    def __init__(self, store: Store, meta: ArrayMeta, count: Callable[[int], None]) -> None:
+        self.store = store
+        self.meta = meta
+        self.path = meta.path
+        self._count = count
+
+    # -- counted storage reads ------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes | None:
+        data = self.store.get(key)
+        if data is not None:
+            self._count(len(data))
+        return data
+
+    def _get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        data = self.store.get_range(key, offset, length)
+        if data is not None:
+            self._count(len(data))
+        return data
+
+    def _get_suffix(self, key: str, length: int) -> bytes | None:
+        data = self.store.get_suffix(key, length)
+        if data is not None:
+            self._count(len(data))
+        return data
+
+    def _read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        got = self.store.read_into(key, offset, buffers)
+        if got is not None:
+            self._count(got)
+        return got
+
+    # -- object and chunk reads ---------------------------------------------------------
+
+    def _chunk_label(self, global_chunk: Sequence[int], key: str) -> str:
+        return f"({', '.join(str(c) for c in global_chunk)}) [object {key}]"
+
+    def _missing(self, what: str) -> MissingChunkError:
+        return MissingChunkError(
+            f"{what} is missing; a non-sparse array stores every chunk, so this checkpoint "
+            "is incomplete or damaged (never read as fill values)",
+            rule="UCP-1.0-R031",
+            tensor=self.path,
+        )
+
+    def _oversized(self, label: str, size: str, bound: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"chunk {label} is stored in {size}, more than any encoding of its "
+            f"{math.prod(self.meta.chunk_shape) * self.meta.dtype.itemsize} bytes takes "
+            f"({bound}: twice its size plus {ENCODING_SLACK}); refused unread",
+            rule="UCP-1.0-R098",
+            tensor=self.path,
+        )
+
+    def _overlap(
+        self, chunk_lo: Sequence[int], req_lo: Sequence[int], req_hi: Sequence[int]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """(source box in the chunk, destination box in the output), or None if disjoint."""
+        src, dst = [], []
+        for lo, n, a, b in zip(chunk_lo, self.meta.chunk_shape, req_lo, req_hi, strict=True):
+            s, e = max(lo, a), min(lo + n, b)
+            if s >= e:
+                return None
+            src.append((s - lo, e - lo))
+            dst.append((s - a, e - a))
+        return src, dst
+
+    def _place(
+        self,
+        chunk_lo: Sequence[int],
+        chunk: np.ndarray[Any, Any] | None,
+        req_lo: Sequence[int],
+        req_hi: Sequence[int],
+        out: np.ndarray[Any, Any],
+    ) -> None:
+        """Copy the overlap of a chunk (at global ``chunk_lo``) into ``out`` (None: fill)."""
+        ov = self._overlap(chunk_lo, req_lo, req_hi)
+        if ov is None:
+            return
+        src, dst = ov
+        target = tuple(slice(a, b) for a, b in dst)
+        if chunk is None:
+            out[target] = self.meta.fill_value
+        else:
+            out[target] = chunk[tuple(slice(a, b) for a, b in src)]
+
+    def plan_object(
+        self,
+        coords: tuple[int, ...],
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+    ) -> list[ChunkRead]:
+        """The chunk reads one stored object contributes (reads a shard's index)."""
+        meta = self.meta
+        key = meta.object_key(coords)
+        obj_lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
+        if meta.shard_shape is None:
+            return [ChunkRead(key, 0, None, tuple(obj_lo), tuple(coords))]
+        cs = meta.chunk_shape
+        cps = meta.chunks_per_shard
+        local_ranges = []
+        for d in range(len(cs)):
+            lo = max(req_lo[d], obj_lo[d]) - obj_lo[d]
+            hi = min(req_hi[d], obj_lo[d] + meta.object_shape[d], meta.shape[d]) - obj_lo[d]
+            local_ranges.append(range(lo // cs[d], -(-hi // cs[d])))
+        isize = index_nbytes(cps)
+        raw_index = self._get_suffix(key, isize)
+        # (the shard's index, checked first, bounds the list below by the shard's size)
+        needed = (
+            list(itertools.product(*local_ranges))
+            if raw_index is None or len(raw_index) == isize
+            else []
+        )
+        if raw_index is None:
+            if meta.sparse:
+                for local in needed:
+                    chunk_lo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
+                    self._place(chunk_lo, None, req_lo, req_hi, out)
+                return []
+            raise self._missing(f"shard {key}")
+        if len(raw_index) != isize:
+            raise CorruptDataError(
+                f"shard {key} is truncated ({len(raw_index)} bytes, its index alone is {isize})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+        index = decode_index(raw_index, cps, tensor=self.path, shard=key)
+        max_encoded = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
+        reads = []
+        shard_size: int | None = None  # asked for once an entry needs it
+        for local in needed:
+            offset, nbytes = (int(v) for v in index[local])
+            glo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
+            gchunk = tuple(g // c for g, c in zip(glo, cs, strict=True))
+            if offset == int(EMPTY) and nbytes == int(EMPTY):
+                if meta.sparse:
+                    self._place(glo, None, req_lo, req_hi, out)
+                    continue
+                raise self._missing(f"inner chunk {self._chunk_label(gchunk, key)}")
+            if nbytes > max_encoded and offset < 2**62 and nbytes < 2**62:
+                size = self.store.size(key)
+                if size is not None and offset + nbytes > size:
+                    raise CorruptDataError(
+                        f"inner chunk {self._chunk_label(gchunk, key)} is cut short: its "
+                        f"shard is {size} bytes, its index says it ends at {offset + nbytes}",
+                        rule="UCP-1.0-R094",
+                        tensor=self.path,
+                    )
+                raise self._oversized(self._chunk_label(gchunk, key), f"{nbytes} bytes",
+                                      max_encoded)
+            if offset >= 2**62 or nbytes >= 2**62:
+                raise CorruptDataError(
+                    f"inner chunk {self._chunk_label(gchunk, key)} has an impossible index entry "
+                    f"(offset {offset}, {nbytes} bytes)",
+                    rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
+            if shard_size is None:
+                shard_size = self.store.size(key)
+            if shard_size is not None and offset + nbytes > shard_size - isize:
+                # inner chunks lie before the index (UCP-1.0-R048), and inside the shard
+                # (UCP-1.0-R094)
+                beyond = offset + nbytes > shard_size
+                raise CorruptDataError(
+                    f"inner chunk {self._chunk_label(gchunk, key)} has the index entry (offset "
+                    f"{offset}, {nbytes} bytes), which reaches "
+                    f"{'beyond the end of its shard' if beyond else 'into the shard index'} "
+                    f"(a shard of {shard_size} bytes whose index starts at byte "
+                    f"{shard_size - isize})",
+                    rule="UCP-1.0-R094" if beyond else "UCP-1.0-R048",
+                    tensor=self.path,
+                )
+            reads.append(ChunkRead(key, offset, nbytes, glo, gchunk))
+        return reads
+
+    def _read_chunk(
+        self,
+        read: ChunkRead,
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+    ) -> None:
+        """Read, verify and place one chunk; uncompressed row blocks go straight into ``out``."""
+        meta = self.meta
+        label = self._chunk_label(read.chunk, read.key)
+        ov = self._overlap(read.lo, req_lo, req_hi)
+        if ov is None:
+            return
+        src, dst = ov
+        cs = meta.chunk_shape
+        view = self._direct(read, src, dst, out)
+        if view is not None:
+            payload = math.prod(cs) * meta.dtype.itemsize
+            self._read_rows_into(read, src, view, payload, label)
+            return
+        if read.nbytes is None:
+            bound = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
+            data = self._get_range(read.key, 0, bound + 1)
+            if data is None:
+                if meta.sparse:
+                    self._place(read.lo, None, req_lo, req_hi, out)
+                    return
+                raise self._missing(f"chunk {label}")
+            if len(data) > bound:
+                raise self._oversized(label, f"{len(data)} bytes or more", bound)
+        else:
+            data = self._get_range(read.key, read.offset, read.nbytes)
+            if data is None or len(data) != read.nbytes:
+                raise CorruptDataError(
+                    f"chunk {label} is cut short: its shard is smaller than its index says",
+                    rule="UCP-1.0-R094",
+                    tensor=self.path,
+                )
+        chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
+        self._place(read.lo, chunk, req_lo, req_hi, out)
+
+    def _read_rows_into(
+        self,
+        read: ChunkRead,
+        src: Sequence[tuple[int, int]],
+        view: np.ndarray[Any, Any],
+        payload: int,
+        label: str,
+    ) -> None:
+        """Zero-copy path: the chunk's wanted rows land in ``view``; the rest in scratch."""
+        meta = self.meta
+        row = payload // meta.chunk_shape[0] if meta.chunk_shape else payload
+        before = src[0][0] * row if meta.chunk_shape else 0
+        middle = view.reshape(-1).view(np.uint8).data
+        after = payload - before - len(middle)
+        if read.nbytes is None and before + after > UNCHECKED_SCRATCH_BYTES:
+            # Allocate scratch for the unwanted rows only once the object is that large
+            # (UCP-1.0-R094): metadata alone cannot make a reader allocate.
+            size = self.store.size(read.key)
+            if size is not None and size != payload + CRC_BYTES:
+                raise CorruptDataError(
+                    f"chunk {label} is {size} bytes, expected {payload + CRC_BYTES}",
+                    rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
+        head = bytearray(before)
+        tail = bytearray(after + CRC_BYTES + (1 if read.nbytes is None else 0))
+        got = self._read_into(read.key, read.offset, [head, middle, tail])
+        if got is None:
+            if meta.sparse:
+                view[...] = meta.fill_value
+                return
+            raise self._missing(f"chunk {label}")
+        expected = payload + CRC_BYTES
+        if got != expected:
+            # a shard whose index points past its end (UCP-1.0-R094), or a chunk of the wrong size
+            beyond = read.nbytes is not None and got < expected
+            raise CorruptDataError(
+                f"chunk {label} holds {got - CRC_BYTES if got >= CRC_BYTES else got} bytes"
+                f"{' or more' if got > expected else ''}, expected {payload}"
+                f"{': its shard is smaller than its index says' if beyond else ''}",
+                rule="UCP-1.0-R094" if beyond else "UCP-1.0-R041",
+                tensor=self.path,
+            )
+        self._verify(read, head, middle, tail, after)
+
+    def _direct(self, read: ChunkRead, src: Sequence[tuple[int, int]],
+                dst: Sequence[tuple[int, int]], out: np.ndarray[Any, Any]) -> Any:
+        """The rows of ``out`` a chunk can be read into without a copy, or None.
+
+        Uncompressed chunks that span every dimension but the first (row blocks) and whose
+        wanted rows are contiguous in ``out`` qualify.
+        """
+        meta = self.meta
+        cs = meta.chunk_shape
+        if meta.compression is not None or meta.dtype.kind == "bool":
+            return None  # (bool chunks are decoded: every byte is checked, UCP-1.0-R008)
+        if any(src[d] != (0, cs[d]) for d in range(1, len(cs))):
+            return None
+        payload = math.prod(cs) * meta.dtype.itemsize
+        if read.nbytes is not None and read.nbytes != payload + CRC_BYTES:
+            return None
+        rows: tuple[Any, ...] = (*(slice(a, b) for a, b in dst), Ellipsis)
+        view = out[rows]
+        return view if view.flags.c_contiguous else None
+
+    def read_run(
+        self,
+        run: Sequence[ChunkRead],
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+    ) -> None:
+        """Read chunks that lie back to back in one shard with one request, then verify
+        and place each: row blocks land in ``out`` directly, others are decoded."""
+        if len(run) == 1:
+            self._read_chunk(run[0], req_lo, req_hi, out)
+            return
+        meta = self.meta
+        cs = meta.chunk_shape
+        payload = math.prod(cs) * meta.dtype.itemsize
+        row = payload // cs[0] if cs else payload
+        key = run[0].key
+        end = run[-1].offset + (run[-1].nbytes or 0)
+        scratch_bytes = sum((r.nbytes or 0) for r in run)  # at most this much is not ``out``
+        if scratch_bytes > UNCHECKED_SCRATCH_BYTES:
+            # the shard's index gave these ranges: allocate for them only once the shard is
+            # known to hold them (UCP-1.0-R094)
+            size = self.store.size(key)
+            if size is not None and size < end:
+                raise CorruptDataError(
+                    f"chunk {self._chunk_label(run[-1].chunk, key)} is cut short: its shard "
+                    f"is {size} bytes, its index says it ends at {end}",
+                    rule="UCP-1.0-R094",
+                    tensor=self.path,
+                )
+        buffers: list[Any] = []
+        parts: list[tuple[ChunkRead, Any, Any]] = []
+        for read in run:
+            assert read.nbytes is not None
+            ov = self._overlap(read.lo, req_lo, req_hi)
+            view = None if ov is None else self._direct(read, ov[0], ov[1], out)
+            if view is not None and ov is not None:
+                before = ov[0][0][0] * row
+                middle = view.reshape(-1).view(np.uint8).data
+                head = bytearray(before)
+                tail = bytearray(payload - before - len(middle) + CRC_BYTES)
+                buffers += [head, middle, tail]
+                parts.append((read, (head, middle, tail), view))
+            else:
+                scratch = bytearray(read.nbytes)
+                buffers.append(scratch)
+                parts.append((read, scratch, None))
+        total = sum(r.nbytes or 0 for r in run)
+        got = self._read_into(run[0].key, run[0].offset, buffers)
+        if got is None:
+            raise self._missing(f"shard {run[0].key}")
+        pos = 0
+        for read, data, view in parts:
+            assert read.nbytes is not None
+            if got < pos + read.nbytes:
+                raise CorruptDataError(
+                    f"chunk {self._chunk_label(read.chunk, read.key)} is cut short: its "
+                    "shard is smaller than its index says",
+                    rule="UCP-1.0-R094",
+                    tensor=self.path,
+                )
+            pos += read.nbytes
+            if view is None:
+                label = self._chunk_label(read.chunk, read.key)
+                chunk = meta.codec.decode(data, cs, tensor=self.path, chunk=label)
+                self._place(read.lo, chunk, req_lo, req_hi, out)
+            else:
+                head, middle, tail = data
+                self._verify(read, head, middle, tail, len(tail) - CRC_BYTES)
+        assert pos == total
+
+    def _verify(self, read: ChunkRead, head: Any, middle: Any, tail: Any, after: int) -> None:
+        """Check the CRC32C of a chunk read in three parts (the last ends with the CRC)."""
+        crc = crc32c(head)
+        crc = crc32c(middle, crc)
+        crc = crc32c(memoryview(tail)[:after], crc)
+        stored = bytes(tail[after : after + CRC_BYTES])
+        if crc.to_bytes(4, "little") != stored:
+            raise ChecksumError(
+                f"chunk {self._chunk_label(read.chunk, read.key)} fails its CRC32C check "
+                f"(stored {stored.hex()}, computed {crc.to_bytes(4, 'little').hex()})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+
