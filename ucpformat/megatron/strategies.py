@@ -355,7 +355,8 @@ class UCPLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]
             elif isinstance(item, ShardedObject):
                 loaded[id(item)] = stored.object(item.unique_key, item.data,
                                                  allow_opaque=self.allow_opaque)
-        read_tensors(ckpt, reads)
+        # the tensors are new (Megatron copies them into the model): read straight in
+        read_tensors(ckpt, reads, in_place=True)
 
         def swap(x: Any) -> Any:
             return loaded.get(id(x), x)
@@ -458,6 +459,8 @@ def _plan_tensor(
         if tuple(target.shape) != lmap.local_shape:  # pragma: no cover - geometry bug
             raise LayoutError(f"target {list(target.shape)} vs {list(lmap.local_shape)}",
                               tensor=key)
+        if lmap.has_padding:  # vocabulary padding: not stored, loads as zeros (R113)
+            target.zero_()
         reads.append(TensorRead(loc.path, target=target, local=lmap))
     return out, reads
 
