@@ -168,3 +168,14 @@ def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
     assert operations[0].startswith("`save_file`") and len(operations) == 4
     assert any("get_slice" in op for op in operations)
     assert set(table.data["flat"]) == set(operations)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_megatron_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from benchmarks import bench_megatron
+
+    (table,) = bench_megatron.run(quick=True, repeats=1, directory=tmp_path)
+    assert [r[0] for r in table.rows] == ["save (4 ranks)", *bench_megatron.TARGET_LABELS.values()]
+    assert any("files per checkpoint" in n for n in table.notes)

@@ -26,14 +26,16 @@ def run_job(kind: str, out: Path, timeout: int = 600) -> None:
                            f"{proc.stderr[-4000:]}")
 
 
-def _both_jobs(out: Path) -> None:
-    run_job("save", out)
-    run_job("single", out)
+def _every_job(out: Path) -> None:
+    from tests.megatron.jobs import JOBS
+
+    for kind in JOBS:
+        run_job(kind, out)
 
 
 @pytest.fixture(scope="session")
 def meg(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Checkpoints saved at TP2 x PP2 (and MoE at EP2) by both strategies, and what the
-    loads at TP1, TP2 and TP4 gave (``results/``)."""
+    loads at TP1 (1 rank), TP2 (2 ranks) and TP4 (4 ranks) gave (``results/``)."""
     pytest.importorskip("megatron.core")
-    return shared_cache(tmp_path_factory, "megatron-strategies", _both_jobs)
+    return shared_cache(tmp_path_factory, "megatron-strategies", _every_job)

@@ -10,9 +10,9 @@ worker ends with a barrier, ``destroy_process_group()``, flushed output and
   state dict (built here: that optimizer needs CUDA) and Megatron-LM-style RNG
   ShardedObjects, saved by both strategies; a mixture-of-experts GPT at EP2 saved by
   both; two saves refused for a ShardedObject that is not JSON (one into a committed
-  checkpoint); then loads at TP4 (4 ranks) and TP2 (2 data-parallel replicas of it) by
-  both strategies, with logits and, at TP4, the conformance reader contract's local
-  tensors.
+  checkpoint); then loads at TP4 by both strategies, with logits and the conformance
+  reader contract's local tensors.
+* ``pair`` (2 ranks): loads at TP2 x PP1 by both strategies, with logits.
 * ``single`` (1 rank): loads at TP1 x PP1 by both strategies (the optimizer states asked
   for under the mixed-precision optimizer's names from the UCP checkpoint), logits, the
   MoE model at EP1, ``load_plain_tensors``, the ShardedObjects.
@@ -64,19 +64,21 @@ def cpu_shims() -> None:
         moe_utils.te_general_gemm = None
 
 
-def padded_vocab(tp: int) -> int:
+def padded_vocab(tp: int, vocab: int = VOCAB) -> int:
     step = DIVISIBLE * tp
-    return -(-VOCAB // step) * step
+    return -(-vocab // step) * step
 
 
-def build(tp: int, pp: int, seed: int, *, moe: bool = False) -> Any:
+def build(tp: int, pp: int, seed: int, *, moe: bool = False,
+          shape: dict[str, Any] | None = None, vocab: int = VOCAB) -> Any:
+    """A GPTModel (local spec) of this rank: ``GPT`` or ``MOE`` unless ``shape`` says."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
-    shape = MOE if moe else GPT
+    shape = shape or (MOE if moe else GPT)
     extra = {"moe_grouped_gemm": False, "expert_model_parallel_size":
              parallel_state.get_expert_model_parallel_world_size()} if moe else {}
     cfg = TransformerConfig(
@@ -88,17 +90,17 @@ def build(tp: int, pp: int, seed: int, *, moe: bool = False) -> Any:
     spec = get_gpt_layer_local_spec(num_experts=shape.get("num_moe_experts"),
                                     moe_grouped_gemm=False)
     return GPTModel(
-        config=cfg, transformer_layer_spec=spec, vocab_size=padded_vocab(tp),
+        config=cfg, transformer_layer_spec=spec, vocab_size=padded_vocab(tp, vocab),
         max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not moe,
     )
 
 
-def params_of(model: Any, *, moe: bool = False) -> dict[str, Any]:
+def params_of(model: Any, *, moe: bool = False, vocab: int = VOCAB) -> dict[str, Any]:
     from ucpformat.megatron import rule_params
 
-    return rule_params(model.config, vocab_size=VOCAB, tie_word_embeddings=not moe,
+    return rule_params(model.config, vocab_size=vocab, tie_word_embeddings=not moe,
                        make_vocab_size_divisible_by=DIVISIBLE)
 
 
@@ -195,16 +197,22 @@ def ucp_names(model_sd: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _finish() -> None:
-    import torch.distributed as dist
+def stop_results_manager() -> None:
+    """torch_dist's writer starts a multiprocessing manager for its results queue, whose
+    server process ``os._exit`` would orphan (it holds the job's output pipes open)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    dist.barrier()
-    # torch_dist's writer starts a multiprocessing manager for its results queue, whose
-    # server process os._exit would orphan (it holds the job's output pipes open)
     queue = filesystem_async._results_queue
     if queue is not None:
         queue._manager.shutdown()
+        filesystem_async._results_queue = None
+
+
+def _finish() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    stop_results_manager()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -232,7 +240,6 @@ def _fresh(path: Path) -> str:
 
 def _save_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     _start(rank, world, init)
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -279,14 +286,25 @@ def _save_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         dist_checkpointing.save(moe.sharded_state_dict(), _fresh(out / f"moe.{fmt}"),
                                 sharded_strategy=strategy)
     ps.destroy_model_parallel()
-    # 4. loads at TP4 and TP2 (2 data-parallel replicas)
-    for tp in (4, 2):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        record = load_both(tp, out, contract=tp == 4)
-        if ps.get_data_parallel_rank() == 0 or tp == 4:
-            torch.save(record, results / f"tp{tp}-rank{rank}.pt")
-        ps.destroy_model_parallel()
-        dist.barrier()
+    # 4. loads at TP4
+    ps.initialize_model_parallel(tensor_model_parallel_size=4)
+    torch.save(load_both(4, out, contract=True), results / f"tp4-rank{rank}.pt")
+    ps.destroy_model_parallel()
+    _finish()
+
+
+def _pair_worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    """Loads at TP2 x PP1 on 2 ranks."""
+    _start(rank, world, init)
+    from megatron.core import parallel_state as ps
+
+    import ucpformat.megatron as um
+
+    out = Path(out_dir)
+    um.register()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.save(load_both(2, out), out / "results" / f"tp2-rank{rank}.pt")
+    ps.destroy_model_parallel()
     _finish()
 
 
@@ -387,14 +405,17 @@ def _spawn(fn: Any, world: int, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["save", "single"])
+    parser.add_argument("kind", choices=list(JOBS))
     parser.add_argument("out")
     args = parser.parse_args(argv)
     (Path(args.out) / "results").mkdir(parents=True, exist_ok=True)
-    if args.kind == "save":
-        _spawn(_save_worker, 4, args.out)
-    else:
-        _spawn(_single_worker, 1, args.out)
+    worker, world = JOBS[args.kind]
+    _spawn(worker, world, args.out)
+
+
+#: The jobs, in the order they run: worker and number of ranks.
+JOBS: dict[str, tuple[Any, int]] = {"save": (_save_worker, 4), "pair": (_pair_worker, 2),
+                                    "single": (_single_worker, 1)}
 
 
 if __name__ == "__main__":

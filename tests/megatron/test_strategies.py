@@ -1,8 +1,8 @@
 """megatron-core 0.16.1 saving through ``ucpformat.megatron`` and loading at other layouts.
 
-One session-wide pair of jobs (tests/megatron/jobs.py) saves a GPT at TP2 x PP2 on 4
+Three session-wide jobs (tests/megatron/jobs.py, about 2 minutes) save a GPT at TP2 x PP2 on 4
 gloo ranks with both the ``ucp`` and the ``torch_dist`` strategy, and loads each at
-TP1 (1 rank), TP2 (2 ranks of 4) and TP4 (4 ranks); these tests compare what the two
+TP1 (1 rank), TP2 (2 ranks) and TP4 (4 ranks); these tests compare what the two
 strategies gave. Vocabulary padding rows are not stored by UCP (UCP-1.0-R113): they load
 as zeros, while torch_dist gives back whatever the saving run had there.
 """
