@@ -45,6 +45,8 @@ MOE: dict[str, Any] = {"num_layers": 2, "hidden_size": 32, "num_attention_heads"
 VOCAB, DIVISIBLE, SEQ = 100, 16, 32
 STATES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's names
 TOKENS = [[3, 14, 15, 92, 65, 35, 8, 97]]
+#: A ShardedObject value that JSON cannot hold (a set), stored opaque when opted in.
+OPAQUE_VALUE = {"ids": {3, 1, 2}}
 
 
 def cpu_shims() -> None:
@@ -277,8 +279,14 @@ def _save_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         except Exception as exc:  # the test reads what every rank got
             report[name] = f"{type(exc).__name__}: {exc}"
     (results / f"refused-{rank}.json").write_text(json.dumps(report))
+    # 3. the same object stored as opaque bytes, opted in
+    opaque = state()
+    if rank == 1:
+        opaque["extra"] = ShardedObject("extra_state", OPAQUE_VALUE, (1,), (0,))
+    dist_checkpointing.save(opaque, _fresh(out / "opaque"), sharded_strategy=UCPSaveStrategy(
+        params_of(model), allow_opaque=True))
     ps.destroy_model_parallel()
-    # 3. the mixture of experts at EP2 (experts split over 2 of the 4 data-parallel ranks)
+    # 4. the mixture of experts at EP2 (experts split over 2 of the 4 data-parallel ranks)
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     moe = build(1, 1, seed=2, moe=True)
     um.register(params_of(moe, moe=True))
@@ -286,7 +294,7 @@ def _save_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         dist_checkpointing.save(moe.sharded_state_dict(), _fresh(out / f"moe.{fmt}"),
                                 sharded_strategy=strategy)
     ps.destroy_model_parallel()
-    # 4. loads at TP4
+    # 5. loads at TP4
     ps.initialize_model_parallel(tensor_model_parallel_size=4)
     torch.save(load_both(4, out, contract=True), results / f"tp4-rank{rank}.pt")
     ps.destroy_model_parallel()
@@ -364,6 +372,7 @@ def _single_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     import ucpformat.megatron as um
+    from ucpformat.megatron.strategies import UCPLoadStrategy
 
     out = Path(out_dir)
     results = out / "results"
@@ -386,6 +395,18 @@ def _single_worker(rank: int, world: int, init: str, out_dir: str) -> None:
                                      validate_access_integrity=False)
     torch.save({"keys": keys, "objects": loaded}, results / "objects.pt")
     torch.save(record, results / "tp1-rank0.pt")
+    # the opaque object: refused without the opt-in, unpickled with it
+    extra = {"extra": ShardedObject("extra_state", None, (1,), (0,))}
+    opaque: dict[str, Any] = {}
+    for allow in (False, True):
+        try:
+            got = dist_checkpointing.load(
+                dict(extra), str(out / "opaque"), sharded_strategy=UCPLoadStrategy(
+                    allow_opaque=allow), validate_access_integrity=False)
+            opaque[str(allow)] = repr(got["extra"])
+        except Exception as exc:  # the test reads the message
+            opaque[str(allow)] = f"{type(exc).__name__}: {exc}"
+    (results / "opaque.json").write_text(json.dumps(opaque))
     # the mixture of experts at EP1
     moe_record = {}
     for fmt in ("ucp", "dist"):

@@ -193,3 +193,18 @@ def test_a_sharded_object_that_is_not_json_is_refused_by_name(meg: Path) -> None
     name = "decoder.layers.2.self_attention.linear_qkv.weight"
     assert np.array_equal(before.tensor("model", name).read(), same.tensor("model", name).read())
     assert "extra_state/shard_0_1" not in before.values("training/sharded_objects")
+
+
+def test_an_opaque_object_is_stored_and_loaded_only_when_opted_in(meg: Path) -> None:
+    """With allow_opaque, the same kind of object is torch.save bytes in the extension
+    group megatron_opaque: the checkpoint validates, and loading needs the opt-in too."""
+    from tests.megatron.jobs import OPAQUE_VALUE
+
+    ckpt = ucpformat.open(meg / "opaque")
+    (path,) = [p for p in ckpt.arrays if p.startswith("megatron_opaque/")]
+    assert ckpt.arrays[path].attributes["megatron"]["opaque"] == "torch.save"
+    assert ucpformat.validate(meg / "opaque", deep=True).valid
+    loaded = json.loads((meg / "results" / "opaque.json").read_text())
+    assert loaded["False"].startswith("LoadError") and "allow_opaque=True" in loaded["False"]
+    assert "'extra_state/shard_0_1'" in loaded["False"]
+    assert loaded["True"] == repr(OPAQUE_VALUE)
