@@ -20,12 +20,12 @@ use it for saving and loading alike):
    (SwiGLU's ``linear_fc1`` has no groups: Megatron's factory already gives it the
    stored form ``[gate; up]``.)
 3. **Vocabulary padding.** Megatron's global embedding and output layer have the padded
-   vocabulary; UCP stores the real rows only (R113). The padding rows map to nothing:
+   vocabulary; UCP stores the real rows only (UCP-1.0-R113). The padding rows map to nothing:
    a save drops them, a load fills them with zeros.
 
 Optimizer states of the parameter-shaped kinds (``optimizer.state.<state>.<key>``:
 Megatron's regular optimizers and the distributed optimizer's ``fully_reshardable``
-state dict) go to ``optimizer/state/<parameter>/<state>`` (R081), with the fp32 master
+state dict) go to ``optimizer/state/<parameter>/<state>`` (UCP-1.0-R081), with the fp32 master
 copy under one name, ``master_param``, whichever optimizer saved it (``fp32_param`` of
 the mixed-precision optimizer, ``param`` of the distributed one), so that a checkpoint
 saved with the distributed optimizer loads without it and the other way round.

@@ -459,7 +459,7 @@ def _plan_tensor(
         if tuple(target.shape) != lmap.local_shape:  # pragma: no cover - geometry bug
             raise LayoutError(f"target {list(target.shape)} vs {list(lmap.local_shape)}",
                               tensor=key)
-        if lmap.has_padding:  # vocabulary padding: not stored, loads as zeros (R113)
+        if lmap.has_padding:  # vocabulary padding: not stored, loads as zeros (UCP-1.0-R113)
             target.zero_()
         reads.append(TensorRead(loc.path, target=target, local=lmap))
     return out, reads
