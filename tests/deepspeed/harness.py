@@ -357,7 +357,7 @@ def _failing_save(engine: Any, rank: int, where: Path, problems: list[str]) -> N
         EngineFragments.fragments = original  # type: ignore[method-assign]
     if rank == 0:
         import ucpformat
-        from ucpformat.errors import IncompleteCheckpointError
+        from ucpformat.errors import CheckpointNotFoundError, IncompleteCheckpointError
 
         try:
             with ucpformat.open(where) as now, ucpformat.open(f"{where}-copy") as old:
@@ -365,8 +365,12 @@ def _failing_save(engine: Any, rank: int, where: Path, problems: list[str]) -> N
                     if (path not in now or path not in old
                             or now[path].read().tobytes() != old[path].read().tobytes()):
                         problems.append(f"{path} changed: a failed save was committed")
-        except IncompleteCheckpointError:
-            pass  # failed while writing: the old checkpoint is gone, nothing was committed
+        except (IncompleteCheckpointError, CheckpointNotFoundError):
+            # failed while writing: the old checkpoint was un-committed and the failed
+            # save removed what it wrote (UCP-1.0-R049); nothing was committed
+            pass
+        except Exception as exc:  # recorded, and the retry below still runs on every rank
+            problems.append(f"reading the location after the failed save: {exc!r}")
     uds.save(engine, where, overwrite=True)
 
 
