@@ -187,3 +187,14 @@ def test_deepspeed_benchmark_runs(tmp_path: Path) -> None:
         assert 0 < figures["ucpformat"]["written"] < figures["deepspeed"]["written"]
         assert figures["held"] > figures["largest"] > 0
     assert not any((tmp_path / "work").iterdir())  # every checkpoint removed
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_megatron_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from benchmarks import bench_megatron
+
+    (table,) = bench_megatron.run(quick=True, repeats=1, directory=tmp_path)
+    assert [r[0] for r in table.rows] == ["save (4 ranks)", *bench_megatron.TARGET_LABELS.values()]
+    assert any("files per checkpoint" in n for n in table.notes)

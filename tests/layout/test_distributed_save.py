@@ -14,7 +14,7 @@ import ucpformat
 from ucpformat.cli import main as ucp_main
 from ucpformat.comm import ThreadGroup, run_threads
 from ucpformat.distributed import Fragment, TensorSpec, save_distributed
-from ucpformat.errors import IncompleteCheckpointError, WriteError
+from ucpformat.errors import CheckpointNotFoundError, IncompleteCheckpointError, WriteError
 from ucpformat.storage import LocalStore
 
 
@@ -68,16 +68,16 @@ def test_a_failing_rank_leaves_no_committed_checkpoint(
     state = _replicated_state()
     specs, frags = _full_fragments(state)
     calls = {"n": 0}
-    real_put = LocalStore.put
+    real_create = LocalStore.create  # stored objects are created, never replaced (R059)
 
-    def flaky_put(self: LocalStore, key: str, buffers: Any, *, atomic: bool = False) -> int:
+    def flaky_create(self: LocalStore, key: str, buffers: Any, *, atomic: bool = False) -> int:
         if "/c/" in key or key.endswith("/c"):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise OSError(28, "No space left on device")
-        return real_put(self, key, buffers, atomic=atomic)
+        return real_create(self, key, buffers, atomic=atomic)
 
-    monkeypatch.setattr(LocalStore, "put", flaky_put)
+    monkeypatch.setattr(LocalStore, "create", flaky_create)
     errors: list[BaseException] = []
 
     def rank_main(comm: ThreadGroup) -> Any:
@@ -100,10 +100,12 @@ def test_a_failing_rank_leaves_no_committed_checkpoint(
     assert len(errors) == 4  # every rank reports the failure
     assert any("No space left" in str(e) for e in errors)
     assert not (tmp_path / "ckpt" / "zarr.json").exists()
-    with pytest.raises(IncompleteCheckpointError) as info:
+    with pytest.raises((IncompleteCheckpointError, CheckpointNotFoundError)) as info:
         ucpformat.open(tmp_path / "ckpt")
     assert info.value.rule == "UCP-1.0-R051"
-    monkeypatch.setattr(LocalStore, "put", real_put)
+    # rank 0 removed what every rank wrote (UCP-1.0-R049)
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if not p.is_dir()]
+    monkeypatch.setattr(LocalStore, "create", real_create)
     run_threads(
         4,
         lambda comm: save_distributed(
