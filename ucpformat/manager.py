@@ -384,8 +384,9 @@ class CheckpointManager:
             raise
         if preempt:
             self._preemption_step = step
-        if _is_future(result):
-            self._pending = _Pending(step, location, result, body)
+        future = _future_of(result)
+        if future is not None:
+            self._pending = _Pending(step, location, future, body)
         else:
             self._record(step, location, body)
         return Entry(step, location)
@@ -583,9 +584,13 @@ def _encode_metrics(metrics: Mapping[str, Any] | None, location: str) -> bytes |
                                 path=location) from exc
 
 
-def _is_future(value: Any) -> bool:
-    """True for a future (``concurrent.futures.Future`` or alike) a save callback returned."""
-    return callable(getattr(value, "result", None)) and callable(getattr(value, "done", None))
+def _future_of(value: Any) -> Any:
+    """The future a save callback returned (``concurrent.futures.Future`` or alike; DCP's
+    ``AsyncSaveResponse`` gives its ``upload_completion``), or None for a finished save."""
+    value = getattr(value, "upload_completion", value)
+    if callable(getattr(value, "result", None)) and callable(getattr(value, "done", None)):
+        return value
+    return None
 
 
 def _takes_location(fn: Any) -> bool:

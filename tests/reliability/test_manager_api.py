@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -226,3 +227,20 @@ def test_on_s3(s3: dict[str, Any]) -> None:
     assert manager.metrics(1) == {"loss": 1.0} and manager.metrics(2) is None
     with manager.restore(1) as ckpt:  # type: ignore[union-attr]
         assert differences(ckpt.to_dict(), small_state(1)) == []
+
+
+def test_with_dcp_async_save_and_the_ucp_plugin(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ucpformat.torch.dcp import UCPWriter
+
+    model = torch.nn.Linear(3, 2)
+    manager = CheckpointManager(tmp_path / "run", keep_last=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialised
+        for step in range(3):
+            manager.maybe_save(step, lambda path: dcp.async_save(
+                {"model": model.state_dict()}, storage_writer=UCPWriter(path), no_dist=True))
+        manager.close()
+    assert manager.all_steps() == [2]
