@@ -55,15 +55,17 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-from ucpformat.comm import Communicator
 from ucpformat.errors import CheckpointNotFoundError, InvalidValueError, UCPError
 from ucpformat.metadata import ZARR_JSON
 from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.storage import LocalStore, Store, open_store
 from ucpformat.validation import validate
 from ucpformat.writer import delete_checkpoint, save
+
+if TYPE_CHECKING:  # the distributed layer sits above this one (docs/architecture.md)
+    from ucpformat.comm import Communicator
 
 _NAME = re.compile(r"^step-([0-9]{10,})$")
 
