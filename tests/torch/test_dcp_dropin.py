@@ -111,7 +111,7 @@ def test_torch_save_to_dcp_into_a_directory_of_other_files(storage: str, tmp_pat
     if storage == "filesystem":
         torch_save_to_dcp(tmp_path / "model.pt", tmp_path)
     else:
-        with pytest.raises(dcp.api.CheckpointException, match="not a UCP checkpoint.*'model.pt'"):
+        with pytest.raises(dcp.api.CheckpointException, match=r"not a UCP checkpoint.*'model\.pt'"):
             torch_save_to_dcp(tmp_path / "model.pt", tmp_path)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
         torch_save_to_dcp(tmp_path / "model.pt", tmp_path / "dcp")
