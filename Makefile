@@ -52,7 +52,7 @@ bench-quick: $(STAMP)
 
 # Long modes of the reliability harnesses (each prints its figures; see docs/reliability.md).
 stress: $(STAMP)
-	$(BIN)/python -m ucpformat.testing.faults --trials 300 --gloo-trials 20
+	$(BIN)/python -m ucpformat.testing.faults --trials 300 --gloo-trials 20 --exchange-trials 40 --gloo-exchange-trials 10
 	$(BIN)/python -m ucpformat.testing.corruption --trials 2000
 	$(BIN)/python -m ucpformat.testing.hostile --examples 500
 	$(BIN)/python -m ucpformat.testing.links --trials 20 --reads 3000

@@ -53,9 +53,9 @@ class SingleProcess:
 
 
 class _Shared:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, timeout: float | None = None) -> None:
         self.size = size
-        self.barrier = threading.Barrier(size)
+        self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots: list[Any] = [None] * size
 
 
@@ -91,13 +91,16 @@ class ThreadGroup:
         self._shared.barrier.wait()
 
 
-def run_threads(world_size: int, fn: Callable[[ThreadGroup], T]) -> list[T]:
+def run_threads(
+    world_size: int, fn: Callable[[ThreadGroup], T], *, timeout: float | None = None
+) -> list[T]:
     """Run ``fn(comm)`` on ``world_size`` threads, one rank each; results by rank.
 
     If any rank raises, the barrier is broken so no rank hangs, and the first error is
-    re-raised.
+    re-raised. ``timeout``: seconds a rank waits in a collective for the others before
+    the collective fails (``threading.BrokenBarrierError``) on every rank; None: no limit.
     """
-    shared = _Shared(world_size)
+    shared = _Shared(world_size, timeout)
 
     def run(rank: int) -> T:
         try:

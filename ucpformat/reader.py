@@ -494,28 +494,34 @@ def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -
     return min(MAX_METADATA_BYTES, max(MIN_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
 
 
-def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> bytes | None:
+def read_metadata(
+    store: Store, key: str, *, limit: int, what: str = "", size: int | None = None
+) -> bytes | None:
     """A metadata document's bytes (None if absent), refused before it is read when it is
-    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read."""
-    size = store.size(key)
+    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read.
+    ``size``: the document's size, if the caller has it from a listing (not asked again)."""
+    size = store.size(key) if size is None else size
     if size is None:
         return None
-    too_big = ResourceLimitError(
-        f"{what or key} is {size} bytes or more, over the limit of {limit} for a metadata "
-        "document (refused unread; raise max_metadata_bytes to read it)",
-        rule="UCP-1.0-R098",
-        path=f"{store.location}/{key}",
-    )
+
+    def too_big(size: int) -> ResourceLimitError:
+        return ResourceLimitError(
+            f"{what or key} is {size} bytes or more, over the limit of {limit} for a "
+            "metadata document (refused unread; raise max_metadata_bytes to read it)",
+            rule="UCP-1.0-R098",
+            path=f"{store.location}/{key}",
+        )
+
     if size > limit:
-        raise too_big
+        raise too_big(size)
     raw = store.get_range(key, 0, limit + 1)  # the file may have grown since
     if raw is not None and len(raw) > limit:
-        raise too_big
+        raise too_big(size)
     return raw
 
 
 def read_root(store: Store, *, limit: int) -> bytes:
-    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (R051)."""
+    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (UCP-1.0-R051)."""
     raw = read_metadata(store, ZARR_JSON, limit=limit, what="the root zarr.json")
     if raw is not None:
         return raw
@@ -554,6 +560,8 @@ def parse_root(
             rule="UCP-1.0-R002",
             path=where,
         )
+    # members of ucp (and of attributes) that this reader does not know are ignored,
+    # never refused (UCP-1.0-R062): only must_understand names what must be understood
     parse_version(ucp.get("version"), where=where)
     check_root_digest_member(ucp, where=where)
     must = ucp.get("must_understand", [])
@@ -613,7 +621,7 @@ CONSOLIDATED_MEMBERS = frozenset({"kind", "must_understand", "metadata"})
 
 def check_root_members(doc: Any, *, where: str) -> None:
     """UCP-1.0-R057: the root and its consolidated metadata have only the members UCP
-    defines, so that no byte of the root can change unnoticed (R045, R055)."""
+    defines, so that no byte of the root can change unnoticed (UCP-1.0-R045, UCP-1.0-R055)."""
     if not isinstance(doc, Mapping):
         return  # parse_group reports it
     extra = sorted(set(doc) - ROOT_MEMBERS)

@@ -69,12 +69,18 @@ HASH_ALGORITHMS = ("sha256",)
 
 @dataclass
 class WriteClaim:
-    """A save's hold on its location, from :func:`prepare_destination` until :func:`commit`
+    """A save's hold on its location, from :func:`mark_destination` until :func:`commit`
     or :func:`abandon` (UCP-1.0-R059): the token its in-progress marker carries, and the
     store's lock where the store has locks."""
 
     token: str
     held: StoreClaim
+    #: A committed checkpoint is here, for this save to replace (``overwrite=True``); it
+    #: stays committed until :func:`clear_destination`.
+    replacing: bool = False
+    #: :func:`clear_destination` has begun: from then on a failure removes what is here
+    #: (:func:`abandon`); before, the location is as it was but for the marker.
+    clearing: bool = False
     #: A committed checkpoint was here and this save un-committed it (``overwrite=True``).
     replaced: bool = False
     #: Committed, or abandoned: the location is no longer held.
@@ -82,7 +88,7 @@ class WriteClaim:
 
 
 #: The claim of the save in progress on each store of this process (so that commit and
-#: abandon find the claim prepare_destination took, whoever calls them).
+#: abandon find the claim mark_destination took, whoever calls them).
 _CLAIMS: weakref.WeakKeyDictionary[Store, WriteClaim] = weakref.WeakKeyDictionary()
 #: The bytes of a marker read to describe its writer.
 _MARKER_READ_LIMIT = 64 << 10
@@ -90,41 +96,78 @@ _MARKER_READ_LIMIT = 64 << 10
 
 def prepare_destination(store: Store, *, overwrite: bool) -> WriteClaim:
     """Make ``store`` ready for a new checkpoint and hold it, or refuse (never damaging a
-    committed one).
-
-    Everything that can refuse the save is checked before anything changes (UCP-1.0-R049):
-    a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
-    the writer could not remove. Then the in-progress marker is written as this save's
-    claim (UCP-1.0-R059): a second writer is refused while the first runs (on a local file
-    system the marker is locked for the whole save; on an object store a marker already
-    there is taken over only with ``overwrite``). Then the checks are repeated, the old
-    root is deleted and made durable (R053), and everything else is removed.
+    committed one): :func:`mark_destination`, then :func:`clear_destination`.
 
     Returns the claim; :func:`commit` checks it before it writes the root and releases it,
     and :func:`abandon` (called by every writer of this library when a save fails) removes
     what the save wrote.
     """
+    claim = mark_destination(store, overwrite=overwrite)
+    clear_destination(store, claim)
+    return claim
+
+
+def mark_destination(store: Store, *, overwrite: bool) -> WriteClaim:
+    """The first half of :func:`prepare_destination`: refuse, or hold the location.
+
+    Everything that can refuse the save is checked before anything changes (UCP-1.0-R049):
+    a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
+    the writer could not remove. Then the in-progress marker (UCP-1.0-R056) is written as this
+    save's claim (UCP-1.0-R059): a second writer is refused while the first runs (on a
+    local file system the marker is locked for the whole save; on an object store a marker
+    already there is taken over only with ``overwrite``). Then the checks are repeated. A
+    committed checkpoint being replaced stays committed (UCP-1.0-R053) until
+    :func:`clear_destination` (``claim.replacing`` says whether one is here); a save given
+    up before that withdraws its claim with :func:`unmark_destination` (or
+    :func:`abandon`), and the location is as it was.
+    """
     _check_destination(store, overwrite=overwrite)  # refuse before touching anything
     held = _hold(store, token := uuid.uuid4().hex, take_over=overwrite)
     claim = WriteClaim(token, held)
     try:  # again, now that no other writer can change the location
-        committed, keys = _check_destination(store, overwrite=overwrite)
+        claim.replacing, _ = _check_destination(store, overwrite=overwrite)
     except BaseException:
-        if not held.took_over:  # leave the location as we found it
-            with contextlib.suppress(OSError, UCPError):
-                store.delete(IN_PROGRESS_KEY)
-        held.release()
+        with contextlib.suppress(OSError, UCPError):
+            unmark_destination(store, claim)
         raise
     _CLAIMS[store] = claim
+    return claim
+
+
+def clear_destination(store: Store, claim: WriteClaim) -> None:
+    """The second half of :func:`prepare_destination`, after :func:`mark_destination`:
+    un-commit the checkpoint being replaced (its root deleted durably, UCP-1.0-R053), then remove
+    all but the marker. A failure abandons the save (:func:`explain_failure`)."""
     with explain_failure(store, claim):
-        # Mark first (above), then un-commit, then clear: a crash at any point leaves
-        # either the old committed checkpoint intact or something every reader refuses.
-        if committed:
+        if not claim.held.locked:  # without a lock, only the marker says who holds it
+            _check_owner(store, claim)
+        # Marked first (mark_destination), then un-commit, then clear: a crash at any
+        # point leaves either the old committed checkpoint intact or something every
+        # reader refuses.
+        keys = list(store.list())
+        claim.clearing = True
+        if ZARR_JSON in keys:
             store.delete(ZARR_JSON)
             claim.replaced = True
-        store.delete_keys([k for k in keys if k not in (IN_PROGRESS_KEY, ZARR_JSON)])
+        store.delete_keys(
+            [k for k in keys if k not in (IN_PROGRESS_KEY, ZARR_JSON) and is_safe_key(k)]
+        )
         store.flush()
-    return claim
+
+
+def unmark_destination(store: Store, claim: WriteClaim) -> None:
+    """Withdraw the claim of a save given up between :func:`mark_destination` and
+    :func:`clear_destination`: its marker is removed (unless it replaced the marker of an
+    earlier save, whose remains it still marks) and the location released. A checkpoint
+    it was to replace is then as it was."""
+    if claim.done:
+        return
+    try:
+        if not claim.held.took_over and (claim.held.locked or _owns(store, claim)):
+            store.delete(IN_PROGRESS_KEY)
+    finally:
+        claim.done = True
+        _release(store, claim)
 
 
 def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str]]:
@@ -251,7 +294,7 @@ def commit(
 ) -> dict[str, Any]:
     """Write node metadata, the manifest and, last, the root: the checkpoint exists after this.
 
-    ``claim`` (default: the one :func:`prepare_destination` took on ``store``) is checked
+    ``claim`` (default: the one :func:`mark_destination` took on ``store``) is checked
     before the root is written: a save whose location another writer took over commits
     nothing (UCP-1.0-R059). Metadata documents are created, as stored objects are, unless
     ``replace`` (:func:`adopt`: the node documents and a plain zarr root of the arrays'
@@ -304,7 +347,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    body = encode_root(root)  # sealed by its digest (R058)
+    body = encode_root(root)  # sealed by its digest (UCP-1.0-R058)
     if claim is None:
         store.put(ZARR_JSON, [body], atomic=True)
     else:
@@ -312,7 +355,7 @@ def commit(
                      replace=replace)
     try:
         if claim is None or claim.held.locked or _owns(store, claim):
-            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (R059)
+            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (UCP-1.0-R059)
     except OSError as exc:
         raise WriteError(
             f"the checkpoint is committed, but its in-progress marker could not be removed "
@@ -403,14 +446,22 @@ def abandon(store: Store, claim: WriteClaim | None = None) -> str:
     """Undo a save that will not be committed: remove what it wrote and, last, its marker,
     if the location is still its own, and release the location (UCP-1.0-R049).
 
-    ``claim`` defaults to the one :func:`prepare_destination` took on ``store``. Returns
+    ``claim`` defaults to the one :func:`mark_destination` took on ``store``. Returns
     what became of the location, as a sentence for an error message. Removes nothing once
-    the save has committed, or if another writer has taken the location over.
+    the save has committed, or if another writer has taken the location over; before
+    :func:`clear_destination` began, only withdraws the marker
+    (:func:`unmark_destination`): a checkpoint being replaced stays as it was (UCP-1.0-R053).
     """
     if claim is None:
         claim = _CLAIMS.get(store)
     if claim is None or claim.done:
         return ""
+    if not claim.clearing:
+        try:
+            unmark_destination(store, claim)
+        except (OSError, UCPError) as exc:
+            return f"its in-progress marker {IN_PROGRESS_KEY} could not be removed ({exc})"
+        return "the checkpoint that was here is as it was" if claim.replacing else ""
     try:
         if not _owns(store, claim):
             return "another writer has taken the location over, so nothing of it was removed"
@@ -442,20 +493,21 @@ def explain_failure(store: Store, claim: WriteClaim) -> Iterator[None]:
         if claim.done:
             raise
         fate = abandon(store, claim)
+        said = "nothing was committed" in str(exc)  # a distributed save's agreement says so
+        lead = "" if said else "nothing was committed"
         if claim.replaced:
-            text = (
-                "nothing was committed, and the checkpoint that was here is gone: this save "
-                "deleted it when it began (overwrite=True, UCP-1.0-R053), so the location "
-                "holds no checkpoint now"
+            lead = (
+                f"{lead}{', and ' if lead else ''}the checkpoint that was here is gone: this "
+                "save deleted it when it began (overwrite=True, UCP-1.0-R053), so the "
+                "location holds no checkpoint now"
             )
-        else:
-            text = "nothing was committed"
-        text = f"{text}; {fate}" if fate else text
-        if isinstance(exc, UCPError):
+        text = "; ".join(t for t in (lead, fate) if t)
+        if isinstance(exc, OSError):
+            raise WriteError("; ".join(t for t in (f"the save failed: {exc}", text) if t),
+                             path=store.location) from exc
+        if text and isinstance(exc, UCPError):
             exc.extend(text)
-        elif isinstance(exc, OSError):
-            raise WriteError(f"the save failed: {exc}; {text}", path=store.location) from exc
-        else:
+        elif text:
             exc.add_note(f"ucpformat: {text}")
         raise
 
@@ -464,8 +516,8 @@ def delete_checkpoint(store: Store) -> None:
     """Delete the checkpoint, or the remains of a save, at ``store``.
 
     Refuses what is neither (files that are not a checkpoint's, names no checkpoint has:
-    UCP-1.0-R049) and a location another writer holds (R059); then claims the location,
-    un-commits (R053), removes every file, the marker last, and releases it. The marker
+    UCP-1.0-R049) and a location another writer holds (UCP-1.0-R059); then claims the location,
+    un-commits (UCP-1.0-R053), removes every file, the marker last, and releases it. The marker
     of the remains of a save is claimed as it is, so that a full disk does not stop the
     deletion that frees it. Links are removed, never followed. The location's directory
     itself stays.
@@ -669,7 +721,8 @@ def _array_meta(
 
 
 def zero_bits(dt: dtypes.DataType) -> Any:
-    """The value whose bits are all zero: the fill value ucpformat writes for every type."""
+    """The value whose bits are all zero: the fill value ucpformat writes for every type
+    (UCP-1.0-R033)."""
     return np.frombuffer(bytes(dt.itemsize), dtype=dt.numpy)[0]
 
 

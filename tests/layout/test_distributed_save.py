@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,16 @@ def test_inspect_and_validate_show_layout_semantics(
     (tensor,) = doc["tensors"]
     assert tensor["attributes"]["layout"] == layout
     assert ucp_main(["validate", str(tmp_path / "ckpt")]) == 0
+
+
+def test_run_threads_timeout_fails_a_collective_nobody_completes() -> None:
+    """A rank that leaves without raising (so the barrier is not broken for the others)
+    would leave them waiting forever; with a time limit, their collective fails."""
+
+    def rank_main(comm: ThreadGroup) -> Any:
+        if comm.rank == 1:
+            return "left"
+        return comm.allgather(comm.rank)
+
+    with pytest.raises(threading.BrokenBarrierError):
+        run_threads(2, rank_main, timeout=0.2)

@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import ucpformat
+from ucpformat.errors import UCPError
 from ucpformat.torch.convert import to_numpy
 from ucpformat.torch.dcp import UCPReader, UCPWriter
 
@@ -127,13 +129,26 @@ def scenario_save(root: Path, rank: int, world: int) -> dict[str, Any]:
 
             store.create = failing_create  # type: ignore[method-assign]
 
+    failing = FailingWriter(root / "failed", durable=False)
     try:
-        dcp.save({"model": msd, "optim": osd},
-                 storage_writer=FailingWriter(root / "failed", durable=False))
+        dcp.save({"model": msd, "optim": osd}, storage_writer=failing)
         result["failure_raised"] = False
     except BaseException as exc:  # DCP raises CheckpointException (a BaseException) everywhere
         result["failure_raised"] = True
         result["failure_message"] = str(exc)[-3000:]
+    dist.barrier()
+    if rank == 0:  # refused until the writer is reset, which removes the remains (R049)
+        try:
+            ucpformat.open(root / "failed")
+            result["failed_refused_with"] = None
+        except UCPError as exc:
+            result["failed_refused_with"] = exc.rule
+    dist.barrier()
+    failing.reset()  # what DCP calls when the writer's next save begins
+    dist.barrier()
+    result["failed_files_after_reset"] = sorted(
+        str(p.relative_to(root / "failed")) for p in (root / "failed").rglob("*")
+        if not p.is_dir())
 
     # tensor parallel: colwise fc1, rowwise fc2
     tp_model, tp_opt = build_tp(0, world)
@@ -174,13 +189,52 @@ def scenario_load(root: Path, rank: int, world: int) -> dict[str, Any]:
     return {"step": sd["step"], "bytes_read": all_read}
 
 
+def scenario_exchange_failure(root: Path, rank: int, world: int) -> dict[str, Any]:
+    """Replace a checkpoint while rank 1's tensors cannot be read (its planner's
+    resolve_data raises) after DCP has planned: the shards are assembled by owners from
+    both ranks' rows, so rank 0 expects cells from rank 1."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    model, opt = build_fsdp(0, world, train=True)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd},
+             storage_writer=UCPWriter(root / "replaced", durable=False))
+    reference = full_state(model, opt)
+    if rank == 0:
+        save_npz(root / "replaced_reference.npz", reference)
+        files = {str(p.relative_to(root / "replaced")): p.read_bytes().hex()
+                 for p in sorted((root / "replaced").rglob("*")) if p.is_file()}
+        (root / "replaced_files.json").write_text(json.dumps(files))
+    dist.barrier()
+
+    class UnreadablePlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            if rank == 1 and write_item.type != WriteItemType.BYTE_IO:
+                raise RuntimeError("injected: this rank's tensor could not be read")
+            return super().resolve_data(write_item)
+
+    other, other_opt = build_fsdp(1, world, train=True)
+    msd2, osd2 = get_state_dict(other, other_opt)
+    outcome: dict[str, Any] = {"rank": rank, "raised": False}
+    try:
+        dcp.save({"model": msd2, "optim": osd2}, planner=UnreadablePlanner(),
+                 storage_writer=UCPWriter(root / "replaced", overwrite=True, durable=False))
+    except BaseException as exc:  # DCP raises CheckpointException (a BaseException)
+        outcome.update(raised=True, message=str(exc)[-3000:])
+    outcomes: list[Any] = [None] * world
+    dist.all_gather_object(outcomes, outcome)
+    return {"outcomes": outcomes}
+
+
 def main() -> None:
     scenario, root = sys.argv[1], Path(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     code = 0
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = {"save": scenario_save, "load": scenario_load}[scenario](root, rank, world)
+        result = {"save": scenario_save, "load": scenario_load,
+                  "exchange_failure": scenario_exchange_failure}[scenario](root, rank, world)
         if rank == 0:
             (root / f"{scenario}.json").write_text(json.dumps(result))
         dist.barrier()

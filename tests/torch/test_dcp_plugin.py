@@ -34,6 +34,7 @@ import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
 from ucpformat.errors import (  # noqa: E402
     CheckpointExistsError,
+    CheckpointNotFoundError,
     IncompleteCheckpointError,
     InvalidValueError,
 )
@@ -233,8 +234,9 @@ def test_non_json_value_is_refused_by_key_and_nothing_committed(tmp_path: Path) 
     with pytest.raises(BaseException, match=r"extra\.handle.*never stores pickles") as info:
         dcp.save(state, storage_writer=UCPWriter(tmp_path / "ckpt"))
     assert "object" in str(info.value)
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(CheckpointNotFoundError):  # the marker withdrawn, nothing left (R049)
         ucpformat.open(tmp_path / "ckpt")
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if not p.is_dir()]
     assert not any(p.name.endswith(".pkl") or p.suffix == ".distcp"
                    for p in (tmp_path / "ckpt").rglob("*"))
 
@@ -247,8 +249,9 @@ def test_optimizer_state_keyed_by_integer_ids_is_refused(tmp_path: Path) -> None
     with pytest.raises(BaseException, match="names parameters by FQN"):
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
                  storage_writer=UCPWriter(tmp_path / "ckpt2", durable=False))
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(CheckpointNotFoundError):  # the marker withdrawn, nothing left (R049)
         ucpformat.open(tmp_path / "ckpt2")
+    assert not [p for p in (tmp_path / "ckpt2").rglob("*") if not p.is_dir()]
 
 
 def test_bytes_are_stored_as_uint8_arrays(tmp_path: Path) -> None:
@@ -459,8 +462,9 @@ def test_a_missing_shard_is_never_committed(tmp_path: Path) -> None:
     with pytest.raises(WriteError, match="planned shards were not written"):
         _simulate(tmp_path / "ckpt", {"model.w": [[(0, 2)], [(2, 4)]], "model.b": [[], []]},
                   {**tensors, "model.b": torch.ones(0)}, drop_rank=1)
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(CheckpointNotFoundError):  # what was written is removed (R049)
         ucpformat.open(tmp_path / "ckpt")
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if not p.is_dir()]
 
 
 # -- the key mapping ------------------------------------------------------------------------
@@ -473,8 +477,13 @@ def test_key_mapping_table() -> None:
         "optimizer", "state", "a.b", "exp_avg")
     assert locate(("optimizer", "param_groups", 0, "lr"), tensor=False, ctx=ctx).logical == (
         "optimizer", "param_groups", 0, "lr")
+    # a scheduler under either key is training/scheduler, where ucpformat.torch.load finds it
     assert locate(("lr_scheduler", "last_epoch"), tensor=False, ctx=ctx).logical == (
-        "training", "lr_scheduler", "last_epoch")
+        "training", "scheduler", "last_epoch")
+    assert locate(("scheduler", "last_epoch"), tensor=False, ctx=ctx).logical == (
+        "training", "scheduler", "last_epoch")
+    assert locate(("data", "epoch"), tensor=False, ctx=ctx).logical == (
+        "training", "data", "epoch")
     assert locate(("training", "step"), tensor=False, ctx=ctx).logical == ("training", "step")
     assert locate(("step",), tensor=True, ctx=ctx).logical == ("training", "step")
     # flattened optimizer: the longest known parameter name wins over the last dot
@@ -631,5 +640,32 @@ def test_failure_in_one_rank_commits_nothing(runs: Path) -> None:
     assert result["failure_raised"]
     assert "injected: no space left on device" in result["failure_message"]
     assert not (runs / "failed" / "zarr.json").exists()
-    with pytest.raises(IncompleteCheckpointError):
+    # the remains of the failed save were refused (R051) until the coordinator's writer
+    # was reset, which removed every file of them (R049)
+    assert result["failed_refused_with"] == "UCP-1.0-R051"
+    assert result["failed_files_after_reset"] == []
+    with pytest.raises((IncompleteCheckpointError, CheckpointNotFoundError)):
         ucpformat.open(runs / "failed")
+
+
+@pytest.mark.distributed
+def test_a_rank_failing_mid_exchange_commits_nothing_and_keeps_the_old_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's tensors become unreadable after DCP planned, while rank 0 expects cells
+    from it: no rank hangs (the launch's time limit), every rank raises, nothing is
+    committed, and the checkpoint being replaced (overwrite=True) is untouched."""
+    _launch("exchange_failure", tmp_path, 2, timeout=120)
+    outcomes = json.loads((tmp_path / "exchange_failure.json").read_text())["outcomes"]
+    assert [o["raised"] for o in outcomes] == [True, True]
+    assert all("injected: this rank's tensor could not be read" in o["message"]
+               for o in outcomes)
+    before = json.loads((tmp_path / "replaced_files.json").read_text())
+    after = {str(p.relative_to(tmp_path / "replaced")): p.read_bytes().hex()
+             for p in sorted((tmp_path / "replaced").rglob("*")) if p.is_file()}
+    assert after == before  # not a file added, removed or changed
+    reference = _npz(tmp_path / "replaced_reference.npz")
+    ckpt = ucpformat.open(tmp_path / "replaced")
+    for path, want in reference.items():
+        assert np.array_equal(ckpt[path].read(), want), path
+

@@ -8,9 +8,9 @@ moto); with ``overwrite=False`` or ``True``; into a fresh location or onto a com
 checkpoint (``old``). Afterwards:
 
 - what each writer returned: *saved*, or *refused* (an error naming UCP-1.0-R059, another
-  writer, or R053, a committed checkpoint);
+  writer, or UCP-1.0-R053, a committed checkpoint);
 - what the location holds: exactly the state of the writer that returned "saved" last,
-  the old checkpoint, or nothing a reader accepts (R051) — anything else that opens is a
+  the old checkpoint, or nothing a reader accepts (UCP-1.0-R051) — anything else that opens is a
   *mixed* checkpoint (some of one writer's objects, some of the other's), and a location
   that does not hold what its last "saved" writer wrote is *wrong*. Both must be zero;
 - and that a later save into the location (``overwrite=True``) succeeds.
@@ -136,7 +136,7 @@ def run_trial(trial: Trial, make_inner: Callable[[], Store], rng: random.Random,
     for outcome, _, why in trial.results:
         if outcome == "crashed":
             trial.problems.append(f"a writer failed with a non-UCP error: {why}")
-        elif outcome == "refused" and "R059" not in why and "R053" not in why:
+        elif outcome == "refused" and "UCP-1.0-R059" not in why and "UCP-1.0-R053" not in why:
             trial.problems.append(f"a writer was refused for another reason: {why[:300]}")
     states = {"writer-0": small_state(seeds[0]), "writer-1": small_state(seeds[1])}
     if trial.old:
@@ -159,7 +159,7 @@ def run_trial(trial: Trial, make_inner: Callable[[], Store], rng: random.Random,
     elif not saved and trial.holds not in ("old", "nothing"):
         trial.problems.append(f"no writer said saved, but the location holds {trial.holds}")
         trial.holds = "WRONG"
-    try:  # and a later save can always write there (R049)
+    try:  # and a later save can always write there (UCP-1.0-R049)
         save(make_inner(), small_state(seeds[0] + 1), overwrite=True, **SMALL_CHUNKING)
     except UCPError as exc:
         trial.problems.append(f"the location cannot be saved into any more: {exc}")

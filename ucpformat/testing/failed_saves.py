@@ -92,7 +92,7 @@ def stray_trial(root: Path, rng: random.Random) -> Trial:
         key = stray.relative_to(location).as_posix()
         if exc.rule != "UCP-1.0-R049" or repr(key) not in str(exc):
             trial.wrong_message = True
-            trial.problems.append(f"refused without naming the file and R049: {exc}")
+            trial.problems.append(f"refused without naming the file and UCP-1.0-R049: {exc}")
     if not same_state(location, old):
         trial.lost = True
         trial.problems.append("the previous checkpoint is lost")
@@ -124,7 +124,7 @@ def s3_stray_trial(options: dict[str, Any], name: str, rng: random.Random) -> Tr
         trial.outcome = "refused"
         if exc.rule != "UCP-1.0-R049":
             trial.wrong_message = True
-            trial.problems.append(f"refused without R049: {exc}")
+            trial.problems.append(f"refused without UCP-1.0-R049: {exc}")
     if not same_state(store, old):
         trial.lost = True
         trial.problems.append(f"the previous checkpoint is lost (stray key {key!r})")

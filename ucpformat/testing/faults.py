@@ -18,6 +18,16 @@ process, which is killed:
 - ``gloo``: B is a collective save of two processes over ``torch.distributed`` (gloo), and
   only one rank is killed; the other must fail, not hang, and nothing is committed.
 
+*Exchange* trials fail a rank instead of killing it: B replaces A in place
+(``overwrite=True``), collectively over threads or gloo processes, with shards coarse
+enough that owners receive cells from the other rank, and one rank's values become
+unreadable after the plan is made (a :class:`FailingArray`: the Nth cell it reads for
+the exchange raises, as a copy from a device or a read from a failing disk would). Every
+rank must raise, naming the failure, within a time limit (no rank waits for the failed
+one); the location must hold A exactly as before (nothing of it was touched: the
+failure came before the un-commit), loadable bit for bit; and the save, retried, must
+replace it.
+
 Afterwards the harness checks that (1) A still loads bit for bit; (2) the interrupted
 location either is refused by ``open`` and by ``validate`` with an error naming a
 requirement (UCP-1.0-R051 for an uncommitted one), or - killed after its commit - loads B
@@ -25,8 +35,8 @@ bit for bit (or, for ``overwrite`` killed before the un-commit, A); never anythi
 (3) ``open`` and ``validate`` agree; (4) the same save, retried, succeeds and loads B bit
 for bit. A *lost checkpoint* is a failure of (1) or (2).
 
-Run ``python -m ucpformat.testing.faults --trials 300`` (``make stress``); the test suite
-runs a quick mode.
+Run ``python -m ucpformat.testing.faults --trials 300 --exchange-trials 40`` (``make
+stress``, which adds gloo trials of both kinds); the test suite runs a quick mode.
 """
 
 from __future__ import annotations
@@ -59,9 +69,17 @@ from ucpformat.comm import Communicator, run_threads
 from ucpformat.distributed import Fragment, TensorSpec, save_distributed
 from ucpformat.errors import CheckpointExistsError, UCPError
 from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
+from ucpformat.pipeline import FragmentList
 from ucpformat.reader import open_checkpoint
+from ucpformat.saveplan import PlanOptions, describe, plan_from_descriptions
 from ucpformat.storage import LocalStore, Store, StoreClaim
-from ucpformat.testing.common import SMALL_CHUNKING, differences, print_figures, small_state
+from ucpformat.testing.common import (
+    SMALL_CHUNKING,
+    differences,
+    print_figures,
+    small_state,
+    tree_bytes,
+)
 from ucpformat.validation import validate
 from ucpformat.writer import save
 
@@ -324,19 +342,102 @@ def distributed_parts(seed: int, world_size: int) -> DistributedParts:
 
 
 def distributed_save(
-    store: Store, comm: Communicator, parts: DistributedParts, *, overwrite: bool = False
+    store: Store,
+    comm: Communicator,
+    parts: DistributedParts,
+    *,
+    overwrite: bool = False,
+    min_shard_bytes: int = 1,
+    fragments: Sequence[Fragment] | None = None,
 ) -> None:
+    """The distributed save of the trials (``fragments``: this rank's, if not its parts)."""
     save_distributed(
         store,
         comm,
         specs=parts.specs,
-        fragments=parts.fragments[comm.rank],
+        fragments=parts.fragments[comm.rank] if fragments is None else fragments,
         group_attributes=parts.group_attributes,
         overwrite=overwrite,
-        min_shard_bytes=1,
+        min_shard_bytes=min_shard_bytes,
         workers=2,
         **SMALL_CHUNKING,
     )
+
+
+# -- values that fail after planning (exchange trials) ----------------------------------------
+
+#: Shards of the exchange trials: coarser than the two ranks' rows, so that owners receive
+#: cells from the other rank (every split tensor is one shard, assembled by one owner).
+EXCHANGE_MIN_SHARD_BYTES = 1 << 20
+
+
+class InjectedFault(RuntimeError):
+    """A failure the harness injects into a rank's values (not a bug)."""
+
+
+class _Countdown:
+    def __init__(self, reads: int) -> None:
+        self.left = reads
+        self._lock = threading.Lock()
+
+    def read(self) -> None:
+        with self._lock:
+            if self.left <= 0:
+                raise InjectedFault("injected: this rank's values became unreadable")
+            self.left -= 1
+
+
+class FailingArray(np.ndarray):  # type: ignore[type-arg]
+    """An array whose values fail to be read: indexing raises :class:`InjectedFault` once
+    its countdown (shared by every view and every array of one rank) is spent.
+
+    Its shape and size are known, so planning works; reading fails, as a copy from a
+    device or a read from a failing disk would. Every cell a rank extracts is one read.
+    """
+
+    countdown: _Countdown | None = None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.countdown = getattr(obj, "countdown", None)
+
+    def __getitem__(self, key: Any) -> Any:
+        if self.countdown is not None:
+            self.countdown.read()
+        return np.asarray(self)[key]
+
+
+def failing_fragments(fragments: Sequence[Fragment], reads: int) -> list[Fragment]:
+    """The same fragments, whose values raise :class:`InjectedFault` at the read after
+    the first ``reads`` (counted over all of them)."""
+    countdown = _Countdown(reads)
+    out = []
+    for frag in fragments:
+        data = frag.data.view(FailingArray)
+        data.countdown = countdown
+        out.append(Fragment(frag.path, frag.box, data))
+    return out
+
+
+def exchange_sends(seed: int, rank: int) -> int:
+    """How many cells ``rank`` sends in the exchange trials' save: the planner's answer."""
+    parts = distributed_parts(seed, 2)
+    options = PlanOptions(None, SMALL_CHUNKING["chunk_bytes"], SMALL_CHUNKING["shard_bytes"],
+                          EXCHANGE_MIN_SHARD_BYTES)
+    descriptions = [describe(parts.specs, FragmentList(frags).boxes(), parts.group_attributes)
+                    for frags in parts.fragments]
+    return len(plan_from_descriptions(descriptions, options).tasks(rank).sends)
+
+
+def exchange_save(
+    store: Store, comm: Communicator, parts: DistributedParts, *, victim: int, reads: int
+) -> None:
+    """The exchange trials' save, replacing a checkpoint; ``victim``'s values fail after
+    ``reads`` reads (never, if negative)."""
+    frags = parts.fragments[comm.rank]
+    if comm.rank == victim and reads >= 0:
+        frags = failing_fragments(frags, reads)
+    distributed_save(store, comm, parts, overwrite=True,
+                     min_shard_bytes=EXCHANGE_MIN_SHARD_BYTES, fragments=frags)
 
 
 def expected_state(scenario: str, seed: int) -> Any:
@@ -371,13 +472,14 @@ def run_save(scenario: str, store: Store, seed: int, *, durable: bool) -> None:
 @dataclass
 class Trial:
     scenario: str
-    kind: str  # "op" (kill at an operation) or "time" (SIGKILL after a delay)
+    kind: str  # "op" (kill at an operation), "time" (SIGKILL after a delay) or "raise"
     phase: str
     mode: str
     kill_at: int | None = None
     delay: float = 0.0  # seconds slept before each storage operation
     kill_after: float = 0.0  # "time" trials: SIGKILL this many seconds after the start
     victim: int = 0
+    fail_reads: int = -1  # "raise" trials: the victim's values fail after this many reads
     cli: bool = False  # also check with ``ucp validate`` in a subprocess
     # outcome
     killed: bool = False
@@ -423,12 +525,12 @@ def check_after_crash(
         trial.outcome = "refused"
         if not rule:
             trial.problems.append(f"refused without a requirement id: {message}")
-        if "R051" not in rule:
+        if "UCP-1.0-R051" not in rule:
             trial.problems.append(f"refused, but not as an incomplete checkpoint: {message}")
         if report.valid:
             trial.problems.append("open refuses it but validate finds it valid")
         elif "UCP-1.0-R051" not in report.rules():
-            trial.problems.append(f"validate refuses it without R051: {report.errors[:2]}")
+            trial.problems.append(f"validate refuses it without UCP-1.0-R051: {report.errors[:2]}")
 
 
 def cli_available() -> bool:
@@ -439,14 +541,14 @@ def cli_available() -> bool:
 
 def check_cli(trial: Trial, target: Path) -> None:
     """``ucp validate`` (when the CLI exists) agrees: exit 0 for a committed checkpoint,
-    1 (invalid, naming R051) or 2 (nothing there) for an interrupted one."""
+    1 (invalid, naming UCP-1.0-R051) or 2 (nothing there) for an interrupted one."""
     proc = subprocess.run(
         [sys.executable, "-m", "ucpformat.cli", "validate", "--json", str(target)],
         capture_output=True, text=True, timeout=120,
     )
     if trial.outcome == "refused":
         if proc.returncode == 1 and "UCP-1.0-R051" not in proc.stdout:
-            trial.problems.append(f"ucp validate refuses without R051: {proc.stdout[:200]}")
+            trial.problems.append(f"ucp validate refuses without UCP-1.0-R051: {proc.stdout[:200]}")
         elif proc.returncode not in (1, 2):
             trial.problems.append(f"ucp validate exits {proc.returncode} on an interrupted save")
     elif proc.returncode != 0:
@@ -483,11 +585,12 @@ def retry_and_check(trial: Trial, target: Path, seed_b: int, *, durable: bool) -
         if not committed:
             trial.problems.append(f"the retried save failed: {exc}")
     except UCPError as exc:
-        if not (committed and "R053" in str(exc)):
+        if not (committed and "UCP-1.0-R053" in str(exc)):
             trial.problems.append(f"the retried save failed: {exc}")
     else:
         if committed and trial.scenario != "overwrite":
-            trial.problems.append("a save onto a committed checkpoint did not refuse (R053)")
+            trial.problems.append(
+                "a save onto a committed checkpoint did not refuse (UCP-1.0-R053)")
     diffs = _diffs(target, expected_state(trial.scenario, seed_b))
     if diffs:
         trial.problems.append(f"the retried save does not load back: {diffs[:3]}")
@@ -560,14 +663,20 @@ def gloo_worker(args: argparse.Namespace) -> int:
     )
     comm = communicator()
     store: Store = LocalStore(args.target, durable=args.durable)
-    if args.rank == args.victim:
+    raising = args.fail_reads >= 0
+    if args.rank == args.victim and not raising:
         store = FaultyStore(store, kill_at=args.kill_at, mode=args.mode)
     code = 0
     try:
-        distributed_save(store, comm, distributed_parts(args.seed, 2))
+        if raising:
+            exchange_save(store, comm, distributed_parts(args.seed, 2), victim=args.victim,
+                          reads=args.fail_reads)
+        else:
+            distributed_save(store, comm, distributed_parts(args.seed, 2))
         comm.barrier()
-    except BaseException as exc:  # the survivor of a killed rank ends up here
-        print(f"rank {args.rank}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    except BaseException as exc:  # the survivor of a killed rank ends up here, and both
+        # ranks of a raise trial
+        print(f"rank {args.rank}: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
         code = 3
     sys.stdout.flush()
     os._exit(code)  # never run gloo's shutdown (see DESIGN.md: aborts at exit)
@@ -628,6 +737,129 @@ def run_gloo_trial(
     check_after_crash(trial, target, previous, seed_a, seed_b)
     retry_and_check(trial, target, seed_b, durable=durable)
     shutil.rmtree(target, ignore_errors=True)
+
+
+# -- exchange trials: a rank fails mid-exchange --------------------------------------------
+
+
+def _threads_raising(
+    trial: Trial, target: Path, seed_b: int, timeout: float
+) -> list[str | None] | None:
+    """Each rank's error (None: it did not raise) of a two-thread exchange trial; None if
+    a rank waited ``timeout`` seconds in a collective for the other."""
+    errors: list[str | None] = [None, None]
+    parts = distributed_parts(seed_b, 2)
+    hung = False
+
+    def rank_main(comm: Communicator) -> None:
+        nonlocal hung
+        try:  # caught here, so that run_threads never breaks a barrier for the others
+            exchange_save(LocalStore(target), comm, parts, victim=trial.victim,
+                          reads=trial.fail_reads)
+        except threading.BrokenBarrierError:  # the time limit
+            hung = True
+        except BaseException as exc:
+            errors[comm.rank] = f"{type(exc).__name__}: {exc}"
+
+    run_threads(2, rank_main, timeout=timeout)
+    return None if hung else errors
+
+
+def _gloo_raising(
+    trial: Trial, target: Path, seed_b: int, timeout: float
+) -> list[str | None] | None:
+    """The same over two gloo processes (``--worker --fail-reads``)."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ucpformat.testing.faults", "--worker", "--rank", str(r),
+             "--port", str(port), "--target", str(target), "--victim", str(trial.victim),
+             "--fail-reads", str(trial.fail_reads), "--seed", str(seed_b)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + timeout
+    errors: list[str | None] = []
+    hung = False
+    for r, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            hung = True
+        text = out.decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"rank {r}: ")]
+        if proc.returncode == 3 and lines:
+            errors.append(lines[-1][len(f"rank {r}: "):])
+        elif proc.returncode == 0:
+            errors.append(None)
+        else:
+            errors.append(f"exit {proc.returncode}: {text[-300:]}")
+    return None if hung else errors
+
+
+def run_raise_trial(
+    trial: Trial, workdir: Path, previous: Path, seed_a: int, seed_b: int, *,
+    timeout: float = 60.0,
+) -> list[str | None] | None:
+    """Run one exchange trial in place of a copy of ``previous``; returns each rank's
+    error (None if it did not raise; None for all if a rank hung)."""
+    target = workdir / f"raise-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(previous, target)
+    before = tree_bytes(target)
+    run = _threads_raising if trial.scenario == "threads" else _gloo_raising
+    errors = run(trial, target, seed_b, timeout)
+    if errors is None:
+        trial.problems.append(f"a rank hung after rank {trial.victim} failed")
+    else:
+        for r, error in enumerate(errors):
+            if error is None:
+                trial.problems.append(f"rank {r} did not raise")
+            elif "injected" not in error:
+                trial.problems.append(f"rank {r} raised without naming the failure: {error}")
+    diffs = _diffs(target, small_state(seed_a))
+    trial.outcome = "old-intact" if not diffs else "refused" if diffs[0].startswith(
+        "refused") else "WRONG-DATA"
+    if diffs:
+        trial.lost = True
+        trial.problems.append(f"the checkpoint being replaced changed: {diffs[:3]}")
+    elif tree_bytes(target) != before:
+        trial.problems.append("the location of the checkpoint being replaced changed (a "
+                              "file was added, removed or modified)")
+    report = validate(target)
+    if not report.valid:
+        trial.problems.append(f"the intact checkpoint does not validate: {report.errors[:2]}")
+    # the same save, retried without the fault, replaces it
+    parts = distributed_parts(seed_b, 2)
+    try:
+        run_threads(2, lambda comm: exchange_save(LocalStore(target), comm, parts,
+                                                  victim=trial.victim, reads=-1))
+    except UCPError as exc:
+        trial.problems.append(f"the retried save failed: {exc}")
+    diffs = _diffs(target, parts.expected)
+    if diffs:
+        trial.problems.append(f"the retried save does not load back: {diffs[:3]}")
+    trial.retried = True
+    shutil.rmtree(target, ignore_errors=True)
+    return errors
+
+
+def plan_raise_trials(n: int, rng: random.Random, seed_b: int, scenario: str) -> list[Trial]:
+    """``n`` exchange trials: each rank in turn fails at its first cell, at its last, then
+    at random ones."""
+    sends = [exchange_sends(seed_b, victim) for victim in range(2)]
+    trials = []
+    for k in range(n):
+        victim = k % 2
+        visit = k // 2
+        last = sends[victim] - 1
+        reads = 0 if visit == 0 else last if visit == 1 else rng.randint(0, last)
+        trials.append(Trial(scenario, "raise", "exchange", "raise", victim=victim,
+                            fail_reads=reads))
+    return trials
 
 
 # -- planning and running trials -------------------------------------------------------------
@@ -741,6 +973,8 @@ def run(
     trials: int,
     *,
     gloo_trials: int = 0,
+    exchange_trials: int = 0,
+    gloo_exchange_trials: int = 0,
     cli_every: int = 0,
     seed: int = 0,
     durable: bool = False,
@@ -760,10 +994,14 @@ def run(
         plan = plan_trials(trials, rng, traces, time_share=time_share)
         if gloo_trials:
             plan += plan_gloo_trials(gloo_trials, rng, seed_b)
+        plan += plan_raise_trials(exchange_trials, rng, seed_b, "threads")
+        plan += plan_raise_trials(gloo_exchange_trials, rng, seed_b, "gloo")
         use_cli = cli_every > 0 and cli_available()
         for i, trial in enumerate(plan):
             trial.cli = use_cli and i % cli_every == 0
-            if trial.scenario == "gloo":
+            if trial.kind == "raise":
+                run_raise_trial(trial, root, previous, seed_a, seed_b)
+            elif trial.scenario == "gloo":
                 run_gloo_trial(trial, root, previous, seed_a, seed_b, durable=durable)
             else:
                 run_fork_trial(trial, root, previous, seed_a, seed_b, durable=durable)
@@ -779,6 +1017,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=300, help="single-process trials")
     parser.add_argument("--gloo-trials", type=int, default=0,
                         help="trials of a two-process torch.distributed (gloo) save")
+    parser.add_argument("--exchange-trials", type=int, default=0,
+                        help="trials of a two-thread save in which one rank fails mid-exchange")
+    parser.add_argument("--gloo-exchange-trials", type=int, default=0,
+                        help="the same with two gloo processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cli-every", type=int, default=10,
                         help="check every Nth trial with `ucp validate` too, where the CLI "
@@ -793,11 +1035,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--victim", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="before", help=argparse.SUPPRESS)
+    parser.add_argument("--fail-reads", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return gloo_worker(args)
     start = time.perf_counter()
-    figures = run(args.trials, gloo_trials=args.gloo_trials, seed=args.seed,
+    figures = run(args.trials, gloo_trials=args.gloo_trials,
+                  exchange_trials=args.exchange_trials,
+                  gloo_exchange_trials=args.gloo_exchange_trials, seed=args.seed,
                   cli_every=args.cli_every, durable=args.durable, progress=not args.json)
     out = figures.as_dict()
     out["seconds"] = round(time.perf_counter() - start, 1)

@@ -7,7 +7,7 @@ outside was touched: the kernel reports every open, read, listing, write, creati
 deletion under ``outside`` (inotify, :class:`~ucpformat.testing.common.OutsideWatch`),
 and the bytes of every file there are compared before and after. Kinds:
 
-- writers (UCP-1.0-R091, R089): a destination holding only a link ``model -> outside``
+- writers (UCP-1.0-R091, UCP-1.0-R089): a destination holding only a link ``model -> outside``
   (``dir-link``); a committed checkpoint whose ``model`` directory, a shard directory or
   a stored object is replaced by a symbolic link (``overwrite-dir-link``,
   ``overwrite-nested-link``, ``overwrite-file-link``) or a stored object by a hard link
@@ -19,7 +19,7 @@ and the bytes of every file there are compared before and after. Kinds:
 - the checkpoint manager: a ``step-*`` entry that is a link to a checkpoint outside the
   run directory, and a ``step-*`` directory of other files, during rotation
   (``manager-step-link``, ``manager-foreign-step``);
-- readers (R089, time of check to time of use): a thread swaps a stored object, or the
+- readers (UCP-1.0-R089, time of check to time of use): a thread swaps a stored object, or the
   directory of an array's shards, for a link to its counterpart outside and back, while
   an open checkpoint reads the tensor again and again (``reader-swap-file``,
   ``reader-swap-dir``).

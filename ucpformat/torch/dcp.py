@@ -13,22 +13,31 @@ What lands on disk is an ordinary UCP checkpoint: every tensor consolidated at i
 shape (``model/<fqn>``, ``optimizer/state/<fqn>/<state>``, ...; the mapping of DCP keys
 is in :mod:`ucpformat.torch.dcp_keys`), non-tensor values as JSON, no pickle anywhere.
 
-Saving, in DCP's order of calls:
+Saving runs the distributed save pipeline (:mod:`ucpformat.pipeline`, which says how a
+save fails), in DCP's order of calls:
 
 1. every rank: DCP's planner makes write items (a chunk of a tensor, or a non-tensor
    value); the default planner removes replicas so each chunk has one writer.
 2. the coordinator (``prepare_global_plan``) sees every rank's items: it checks coverage,
    chooses each array's shard grid from the chunk boundaries with
-   :func:`ucpformat.distributed.make_plan` and assigns every shard one owner, who holds
+   :func:`ucpformat.saveplan.make_plan` and assigns every shard one owner, who holds
    it; where chunks are too small to shard on their boundaries, the owner of a coarser
-   shard receives the missing cells from their holders (point to point, in
-   ``write_data``). It then prepares the destination (un-commits an old checkpoint when
-   ``overwrite=True``). Nothing is written before this point.
-3. every rank (``write_data``): exchanges boundary cells, writes its shards whole, and
-   returns its non-tensor values (JSON) and what it wrote.
+   shard receives the missing cells from their holders (in ``write_data``). Each rank's
+   share goes back in its plan. It then marks the destination (refusing a committed
+   checkpoint unless ``overwrite=True``, and a location another save holds: its marker
+   is its claim until the commit, UCP-1.0-R059); nothing else is written before step 3
+   agrees.
+3. every rank (``write_data``): reads its non-tensor values (JSON), exchanges boundary
+   cells over ``process_group``, agrees with the others that none failed; the
+   coordinator then un-commits a checkpoint being replaced; every rank writes its shards
+   whole and returns its values and what it wrote.
 4. the coordinator (``finish``, called by DCP only if every rank succeeded): checks that
    every planned shard was written, writes values and the metadata, and commits last. A
-   failure anywhere leaves no committed checkpoint.
+   failure anywhere leaves no committed checkpoint, and one before the un-commit leaves
+   the checkpoint being replaced as it was. A failed save's files are removed (UCP-1.0-R049):
+   by the coordinator at once where it sees the failure (steps 3 and 4), else by its
+   writer's next ``reset`` (DCP calls it when the next save begins) or the next save to
+   that location.
 
 Loading: ``read_metadata`` builds DCP's metadata from the root ``zarr.json`` (one chunk
 per tensor, no pickle); DCP's planner turns each rank's target layout into read requests
@@ -42,7 +51,7 @@ import io
 import math
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -74,7 +83,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ucpformat import dtypes, names, schemas
-from ucpformat.distributed import DEFAULT_MIN_SHARD_BYTES, TensorSpec, make_plan
+from ucpformat.comm import Communicator, SingleProcess
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords, object_region
@@ -87,10 +96,13 @@ from ucpformat.errors import (
     LoadError,
     WriteError,
 )
-from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
-from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp, parse_array
+from ucpformat.layout.boxes import Box, box_shape, box_size
+from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
+from ucpformat.pipeline import check_written, exchange_and_prepare, mark, write
 from ucpformat.reader import Checkpoint, open_checkpoint
+from ucpformat.saveplan import DEFAULT_MIN_SHARD_BYTES, RankTasks, TensorSpec, make_plan
 from ucpformat.storage import Store, open_store
+from ucpformat.torch.comm import TorchCommunicator
 from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.dcp_keys import (
     MAX_VALUE_TENSOR,
@@ -114,10 +126,11 @@ from ucpformat.torch.dcp_keys import (
 from ucpformat.torch.planner import like
 from ucpformat.torch.state import qualified_name, unwrap
 from ucpformat.writer import (
+    WriteClaim,
     abandon,
     commit,
     default_workers,
-    prepare_destination,
+    explain_failure,
     zero_bits,
 )
 
@@ -144,24 +157,11 @@ def _is_tensor_item(item: WriteItem) -> bool:
 
 
 @dataclass
-class _ObjectTask:
-    path: str
-    coords: tuple[int, ...]
-    region: Box
-    remote: list[tuple[int, Box]]  # (sender rank, cell)
-
-
-@dataclass
-class _RankTasks:
+class _RankShare:
     """A rank's share of a save, sent in its ``SavePlan.storage_data``."""
 
-    rank: int
-    metas: dict[str, dict[str, Any]]  # node path -> zarr.json of arrays it writes or sends from
-    key_of: dict[str, str]  # node path -> DCP key
-    objects: list[_ObjectTask]
-    sends: list[tuple[int, str, Box]]  # (owner, path, cell), in the order every rank agrees on
-    recvs: list[tuple[int, str, Box]]  # (sender, path, cell)
-    peers: list[int] | None  # global rank of each rank of the group, when cells move
+    tasks: dict[str, Any]  # its RankTasks (ucpformat.saveplan), as JSON
+    key_of: dict[str, str]  # node path -> DCP key, of the arrays in its tasks
     tensor_values: list[str]  # DCP keys of tensors stored as JSON values
 
 
@@ -176,6 +176,7 @@ class _SavePlanState:
     values: dict[str, tuple[ObjectPath, ValueTarget]]
     context: SaveContext
     tensor_values: dict[str, tuple[str, tuple[int, ...]]]
+    claim: WriteClaim  # the hold on the destination (UCP-1.0-R059), from mark to commit
 
 
 # -- the writer -----------------------------------------------------------------------------
@@ -384,50 +385,38 @@ class UCPWriter(StorageWriter):
             compression=self.compression, chunk_bytes=self.chunk_bytes,
             shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
         )
-        transfers = plan.transfers()
-        peers: list[int] | None = None
-        if transfers:
-            peers = self._peers(world)
-
+        shares = plan.all_tasks()
+        self._check_group(world, any(t.sends for t in shares))
+        # Mark the destination now; write_data un-commits a checkpoint it replaces only
+        # after the exchange, so that a rank failing until then leaves it intact.
         _refuse_existing(store, overwrite=self.overwrite)
-        prepare_destination(store, overwrite=self.overwrite)
-
-        per_rank = [
-            _RankTasks(r, {}, {}, [], [], [], peers, sorted(tensor_values)) for r in range(world)
-        ]
-        expected: set[str] = set()
-        for apath, tplan in sorted(plan.tensors.items()):
-            for obj in tplan.objects:
-                expected.add(tplan.meta.object_key(obj.coords))
-                per_rank[obj.owner].objects.append(
-                    _ObjectTask(apath, obj.coords, obj.region, list(obj.remote)))
-        for owner, sender, apath, cell in transfers:
-            per_rank[sender].sends.append((owner, apath, cell))
-            per_rank[owner].recvs.append((sender, apath, cell))
-        for tasks in per_rank:
-            used = {o.path for o in tasks.objects} | {p for _, p, _ in tasks.sends}
-            tasks.metas = {p: plan.tensors[p].meta.to_zarr_json() for p in sorted(used)}
-            tasks.key_of = {p: key_of_path[p] for p in used}
+        claim = mark(store, overwrite=self.overwrite)
         self._state = _SavePlanState(
-            world, {p: tp.meta for p, tp in plan.tensors.items()}, expected,
-            tensor_entries, values, ctx, tensor_values,
+            world, {p: tp.meta for p, tp in plan.tensors.items()}, plan.object_keys(),
+            tensor_entries, values, ctx, tensor_values, claim,
         )
-        return [replace(p, storage_data=t) for p, t in zip(plans, per_rank, strict=True)]
+        return [
+            replace(p, storage_data=_RankShare(
+                tasks.to_json(), {a: key_of_path[a] for a in tasks.arrays},
+                sorted(tensor_values)))
+            for p, tasks in zip(plans, shares, strict=True)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.pipeline`) on this rank."""
         store = self._require_store()
-        tasks = plan.storage_data
-        if not isinstance(tasks, _RankTasks):
+        share = plan.storage_data
+        if not isinstance(share, _RankShare):
             raise WriteError("the save plan carries no UCPWriter tasks (was prepare_global_plan "
                              "of a UCPWriter run on the coordinator?)", path=store.location)
         results: list[WriteResult] = []
         items_of: dict[str, list[WriteItem]] = {}
-        metas: dict[str, ArrayMeta] = {}
-        # Every rank must reach the exchange, or an owner waits forever for its cells:
-        # an error before it is raised after it.
+        tasks: RankTasks | None = None
+        # Every rank must reach the exchange and the agreement after it, or its peers
+        # wait forever: an error before them is carried through them.
         error: BaseException | None = None
         try:
-            as_value = set(tasks.tensor_values)
+            as_value = set(share.tensor_values)
             for item in plan.items:
                 if _is_tensor_item(item) and item.index.fqn not in as_value:
                     items_of.setdefault(item.index.fqn, []).append(item)
@@ -438,49 +427,25 @@ class UCPWriter(StorageWriter):
                         "value": encode_value(data.detach().cpu().tolist(), key=item.index.fqn)}))
                 else:
                     results.append(self._value_result(item, planner))
-            metas = {p: parse_array(p, doc) for p, doc in tasks.metas.items()}
+            tasks = RankTasks.from_json(share.tasks)
         except BaseException as exc:
             error = exc
-
-        def fragments(apath: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
-            meta = metas[apath]
-            out = []
-            for item in items_of.get(tasks.key_of[apath], []):
-                td = item.tensor_data
-                assert td is not None
-                box = _box(td.chunk.offsets, td.chunk.sizes)
-                data = planner.resolve_data(item)
-                if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
-                    raise WriteError("resolve_data returned no tensor", tensor=apath)
-                arr = to_numpy(data, name=tasks.key_of[apath]).reshape(box_shape(box))
-                out.append((box, arr.astype(meta.dtype.numpy, copy=False)))
-            return out
-
-        inbox = self._exchange(tasks, fragments, error)
-
-        by_path: dict[str, list[_ObjectTask]] = {}
-        for obj in tasks.objects:
-            by_path.setdefault(obj.path, []).append(obj)
-
-        def write_tensor(apath: str) -> list[StoredObject]:
-            meta = metas[apath]
-            local = fragments(apath)
-            written = []
-            for obj in by_path[apath]:
-                data = _assemble(meta, obj, local, inbox)
-                try:
-                    written.append(write_object(store, meta, obj.coords, data,
-                                                hash_algorithm=self.hash_algorithm))
-                except OSError as exc:
-                    raise WriteError(f"writing {meta.object_key(obj.coords)} failed: {exc}",
-                                     path=store.location) from exc
-            return written
-
-        with ThreadPoolExecutor(self.workers or default_workers()) as pool:
-            stored = list(pool.map(write_tensor, sorted(by_path)))
-        store.flush()
-        for apath, objs in zip(sorted(by_path), stored, strict=True):
-            key = tasks.key_of[apath]
+        source = _ItemFragments(planner, items_of, share.key_of,
+                                tasks.arrays if tasks is not None else {})
+        # the coordinator holds the destination from prepare_global_plan (mark) on
+        claim = self._state.claim if self._is_coordinator and self._state else None
+        received = exchange_and_prepare(
+            self._communicator(), store, tasks, source, error=error, claim=claim)
+        assert tasks is not None  # agreed: no rank failed
+        # A failure from here on is DCP's to gather: the coordinator's writer removes what
+        # the ranks wrote in its next reset (no rank may still be writing then).
+        stored = write(store, tasks, source, received.inbox, workers=self.workers,
+                       hash_algorithm=self.hash_algorithm, claim=claim)
+        by_path: dict[str, list[StoredObject]] = {}
+        for obj, written in zip(tasks.objects, stored, strict=True):
+            by_path.setdefault(obj.path, []).append(written)
+        for apath, objs in sorted(by_path.items()):
+            key = share.key_of[apath]
             index = items_of[key][0].index if key in items_of else MetadataIndex(key)
             results.append(WriteResult(
                 index=index, size_in_bytes=sum(o.nbytes for o in objs),
@@ -489,11 +454,19 @@ class UCPWriter(StorageWriter):
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Step 7 of the save pipeline (the coordinator, once every rank has written): a
+        failure abandons the save (nothing committed, what the ranks wrote removed)."""
         store = self._require_store()
         state = self._state
         if state is None:
             raise WriteError("finish() without a global plan: this UCPWriter was not the "
                              "coordinator's", path=store.location)
+        with explain_failure(store, state.claim):
+            self._commit(store, state, results, _save_id(metadata, self.save_id))
+        self._state = None
+
+    def _commit(self, store: Store, state: _SavePlanState,
+                results: list[list[WriteResult]], save_id: str) -> None:
         objects: list[StoredObject] = []
         value_of: dict[str, Any] = {}
         raw_of: dict[str, tuple[bytes, str]] = {}
@@ -508,13 +481,7 @@ class UCPWriter(StorageWriter):
                     value_of[wr.index.fqn] = sd["value"]
                 if "bytes" in sd:
                     raw_of[wr.index.fqn] = (bytes(sd["bytes"]), str(sd["encoding"]))
-        written = {o.key for o in objects}
-        missing = sorted(state.expected - written)
-        if missing:
-            raise WriteError(
-                f"{len(missing)} planned shards were not written (first: {missing[0]!r}); "
-                "nothing was committed", rule="UCP-1.0-R132", path=store.location,
-            )
+        check_written(state.expected, (o.key for o in objects), store.location)
         absent = sorted(set(state.values) - set(value_of) - set(raw_of))
         if absent:
             raise WriteError(f"no rank wrote the value of {absent[:5]}; nothing was committed",
@@ -570,14 +537,13 @@ class UCPWriter(StorageWriter):
         root_ucp = build_root_ucp(
             metadata=self.metadata,
             saved_by={"world_size": state.world_size, "via": "torch.distributed.checkpoint",
-                      "save_id": _save_id(metadata, self.save_id)},
+                      "save_id": save_id},
             extensions={
                 RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()}
             },
         )
         commit(store, arrays=final_metas, groups=group_metas, objects=objects,
-               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm)
-        self._state = None
+               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm, claim=state.claim)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -586,23 +552,29 @@ class UCPWriter(StorageWriter):
             raise WriteError("UCPWriter is not set up (set_up_storage_writer was not called)")
         return self._store
 
-    def _peers(self, world: int) -> list[int]:
+    def _check_group(self, world: int, moves: bool) -> None:
+        """Refuse a process group that is not the one DCP planned for (write_data's
+        collectives run over it)."""
         if not (dist.is_available() and dist.is_initialized()):
-            raise WriteError(
-                "shards must be assembled from several ranks' chunks, which needs "
-                "torch.distributed; pass UCPWriter(min_shard_bytes=0) to shard on chunk "
-                "boundaries instead"
-            )
-        group = self.process_group
-        size = dist.get_world_size(group)
+            if moves:
+                raise WriteError(
+                    "shards must be assembled from several ranks' chunks, which needs "
+                    "torch.distributed; pass UCPWriter(min_shard_bytes=0) to shard on chunk "
+                    "boundaries instead"
+                )
+            return
+        size = dist.get_world_size(self.process_group)
         if size != world:
             raise WriteError(
                 f"DCP planned for {world} ranks but UCPWriter's process group has {size}; "
                 "pass UCPWriter(process_group=...) the group given to dcp.save"
             )
-        if group is None:
-            return list(range(world))
-        return [dist.get_global_rank(group, r) for r in range(world)]
+
+    def _communicator(self) -> Communicator:
+        """The ranks of this save (one, when DCP runs without torch.distributed)."""
+        if dist.is_available() and dist.is_initialized():
+            return TorchCommunicator(self.process_group)
+        return SingleProcess()
 
     def _value_result(self, item: WriteItem, planner: SavePlanner) -> WriteResult:
         key = item.index.fqn
@@ -626,68 +598,6 @@ class UCPWriter(StorageWriter):
         value = encode_value(obj, key=key)
         return WriteResult(index=item.index, size_in_bytes=0, storage_data={"value": value})
 
-    def _exchange(
-        self,
-        tasks: _RankTasks,
-        fragments: Callable[[str], list[tuple[Box, np.ndarray[Any, Any]]]],
-        error: BaseException | None,
-    ) -> dict[tuple[str, Box], np.ndarray[Any, Any]]:
-        """Send the cells others need and receive the cells this rank's shards need.
-
-        Sizes follow from the plan, so every send and receive is posted even when this
-        rank has failed (``error``, or while reading a cell): it then sends zeros, and
-        raises once the exchange is over. Its failure reaches DCP, which then does not
-        call ``finish``: nothing is committed.
-        """
-        if not tasks.sends and not tasks.recvs:
-            if error is not None:
-                raise error
-            return {}
-        assert tasks.peers is not None
-        group = self.process_group
-        device = _p2p_device(group)
-        itemsize = {p: dtypes.by_name(doc["data_type"]).itemsize for p, doc in tasks.metas.items()}
-        numpy_type = {p: dtypes.by_name(doc["data_type"]).numpy for p, doc in tasks.metas.items()}
-        outgoing: dict[int, list[bytes]] = {}
-        cache: dict[str, list[tuple[Box, np.ndarray[Any, Any]]]] = {}
-        for owner, apath, cell in tasks.sends:
-            nbytes = box_size(cell) * itemsize[apath]
-            try:
-                if error is not None:
-                    raise error
-                if apath not in cache:
-                    cache[apath] = fragments(apath)
-                data = _extract(cache[apath], cell, apath)
-                outgoing.setdefault(owner, []).append(
-                    np.ascontiguousarray(data).reshape(-1).view(np.uint8).tobytes())
-            except BaseException as exc:  # still send, so that no owner waits forever
-                error = exc
-                outgoing.setdefault(owner, []).append(bytes(nbytes))
-        cache.clear()
-        expected: dict[int, int] = {}
-        for sender, apath, cell in tasks.recvs:
-            expected[sender] = expected.get(sender, 0) + box_size(cell) * itemsize[apath]
-        buffers = {src: torch.empty(n, dtype=torch.uint8, device=device)
-                   for src, n in expected.items()}
-        ops = [dist.P2POp(dist.irecv, buf, tasks.peers[src], group)
-               for src, buf in sorted(buffers.items())]
-        for dst, parts in sorted(outgoing.items()):
-            payload = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.isend, payload.to(device), tasks.peers[dst], group))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-        if error is not None:
-            raise error
-        inbox: dict[tuple[str, Box], np.ndarray[Any, Any]] = {}
-        offsets = dict.fromkeys(buffers, 0)
-        host = {src: buf.cpu().numpy() for src, buf in buffers.items()}
-        for sender, apath, cell in tasks.recvs:
-            n = box_size(cell) * itemsize[apath]
-            raw = host[sender][offsets[sender]: offsets[sender] + n]
-            offsets[sender] += n
-            inbox[(apath, cell)] = raw.view(numpy_type[apath]).reshape(box_shape(cell))
-        return inbox
-
     def _model_roles(self, optimizer_values: Mapping[str, Any]) -> dict[str, str]:
         if self._roles:
             return self._roles
@@ -701,46 +611,39 @@ class UCPWriter(StorageWriter):
         return roles
 
 
-def _p2p_device(group: dist.ProcessGroup | None) -> torch.device:
-    pg = group if group is not None else dist.group.WORLD
-    types = getattr(pg, "_device_types", None)
-    if types and torch.device("cpu") not in types and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class _ItemFragments:
+    """A rank's DCP write items as a :class:`ucpformat.pipeline.FragmentSource`: each
+    tensor's chunks resolved through the planner when the pipeline asks for them."""
+
+    def __init__(self, planner: SavePlanner, items_of: Mapping[str, Sequence[WriteItem]],
+                 key_of: Mapping[str, str], arrays: Mapping[str, ArrayMeta]) -> None:
+        self._planner = planner
+        self._items_of = items_of
+        self._key_of = key_of
+        self._arrays = arrays
+
+    def boxes(self) -> list[tuple[str, Box]]:
+        return [(path, _item_box(item)) for path, key in self._key_of.items()
+                for item in self._items_of.get(key, [])]
+
+    def fragments(self, path: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
+        meta = self._arrays[path]
+        key = self._key_of[path]
+        out = []
+        for item in self._items_of.get(key, []):
+            box = _item_box(item)
+            data = self._planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
+                raise WriteError("resolve_data returned no tensor", tensor=path)
+            arr = to_numpy(data, name=key).reshape(box_shape(box))
+            out.append((box, arr.astype(meta.dtype.numpy, copy=False)))
+        return out
 
 
-def _extract(
-    local: Sequence[tuple[Box, np.ndarray[Any, Any]]], cell: Box, where: str
-) -> np.ndarray[Any, Any]:
-    for box, data in local:
-        if contains(box, cell):
-            rel = tuple((a - b0, b - b0) for (a, b), (b0, _) in zip(cell, box, strict=True))
-            return data[as_slices(rel)]
-    raise LayoutError(f"this rank holds no chunk containing {list(cell)}", rule="UCP-1.0-R131",
-                      tensor=where)
-
-
-def _assemble(
-    meta: ArrayMeta,
-    obj: _ObjectTask,
-    local: Sequence[tuple[Box, np.ndarray[Any, Any]]],
-    inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
-) -> np.ndarray[Any, Any]:
-    """The data of one stored object: a view of a local chunk, or pieced together."""
-    if not obj.remote:
-        for box, _ in local:
-            if contains(box, obj.region):
-                return _extract(local, obj.region, meta.path)
-    out = np.empty(box_shape(obj.region), dtype=meta.dtype.numpy)
-    for box, data in local:
-        inter = intersect(box, obj.region)
-        if inter is not None:
-            dst = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(inter, obj.region, strict=True))
-            out[as_slices(dst)] = _extract([(box, data)], inter, meta.path)
-    for _sender, cell in obj.remote:
-        dst = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(cell, obj.region, strict=True))
-        out[as_slices(dst)] = inbox[(meta.path, cell)]
-    return out
+def _item_box(item: WriteItem) -> Box:
+    td = item.tensor_data
+    assert td is not None
+    return _box(td.chunk.offsets, td.chunk.sizes)
 
 
 def _bytes_meta(
@@ -755,7 +658,8 @@ def _bytes_meta(
 
 
 def _check_optimizer_values(values: Mapping[str, Any], arrays: Mapping[str, ArrayMeta]) -> None:
-    """Refuse param groups the spec refuses (R081, R082), before anything is committed."""
+    """Refuse param groups the spec refuses (UCP-1.0-R081, UCP-1.0-R082), before anything is
+    committed."""
     if not values:
         return
     hint = ("save the optimizer state of torch.distributed.checkpoint.state_dict."

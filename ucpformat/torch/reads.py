@@ -7,11 +7,18 @@ read the inner chunks of small and large tensors alike in parallel.
 A read either makes a **new** tensor (no target): the chunks land in the new tensor's own
 memory, nothing is copied after the read (on another device: read into host memory, then
 moved, in batches of :data:`STAGED_BATCH_BYTES`). Or it fills a **target**, a tensor that
-already holds live state (a model's parameter, an optimizer's state): the target must not
-change unless every read of the load has succeeded, so the data is read into new host
-memory (*staging*: a damaged or missing chunk fails there, every CRC32C is checked) and
-copied into the targets only by :meth:`StagedReads.apply`, once the caller has checked
-everything else. Staging holds one host copy of what the targets receive until then.
+already holds live state (a model's parameter, an optimizer's state), in one of two ways:
+
+* **staged** (the default): the target must not change unless every read of the load has
+  succeeded, so the data is read into new host memory (*staging*: a damaged or missing
+  chunk fails there, every CRC32C is checked) and copied into the targets only by
+  :meth:`StagedReads.apply`, once the caller has checked everything else. Staging holds
+  one host copy of what the targets receive until then, and costs that copy.
+* **in place** (``in_place=True``): a target that is a contiguous CPU tensor of the stored
+  data type is itself the read buffer (no copy, no staging); other targets are read into
+  host memory and copied in right after their batch (batches of
+  :data:`STAGED_BATCH_BYTES`). A failed read then leaves the targets read so far changed,
+  some of them partly: the error says so and names them (:attr:`StagedReads.written`).
 """
 
 from __future__ import annotations
@@ -19,17 +26,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from ucpformat.distributed import read_locals
+from ucpformat.errors import LoadError, UCPError, restated
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
 from ucpformat.reader import Checkpoint
-from ucpformat.torch.convert import from_numpy, to_numpy
+from ucpformat.torch.convert import from_numpy, to_numpy, torch_dtype
 
-#: Host bytes read for new tensors on another device before they are moved there.
+#: Host bytes read per batch for new tensors on another device before they are moved
+#: there, and (in place) for targets that cannot be read into directly.
 STAGED_BATCH_BYTES = 1 << 30
+
+_MAX_NAMED = 20
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,8 @@ class StagedReads:
     tensors: list[torch.Tensor]
     #: (target, staged host copy of what it receives), in read order.
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: In place: the node paths whose targets were written by the read (in read order).
+    written: list[str] = field(default_factory=list)
 
     @property
     def staged_bytes(self) -> int:
@@ -68,16 +82,21 @@ class StagedReads:
     def apply(self) -> None:
         """Copy the staged data into the targets (data type and device kept) and release
         it. Every byte was read and checked before: this step does not fail on the
-        checkpoint's account. A contiguous CPU target of the staged type is a plain
-        memory copy (numpy's: torch's ``copy_`` slows down badly when the machine's cores
-        are busy); others go through ``copy_``."""
-        with torch.no_grad():
-            for target, data in self.staged:
-                if _plain_memory(target) and target.dtype == data.dtype:
-                    np.copyto(to_numpy(target.detach(), name=None), to_numpy(data, name=None))
-                else:
-                    target.copy_(data)
+        checkpoint's account."""
+        for target, data in self.staged:
+            copy_into(target, data)
         self.staged.clear()
+
+
+def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
+    """``target.copy_(data)`` without autograd. A contiguous CPU target of ``data``'s type
+    is a plain memory copy (numpy's: torch's ``copy_`` slows down badly when the machine's
+    cores are busy)."""
+    with torch.no_grad():
+        if _plain_memory(target) and target.dtype == data.dtype:
+            np.copyto(to_numpy(target.detach(), name=None), to_numpy(data, name=None))
+        else:
+            target.copy_(data)
 
 
 def _plain_memory(t: torch.Tensor) -> bool:
@@ -86,50 +105,120 @@ def _plain_memory(t: torch.Tensor) -> bool:
             and not t.is_neg() and t.layout == torch.strided)
 
 
-def read_tensors(
-    ckpt: Checkpoint, reads: Sequence[TensorRead], *, batch_bytes: int = STAGED_BATCH_BYTES
-) -> StagedReads:
-    """Read every request as one batch; no target changes before :meth:`StagedReads.apply`.
+def _direct_view(
+    ckpt: Checkpoint, path: str, target: torch.Tensor
+) -> np.ndarray[Any, Any] | None:
+    """A numpy view of ``target``'s memory to read into, or None if it cannot be one."""
+    if _plain_memory(target) and target.dtype == torch_dtype(
+        ckpt.arrays[path].dtype.name, tensor=path
+    ):
+        return to_numpy(target.detach(), name=path)
+    return None
 
-    A failure (a damaged or missing chunk, a refused region) raises here, with every
-    target as it was.
+
+def named(paths: Sequence[str]) -> str:
+    """The first node paths of a list, quoted, and how many more."""
+    shown = ", ".join(repr(p) for p in paths[:_MAX_NAMED])
+    more = f" and {len(paths) - _MAX_NAMED} more" if len(paths) > _MAX_NAMED else ""
+    return shown + more
+
+
+def partly_changed(exc: BaseException, written: Sequence[str]) -> BaseException:
+    """``exc`` restated to say that an in-place load changed the tensors at ``written``
+    (a UCPError of the same class; anything else becomes a LoadError)."""
+    owners = [o for o in ("model", "optimizer") if any(p.startswith(o + "/") for p in written)]
+    what = " and the ".join(owners or ["model"])
+    were = "were" if len(owners) > 1 else "was"
+    note = (f"; the load was in place (in_place=True), so the {what} {were} partly changed: "
+            f"{len(written)} tensor(s) may hold some or all of the checkpoint's data: "
+            f"{named(written)} (everything else is as it was; load a good checkpoint to "
+            "make the state whole again)")
+    if isinstance(exc, UCPError):
+        return restated(exc, exc.message + note)
+    return LoadError(f"{type(exc).__name__}: {exc}{note}")
+
+
+def read_tensors(
+    ckpt: Checkpoint,
+    reads: Sequence[TensorRead],
+    *,
+    batch_bytes: int = STAGED_BATCH_BYTES,
+    in_place: bool = False,
+) -> StagedReads:
+    """Read every request as one batch (where memory allows).
+
+    Staged (the default): no target changes before :meth:`StagedReads.apply`; a failure (a
+    damaged or missing chunk, a refused region) raises here with every target as it was.
+    ``in_place``: targets are filled by the read itself (:meth:`StagedReads.apply` has
+    nothing left to do); a failure raises the error restated by :func:`partly_changed`
+    when a target was written.
     """
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([])
-    pending: list[tuple[int, TensorRead, LocalMap]] = []
-    moving = 0  # host bytes of new tensors bound for another device in this batch
+    pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None]] = []
+    held = 0  # host bytes of this batch that are not their final tensors' own memory
 
     def flush() -> None:
-        nonlocal moving
-        values = read_locals(ckpt, [(r.path, lm, None) for _, r, lm in pending])
-        for (i, r, _), value in zip(pending, values, strict=True):
-            data = from_numpy(value, name=r.path, device=None if r.target is not None
-                              else r.device)
+        nonlocal held
+        values = read_locals(ckpt, [(r.path, lm, out) for _, r, lm, out in pending])
+        for (i, r, _, out), value in zip(pending, values, strict=True):
             if r.target is None:
-                tensors[i] = data
+                tensors[i] = from_numpy(value, name=r.path, device=r.device)
+                continue
+            tensors[i] = r.target
+            if out is not None:  # read into the target itself
+                continue
+            data = from_numpy(value, name=r.path)
+            if in_place:
+                result.written.append(r.path)
+                copy_into(r.target, data)
             else:
-                tensors[i] = r.target
                 result.staged.append((r.target, data))
         pending.clear()
-        moving = 0
+        held = 0
+
+    def flush_or_explain() -> None:
+        # in place, the targets of this batch read into directly may be partly written
+        direct = [r.path for _, r, _, out in pending if out is not None]
+        try:
+            flush()
+        except BaseException as exc:
+            written = result.written + direct
+            if written:
+                raise partly_changed(exc, written) from exc
+            raise
+        result.written.extend(direct)
 
     for i, read in enumerate(reads):
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
-        pending.append((i, read, lm))
-        if read.target is None and read.device is not None and (
-            torch.device(read.device).type != "cpu"
-        ):
-            moving += math.prod(lm.local_shape) * meta.dtype.itemsize
-            if moving >= batch_bytes:
-                # only new tensors are in flight: a later failure changes nothing live
-                flush()
+        out = None
+        nbytes = math.prod(lm.local_shape) * meta.dtype.itemsize
+        if read.target is not None:
+            if in_place:
+                out = _direct_view(ckpt, read.path, read.target)
+                held += 0 if out is not None else nbytes
+        elif read.device is not None and torch.device(read.device).type != "cpu":
+            held += nbytes
+        pending.append((i, read, lm, out))
+        # staged, only new tensors are held per batch: every target waits for apply()
+        if held >= batch_bytes:
+            flush_or_explain()
     if pending:
-        flush()
+        flush_or_explain()
     for t in tensors:
         assert t is not None
     result.tensors = [t for t in tensors if t is not None]
     return result
 
 
-__all__ = ["STAGED_BATCH_BYTES", "StagedReads", "TensorRead", "read_tensors", "whole"]
+__all__ = [
+    "STAGED_BATCH_BYTES",
+    "StagedReads",
+    "TensorRead",
+    "copy_into",
+    "named",
+    "partly_changed",
+    "read_tensors",
+    "whole",
+]

@@ -1,9 +1,11 @@
-"""The writer suite: hand a writer adapter every scenario, check what it wrote (R220 to R222).
+"""The writer suite: hand a writer adapter every scenario, check what it wrote (UCP-1.0-R220 to
+UCP-1.0-R222).
 
 Each checkpoint is validated deep and compared with the scenario's contents; layout
 scenarios are loaded into other layouts; fault checks limit the size of the files the
 adapter may write, put a committed checkpoint where it writes (also beside a stray file),
-and start two writes into one location at once (R050, R053, R054, R049, R059).
+and start two writes into one location at once (UCP-1.0-R050, UCP-1.0-R053,
+UCP-1.0-R054, UCP-1.0-R049, UCP-1.0-R059).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def writer_suite(
     faults: bool = True,
     keep: Path | None = None,
 ) -> SuiteReport:
-    """Hand a writer adapter every scenario and check what it wrote (UCP-1.0-R220 to R222).
+    """Hand a writer adapter every scenario and check what it wrote (UCP-1.0-R220 to UCP-1.0-R222).
 
     The fault-injection checks limit the size of the files the adapter's process may
     write, so they need a command; an in-process adapter skips them.
@@ -144,7 +146,7 @@ def _run_scenario(report: SuiteReport, adapter: Adapter, scenario: Scenario,
     out = work / scenario.name / "out"
     if out.exists():
         shutil.rmtree(out)
-    out.mkdir(parents=True)  # OUT_DIR is an empty folder (R233)
+    out.mkdir(parents=True)  # OUT_DIR is an empty folder (UCP-1.0-R233)
     with timed(result), WriteCounter(out) as counter:
         run = adapter.write(scenario_file, out)
     if scenario.refuse:
@@ -279,7 +281,7 @@ def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) 
 
 
 def _judge_loading(result: Result, out: Path, expected: Mapping[str, Any]) -> None:
-    """Load the written checkpoint into other layouts with ucpformat (R222)."""
+    """Load the written checkpoint into other layouts with ucpformat (UCP-1.0-R222)."""
     from ucpformat.layout.semantics import layout_of
     from ucpformat.reader import open_checkpoint
 
@@ -417,7 +419,7 @@ def _onto_committed(result: Result, adapter: Adapter, base: Path, scenario: Scen
                     supported: set[str], work: Path, rule: str, *, stray: str | None) -> None:
     """Write ``scenario`` onto a copy of the committed checkpoint ``base`` (with a file
     named ``stray`` beside it): a refusal must change nothing; a write must replace the
-    checkpoint as a whole (R053, R049)."""
+    checkpoint as a whole (UCP-1.0-R053, UCP-1.0-R049)."""
     dest = work / "out"
     if dest.exists():
         shutil.rmtree(dest)
@@ -458,7 +460,7 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
                 supported: set[str], work: Path) -> None:
     """Two writes of different scenarios started at the same moment into one new
     location: at most one may report success, and the location must then hold exactly
-    its checkpoint (R059); never a mix of both."""
+    its checkpoint (UCP-1.0-R059); never a mix of both."""
     import threading
 
     dest = work / "out"

@@ -1,0 +1,669 @@
+"""The distributed save pipeline: one checkpoint written by many ranks, each its own part.
+
+Every distributed save runs these steps, in this order.
+:func:`ucpformat.distributed.save_distributed` runs them all (:func:`save`). The DCP
+plugin (:mod:`ucpformat.torch.dcp`) runs step 2 in DCP's ``prepare_global_plan`` (the
+coordinator alone, which hands each rank its share in the plan DCP scatters), steps 3
+to 6 in ``write_data`` (every rank) and step 7 in ``finish`` (the coordinator, after
+DCP has gathered every rank's results). A framework integration hands the pipeline its
+tensor specs, a :class:`FragmentSource` (the boxes a rank holds; their values on
+request: flat ZeRO partitions are boxes of the tensors they cut through) and its JSON
+values as group attributes.
+
+====  ==========  ============================  ==========================================
+step  name        who                           what
+====  ==========  ============================  ==========================================
+1     describe    every rank, then collective   :func:`ucpformat.saveplan.describe`: the
+                                                specs, boxes and group attributes a rank
+                                                knows (no values), gathered by every rank.
+2     plan        every rank (or the            :func:`ucpformat.saveplan.plan_from_descriptions`:
+                  coordinator alone, which      the same plan everywhere; each rank takes
+                  hands each rank its share)    its :class:`~ucpformat.saveplan.RankTasks`.
+                                                Then the coordinator marks the destination
+                                                (:func:`mark`: refuse it, or hold it with
+                                                its in-progress marker; a checkpoint being
+                                                replaced stays committed).
+3     exchange    collective                    :func:`exchange`: each rank sends owners the
+                                                cells of their objects that it holds, and
+                                                every rank its status (failed or not).
+4     agree       every rank, from what the     :func:`raise_if_failed`: did any rank fail
+                  exchange told it              so far? If so, every rank raises.
+5     un-commit   coordinator, then collective  :func:`uncommit`: delete the root of the
+                                                checkpoint being replaced, clear the
+                                                location.
+6     write       every rank                    :func:`write`: assemble and write each
+                                                stored object this rank owns, whole.
+7     commit      coordinator, then collective  :func:`commit`: once every rank has
+                                                written (the results are gathered), check
+                                                that every planned object was written,
+                                                then write the metadata, the manifest and,
+                                                last, the root ``zarr.json``.
+====  ==========  ============================  ==========================================
+
+Steps 3 to 5 are :func:`exchange_and_prepare`, which the DCP plugin's ``write_data`` and
+:func:`save` share.
+
+How does a distributed save fail?
+
+* **No rank waits forever for a peer that failed.** A rank that fails keeps taking part
+  in every collective up to the next agreement (steps 1, 3, 5, 6 and 7 are one each): a
+  rank whose values could not be read, or that could not even plan, still takes part in
+  the exchange, sending its failure report instead of cells, and it raises only once
+  every rank knows. Every rank then raises: its own error if it failed with a
+  :class:`~ucpformat.errors.UCPError`, else a :class:`~ucpformat.errors.WriteError`
+  naming the ranks that failed and why. (A rank that dies rather than raising is the
+  communicator's to detect: torch.distributed's timeout or its closed connection.)
+* **A failure on any rank means no commit.** Only the coordinator commits, after an
+  agreement that every rank wrote what it owns, and only if every planned stored object
+  was written (UCP-1.0-R132), and only while it still holds the location (UCP-1.0-R059).
+* **One writer per location.** The coordinator's marker is its claim on the location
+  (:func:`ucpformat.writer.mark_destination`, UCP-1.0-R059): a second save there is
+  refused before it changes anything, every stored object is created (never replaces
+  another writer's), and the commit checks the claim's token first.
+* **The previous checkpoint survives every failure before the un-commit.** Until step
+  5 nothing is written but the in-progress marker, and a checkpoint being replaced
+  (``overwrite=True``) stays committed: a failure while describing, planning, reading a
+  rank's values for the exchange or exchanging leaves it as it was (the coordinator
+  withdraws its marker), loadable. From step 5 on, the location holds either the old
+  checkpoint or an uncommitted one (refused), never a mix: a failure while writing
+  loses the old checkpoint but commits nothing.
+* **A failed save cleans up (UCP-1.0-R049).** Once every rank has stopped (the
+  agreement that found the failure), the coordinator abandons the save
+  (:func:`ucpformat.writer.abandon`): before the un-commit it withdraws its marker,
+  after it removes what every rank wrote, the marker last, and its error says what the
+  location holds now. (The DCP plugin's coordinator learns of a failure in another
+  rank's ``write_data`` only from DCP's exception: its writer's next ``reset`` removes
+  the remains, and so does the next save to that location.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import struct
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.engine.write import StoredObject, write_object
+from ucpformat.errors import LayoutError, UCPError, WriteError
+from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
+from ucpformat.metadata import ArrayMeta, build_root_ucp
+from ucpformat.progress import ProgressCallback, byte_progress
+from ucpformat.saveplan import (
+    ObjectPlan,
+    Plan,
+    PlanOptions,
+    RankTasks,
+    TensorSpec,
+    describe,
+    plan_from_descriptions,
+)
+from ucpformat.storage import Store, open_store
+from ucpformat.writer import (
+    WriteClaim,
+    clear_destination,
+    create_owned,
+    default_workers,
+    explain_failure,
+    mark_destination,
+)
+from ucpformat.writer import commit as commit_root
+
+#: The cells received in the exchange: (tensor path, cell) -> values shaped like the cell.
+Inbox = dict[tuple[str, Box], np.ndarray[Any, Any]]
+
+
+# -- what a rank holds -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Values of box ``box`` of tensor ``path``; ``data`` has as many elements, in C order."""
+
+    path: str
+    box: Box
+    data: np.ndarray[Any, Any]
+
+    def view(self) -> np.ndarray[Any, Any]:
+        """The data shaped like the box (no copy for contiguous data)."""
+        return self.data.reshape(box_shape(self.box))
+
+
+class FragmentSource(Protocol):
+    """What one rank holds: the boxes first (to plan), their values when they are needed."""
+
+    def boxes(self) -> Iterable[tuple[str, Box]]:
+        """(tensor path, box) of every fragment this rank holds; reads no values."""
+        ...
+
+    def fragments(self, path: str) -> Sequence[tuple[Box, np.ndarray[Any, Any]]]:
+        """This rank's fragments of tensor ``path``, each value array shaped like its box.
+
+        Called during the exchange and the write, once per tensor and step (it may copy
+        from a device or read a file, and it may fail: the pipeline reports it)."""
+        ...
+
+
+class FragmentList:
+    """A :class:`FragmentSource` of fragments held in memory."""
+
+    def __init__(self, fragments: Sequence[Fragment]) -> None:
+        self._fragments = list(fragments)
+        self._by_path: dict[str, list[Fragment]] = {}
+        for frag in self._fragments:
+            self._by_path.setdefault(frag.path, []).append(frag)
+
+    def boxes(self) -> list[tuple[str, Box]]:
+        for frag in self._fragments:
+            if frag.data.size != box_size(frag.box):
+                raise WriteError(
+                    f"fragment data has {frag.data.size} elements, box {list(frag.box)} needs "
+                    f"{box_size(frag.box)}",
+                    tensor=frag.path,
+                )
+        return [(frag.path, frag.box) for frag in self._fragments]
+
+    def fragments(self, path: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
+        return [(frag.box, frag.view()) for frag in self._by_path.get(path, ())]
+
+
+# -- agreement: the end of every collective step ----------------------------------------------
+
+
+def agree(comm: Communicator, error: BaseException | None, step: str) -> None:
+    """Collective: raise on every rank if any rank failed (``error``: this rank's failure).
+
+    ``step`` says what the ranks were doing ("preparing the destination").
+    """
+    raise_if_failed(gather_failures(comm, error), step, error)
+
+
+def raise_if_failed(
+    failed: Sequence[tuple[int, str]], step: str, own: BaseException | None
+) -> None:
+    """Raise if ``failed`` ((rank, report) of every rank that failed, as every rank
+    learned them) is not empty: this rank's own error if it is a UCPError, else a
+    WriteError naming the ranks that failed."""
+    if not failed:
+        return
+    if own is not None and isinstance(own, UCPError):
+        raise own
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+    raise WriteError(
+        f"distributed save failed while {step} ({detail}); nothing was committed"
+    ) from own
+
+
+# -- steps 3 and 4: the exchange, which is also an agreement ----------------------------------
+
+#: After the cells a rank sends another: the length of its failure report, which precedes
+#: it (a rank that failed sends its report alone, no cells).
+_TRAILER = struct.Struct("<I")
+
+
+@dataclass
+class Exchanged:
+    """What :func:`exchange` leaves a rank."""
+
+    inbox: Inbox = field(default_factory=dict)  # the cells it received
+    received_bytes: int = 0
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (rank, report), all ranks
+    error: BaseException | None = None  # this rank's own failure, before or in the exchange
+
+
+def exchange(
+    comm: Communicator,
+    tasks: RankTasks | None,
+    source: FragmentSource,
+    error: BaseException | None = None,
+) -> Exchanged:
+    """Step 3 (collective: every rank calls it, whether it failed or not, cells or not).
+
+    Each rank sends every other rank the cells of that rank's objects it holds, in the
+    plan's order, followed by its status: the report of its failure so far, empty if
+    none. A rank that has failed (``error``; ``tasks`` None: it could not plan) or fails
+    while reading its values sends its report alone. So every rank learns which ranks
+    failed (``failed``), and step 4, the agreement, needs no further collective:
+    :func:`raise_if_failed` of it. The received cells are checked against the plan's
+    sizes; a mismatch (a bug) is this rank's ``error``, for the next agreement.
+    """
+    rank = comm.rank
+    cells: dict[int, bytearray] = {}
+    if error is None and tasks is not None:
+        try:
+            cells = _pack(tasks, source)
+        except BaseException as exc:
+            error, cells = exc, {}
+    report = error_report(error).encode()
+    outgoing: dict[int, bytes | memoryview] = {}
+    for dst in range(comm.world_size):
+        if dst != rank:
+            # cells and a zero trailer (a buffer of zeros), or the report and its length
+            body = cells.get(dst) or bytearray(_TRAILER.size)
+            outgoing[dst] = (memoryview(body) if not report
+                             else report + _TRAILER.pack(len(report)))
+    received = comm.exchange(outgoing)
+    result = Exchanged(error=error)
+    if error is not None:
+        result.failed.append((rank, report.decode()))
+    bodies: dict[int, memoryview] = {}
+    for src, raw in sorted(received.items()):
+        view = memoryview(raw)
+        if src == rank or len(view) < _TRAILER.size:
+            continue
+        (n,) = _TRAILER.unpack(view[-_TRAILER.size:])
+        if n:
+            result.failed.append((src, bytes(view[-_TRAILER.size - n:-_TRAILER.size]).decode(
+                errors="replace")))
+        else:
+            bodies[src] = view[:-_TRAILER.size]
+            result.received_bytes += len(view) - _TRAILER.size
+    result.failed.sort()
+    if not result.failed and tasks is not None:
+        try:
+            result.inbox = _unpack(tasks, bodies)
+        except BaseException as exc:
+            result.error = exc
+    return result
+
+
+def _pack(tasks: RankTasks, source: FragmentSource) -> dict[int, bytearray]:
+    """Every cell this rank sends, in its owner's buffer at its planned offset (each
+    buffer ends with a zero trailer: no failure)."""
+    sizes = tasks.send_sizes()
+    outgoing = {dst: bytearray(n + _TRAILER.size) for dst, n in sizes.items()}
+    offsets = dict.fromkeys(outgoing, 0)
+    current: str | None = None
+    local: Sequence[tuple[Box, np.ndarray[Any, Any]]] = ()
+    for owner, path, cell in tasks.sends:  # grouped by tensor: one resolution each
+        if path != current:
+            current, local = path, source.fragments(path)
+        dt = tasks.arrays[path].dtype
+        n = box_size(cell)
+        dst = np.frombuffer(outgoing[owner], dtype=dt.numpy, count=n, offset=offsets[owner])
+        dst.reshape(box_shape(cell))[...] = extract(local, path, cell)
+        offsets[owner] += n * dt.itemsize
+    return outgoing
+
+
+def _unpack(tasks: RankTasks, received: Mapping[int, memoryview]) -> Inbox:
+    """The received cells, as views of the received buffers, after checking their sizes."""
+    expected = tasks.recv_sizes()
+    for sender in sorted(set(expected) | set(received)):
+        got, want = len(received.get(sender, b"")), expected.get(sender, 0)
+        if got != want:
+            raise WriteError(
+                f"rank {sender} sent {got} bytes of boundary cells where the plan expects "
+                f"{want}"
+            )
+    inbox: Inbox = {}
+    offsets = dict.fromkeys(received, 0)
+    for sender, path, cell in tasks.recvs:
+        dt = tasks.arrays[path].dtype
+        n = box_size(cell)
+        raw = np.frombuffer(received[sender], dtype=dt.numpy, count=n, offset=offsets[sender])
+        inbox[(path, cell)] = raw.reshape(box_shape(cell))
+        offsets[sender] += n * dt.itemsize
+    return inbox
+
+
+# -- the destination: marked after step 2, un-committed in step 5 ---------------------------
+
+
+def mark(store: Store, *, overwrite: bool) -> WriteClaim:
+    """End of step 2 (the coordinator): refuse a destination that must not be written
+    (before changing anything, UCP-1.0-R049), else hold it with the in-progress marker
+    (UCP-1.0-R056, UCP-1.0-R059), which leaves a checkpoint being replaced committed
+    (``claim.replacing``: ``overwrite=True`` found one)."""
+    return mark_destination(store, overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def given_up(store: Store, claim: WriteClaim | None) -> Iterator[None]:
+    """The coordinator (``claim``: its hold on the location; None elsewhere): a failure
+    inside abandons the save (:func:`ucpformat.writer.explain_failure`: the marker
+    withdrawn before the un-commit, everything the save wrote removed after it) and the
+    error says what the location holds now. Only around steps that end in an
+    agreement: no rank writes any more when it fails."""
+    if claim is None:
+        yield
+        return
+    with explain_failure(store, claim):
+        yield
+
+
+def uncommit(
+    comm: Communicator,
+    store: Store,
+    claim: WriteClaim | None,
+    *,
+    error: BaseException | None = None,
+) -> None:
+    """Step 5 (the coordinator, then collective): un-commit the checkpoint being replaced
+    (``claim.replacing``, as :func:`mark` said) and clear the location; no rank goes on
+    to write before this succeeded. ``claim``: the coordinator's (None on the other
+    ranks); ``error``: this rank's failure since the agreement. On a failure anywhere the
+    coordinator abandons the save."""
+    with given_up(store, claim):
+        if claim is not None and error is None:
+            try:
+                clear_destination(store, claim)
+            except BaseException as exc:
+                error = exc
+        agree(comm, error, "preparing the destination")
+
+
+def exchange_and_prepare(
+    comm: Communicator,
+    store: Store,
+    tasks: RankTasks | None,
+    source: FragmentSource,
+    *,
+    error: BaseException | None = None,
+    claim: WriteClaim | None,
+) -> Exchanged:
+    """Steps 3 to 5 (collective): everything between the plan and the first write.
+
+    ``error``: this rank's failure so far (it still takes part); ``claim``: the
+    coordinator's hold on the destination (:func:`mark`; None on the other ranks, and
+    where marking failed). Raises on every rank if any failed, and then the coordinator
+    withdraws its marker: a checkpoint it was to replace is as it was. Otherwise the
+    destination is ready and the cells are here.
+    """
+    received = exchange(comm, tasks, source, error)
+    with given_up(store, claim):
+        raise_if_failed(received.failed, "exchanging boundary cells", received.error)
+    uncommit(comm, store, claim, error=received.error)
+    return received
+
+
+# -- step 6: writing ---------------------------------------------------------------------------
+
+
+def extract(
+    local: Sequence[tuple[Box, np.ndarray[Any, Any]]], path: str, cell: Box
+) -> np.ndarray[Any, Any]:
+    """The values of ``cell`` from a local fragment that holds it whole (a view)."""
+    for box, data in local:
+        if contains(box, cell):
+            return data[as_slices(_relative(cell, box))]
+    raise LayoutError(
+        f"this rank holds no fragment containing {list(cell)}", rule="UCP-1.0-R131", tensor=path
+    )
+
+
+def assemble(
+    meta: ArrayMeta,
+    obj: ObjectPlan,
+    local: Sequence[tuple[Box, np.ndarray[Any, Any]]],
+    inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
+) -> np.ndarray[Any, Any]:
+    """The data of one stored object: a view of a local fragment holding it whole, or
+    pieced together from local fragments and received cells."""
+    if not obj.remote:
+        for box, _ in local:
+            if contains(box, obj.region):
+                return extract(local, meta.path, obj.region)
+    out = np.empty(box_shape(obj.region), dtype=meta.dtype.numpy)
+    for box, data in local:
+        inter = intersect(box, obj.region)
+        if inter is not None:
+            out[as_slices(_relative(inter, obj.region))] = data[as_slices(_relative(inter, box))]
+    for _sender, cell in obj.remote:
+        out[as_slices(_relative(cell, obj.region))] = inbox[(meta.path, cell)]
+    return out
+
+
+def _relative(box: Box, origin: Box) -> Box:
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
+
+
+class _Resolved:
+    """Each tensor's fragments, resolved once for the writing threads and dropped when
+    its last stored object is written."""
+
+    def __init__(self, source: FragmentSource, objects: Iterable[ObjectPlan]) -> None:
+        self._source = source
+        self._total = Counter(o.path for o in objects)
+        self._done = {p: itertools.count(1) for p in self._total}  # next() is atomic
+        self._locks = {p: threading.Lock() for p in self._total}
+        self._cache: dict[str, Sequence[tuple[Box, np.ndarray[Any, Any]]]] = {}
+
+    def get(self, path: str) -> Sequence[tuple[Box, np.ndarray[Any, Any]]]:
+        local = self._cache.get(path)
+        if local is not None:
+            return local
+        with self._locks[path]:
+            local = self._cache.get(path)
+            if local is None:
+                local = self._cache[path] = self._source.fragments(path)
+            return local
+
+    def done(self, path: str) -> None:
+        if next(self._done[path]) == self._total[path]:
+            self._cache.pop(path, None)
+
+
+def write(
+    store: Store,
+    tasks: RankTasks,
+    source: FragmentSource,
+    inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
+    *,
+    workers: int | None = None,
+    hash_algorithm: str | None = None,
+    progress: bool | ProgressCallback = False,
+    claim: WriteClaim | None = None,
+) -> list[StoredObject]:
+    """Step 6 (every rank, no collective): assemble and write each stored object this
+    rank owns, whole (one writer per shard, UCP-1.0-R130), on ``workers`` threads.
+
+    Every object is created, never replacing one that is there (UCP-1.0-R059): one that
+    is there was written by another writer during this save, which fails, unless this
+    is the coordinator (``claim``) still holding the location (then that writer was
+    displaced and its object is replaced, :func:`ucpformat.writer.create_owned`)."""
+    resolved = _Resolved(source, tasks.objects)
+    total = sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize for o in tasks.objects)
+    with byte_progress(progress, total, f"rank {tasks.rank} saving") as advance:
+
+        def run(obj: ObjectPlan) -> StoredObject:
+            meta = tasks.arrays[obj.path]
+            local = resolved.get(obj.path)
+            data = assemble(meta, obj, local, inbox).astype(meta.dtype.numpy, copy=False)
+            try:
+                stored = create_owned(
+                    store, claim, meta.object_key(obj.coords),
+                    lambda: write_object(store, meta, obj.coords, data,
+                                         hash_algorithm=hash_algorithm),
+                )
+            except OSError as exc:
+                raise WriteError(
+                    f"writing {meta.object_key(obj.coords)} failed: {exc}", path=store.location
+                ) from exc
+            resolved.done(obj.path)
+            advance(data.nbytes)
+            return stored
+
+        pool = ThreadPoolExecutor(workers or default_workers())
+        try:
+            objects = list(pool.map(run, tasks.objects))
+        except BaseException:
+            # the first failure ends this rank's share: the objects not yet started are
+            # not written (on a full disk, each would only fail in turn)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=True)
+    store.flush()
+    return objects
+
+
+# -- step 7: the commit ----------------------------------------------------------------------
+
+
+def check_written(expected: Iterable[str], written: Iterable[str], location: str) -> None:
+    """Refuse to commit unless every planned stored object was written (UCP-1.0-R132)."""
+    missing = sorted(set(expected) - set(written))
+    if missing:
+        raise WriteError(
+            f"{len(missing)} planned shards were not written (first: {missing[0]!r}); "
+            "nothing was committed", rule="UCP-1.0-R132", path=location,
+        )
+
+
+def commit(
+    comm: Communicator,
+    store: Store,
+    plan: Plan,
+    written: Iterable[StoredObject],
+    *,
+    claim: WriteClaim | None,
+    root_ucp: Mapping[str, Any],
+    hash_algorithm: str | None,
+) -> None:
+    """Step 7 (the coordinator, then collective): with what every rank ``written`` (read
+    by the coordinator only), the coordinator (``claim``: its hold on the location; None
+    on the other ranks) checks it against the plan and commits if it still holds the
+    location (UCP-1.0-R059); every rank learns the outcome. On a failure the coordinator
+    abandons the save."""
+    error: BaseException | None = None
+    if claim is not None:
+        try:
+            objects = list(written)
+            # every rank writes only the objects the plan gave it: as many distinct keys
+            # as planned objects means every one (else the keys say which are missing)
+            if len({o.key for o in objects}) != plan.object_count():
+                check_written(plan.object_keys(), (o.key for o in objects), store.location)
+            commit_root(
+                store,
+                arrays=[tp.meta for tp in plan.tensors.values()],
+                groups=list(plan.groups.values()),
+                objects=objects,
+                root_ucp=root_ucp,
+                hash_algorithm=hash_algorithm,
+                claim=claim,
+            )
+        except BaseException as exc:
+            error = exc
+    with given_up(store, claim):
+        agree(comm, error, "committing")
+
+
+# -- all steps ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistributedSaveResult:
+    location: str
+    tensors: int
+    objects_written_here: int
+    bytes_written_here: int
+    bytes_received_here: int
+
+
+def save(
+    path: str | os.PathLike[str] | Store,
+    comm: Communicator,
+    *,
+    specs: Sequence[TensorSpec],
+    source: FragmentSource,
+    group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    root_values: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    options: PlanOptions | None = None,
+    hash_algorithm: str | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+    durable: bool = True,
+    progress: bool = False,
+) -> DistributedSaveResult:
+    """Every step, collectively: every rank passes the specs of the tensors it knows and
+    what it holds. Rank 0 is the coordinator; ``root_values`` and ``metadata`` are its.
+    Raises on every rank if any rank fails; then nothing is committed."""
+    store = open_store(path, durable=durable)
+    coordinator = comm.rank == 0
+    # 1. describe
+    error: BaseException | None = None
+    description: dict[str, Any] = {}
+    root_ucp: dict[str, Any] = {}
+    try:
+        description = describe(specs, source.boxes(), group_attributes)
+        if coordinator:
+            root_ucp = build_root_ucp(metadata=metadata, values=root_values,
+                                      saved_by={"world_size": comm.world_size})
+    except BaseException as exc:  # reported collectively below
+        error = exc
+    gathered = comm.allgather({"description": description, "error": error_report(error)})
+    raise_if_failed(failed_ranks([g["error"] for g in gathered]), "describing fragments", error)
+    # 2. plan: the same on every rank; then the coordinator marks the destination. A
+    # failure is carried to the agreement after the exchange (step 4).
+    plan: Plan | None = None
+    tasks: RankTasks | None = None
+    claim: WriteClaim | None = None  # the coordinator's hold on the location
+    try:
+        plan = plan_from_descriptions([g["description"] for g in gathered],
+                                      options or PlanOptions())
+        tasks = plan.tasks(comm.rank)
+        if coordinator:
+            claim = mark(store, overwrite=overwrite)
+    except BaseException as exc:
+        error = exc
+    # 3 to 5. exchange, agree, un-commit
+    received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
+    assert plan is not None and tasks is not None  # agreed: every rank planned
+    # 6. write
+    objects: list[StoredObject] = []
+    error = None
+    try:
+        objects = write(store, tasks, source, received.inbox, workers=workers,
+                        hash_algorithm=hash_algorithm, progress=progress and coordinator,
+                        claim=claim)
+    except BaseException as exc:
+        error = exc
+    results = comm.allgather(
+        {"error": error_report(error), "objects": [[o.key, o.nbytes, o.sha256] for o in objects]}
+    )
+    with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
+        raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", error)
+    # 7. commit
+    every = (StoredObject(k, n, h) for r in results for k, n, h in r["objects"])  # lazy
+    commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
+           hash_algorithm=hash_algorithm)
+    return DistributedSaveResult(
+        store.location,
+        len(plan.tensors),
+        len(objects),
+        sum(o.nbytes for o in objects),
+        received.received_bytes,
+    )
+
+
+__all__ = [
+    "DistributedSaveResult",
+    "Exchanged",
+    "Fragment",
+    "FragmentList",
+    "FragmentSource",
+    "Inbox",
+    "agree",
+    "assemble",
+    "check_written",
+    "commit",
+    "exchange",
+    "exchange_and_prepare",
+    "extract",
+    "given_up",
+    "mark",
+    "raise_if_failed",
+    "save",
+    "uncommit",
+    "write",
+]
