@@ -6,11 +6,11 @@
                                 keep_best=2, best_metric="loss", best_mode="min",
                                 keep_every=10_000, save_on_preemption=True)
     step = manager.latest_step()                   # newest valid step, or None
-    if step is not None:
-        ucpformat.torch.load(manager.location(step), model=model, optimizer=opt)
+    if step is not None:                           # ucpt: ucpformat.torch
+        ucpt.load(manager.location(step), model=model, optimizer=opt)
     for step in range(start, steps):
         ...
-        manager.maybe_save(step, lambda path: ucpformat.torch.save_async(
+        manager.maybe_save(step, lambda path: ucpt.save_async(
             path, model=model, optimizer=opt, step=step), metrics={"loss": loss})
         if manager.reached_preemption(step):
             break
