@@ -455,6 +455,18 @@ class LocalStore(Store):
     def list(self, prefix: str = "") -> Iterator[str]:
         """Every entry that is not a directory, as a key: links (never followed) and
         entries whose names :func:`check_key` refuses included."""
+        for key, _ in self._listing(prefix, sized=False):
+            yield key
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        """:meth:`list`'s walk, and the size of every regular file whose key
+        :func:`check_key` accepts: what :meth:`size` returns for it, from one ``lstat``
+        relative to its directory's descriptor instead of a walk from the location per
+        key. Links and other files get None, and so does every key of a subclass that
+        overrides :meth:`size`."""
+        return self._listing(prefix, sized=type(self).size is LocalStore.size)
+
+    def _listing(self, prefix: str, *, sized: bool) -> Iterator[tuple[str, int | None]]:
         try:
             fd = self._open_location(create=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -465,58 +477,16 @@ class LocalStore(Store):
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except (FileNotFoundError, NotADirectoryError, OSError) as exc:
                     if exc.errno == errno.ELOOP or _is_link(fd, part):
-                        yield prefix  # the prefix itself is a link: an entry, not followed
+                        yield prefix, None  # the prefix itself is a link: not followed
                     if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                         return
                     raise
                 os.close(fd)
                 fd = nxt
-            yield from _walk(fd, f"{prefix}/" if prefix else "")
+            ok = sized and all(_key_part_ok(p) for p in prefix.split("/")) if prefix else sized
+            yield from _walk(fd, f"{prefix}/" if prefix else "", ok)
         finally:
             os.close(fd)
-
-    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
-        """:meth:`list`'s walk, and the size of every regular file it reaches through
-        directories that are no links and whose key :func:`check_key` accepts: what
-        :meth:`size` returns for it (its real path lies inside the checkpoint), at the cost
-        of one ``lstat`` instead of a path resolution per key. Links and other files get
-        None, and so does every key of a subclass that overrides :meth:`size`."""
-        base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
-        if not os.path.isdir(base):
-            return
-        rel = os.path.relpath(base, self.location)
-        root_real = os.path.realpath(self.location)
-        exact = type(self).size is LocalStore.size and os.path.realpath(base) == (
-            root_real if rel == "." else os.path.join(root_real, rel))
-        key_ok = exact and (rel == "." or all(_key_part_ok(p) for p in rel.split(os.sep)))
-        # os.walk(base)'s order and choices: top-down, directories sorted, links to
-        # directories not followed, a directory that cannot be read skipped
-        stack = [(base, "" if rel == "." else rel.replace(os.sep, "/") + "/", key_ok)]
-        while stack:
-            directory, key_prefix, dir_ok = stack.pop()
-            dirs: list[os.DirEntry[str]] = []
-            files: list[os.DirEntry[str]] = []
-            try:
-                with os.scandir(directory) as entries:
-                    for entry in entries:
-                        try:
-                            is_dir = entry.is_dir()
-                        except OSError:
-                            is_dir = False
-                        (dirs if is_dir else files).append(entry)
-            except OSError:
-                continue
-            for entry in sorted(files, key=lambda e: e.name):
-                size = None
-                if dir_ok and _key_part_ok(entry.name):
-                    with contextlib.suppress(OSError):
-                        st = entry.stat(follow_symlinks=False)
-                        size = st.st_size if stat.S_ISREG(st.st_mode) else None
-                yield key_prefix + entry.name, size
-            for entry in sorted(dirs, key=lambda e: e.name, reverse=True):
-                if not os.path.islink(entry.path):
-                    stack.append((entry.path, f"{key_prefix}{entry.name}/",
-                                  dir_ok and _key_part_ok(entry.name)))
 
     # -- writes -----------------------------------------------------------------------
 
@@ -790,14 +760,23 @@ def _is_dir(parent: int, name: str) -> bool:
         return False
 
 
-def _walk(fd: int, prefix: str) -> Iterator[str]:
-    """Keys of every non-directory entry under the directory ``fd``, sorted, depth first;
-    directories are entered without following links (a link to one is an entry)."""
+def _walk(fd: int, prefix: str, sized: bool = False) -> Iterator[tuple[str, int | None]]:
+    """(key, size) of every non-directory entry under the directory ``fd``, sorted, depth
+    first; directories are entered without following links (a link to one is an entry).
+    ``sized``: the size of each regular file whose key (``prefix`` included) :func:`check_key`
+    accepts, else None, as for links, other entries and every entry when not ``sized``."""
     with os.scandir(fd) as it:
-        entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
-    for name, is_dir in entries:
+        entries = sorted(((e.name, e.is_dir(follow_symlinks=False), e) for e in it),
+                         key=lambda t: t[0])
+    for name, is_dir, entry in entries:
+        ok = sized and _key_part_ok(name)
         if not is_dir:
-            yield prefix + name
+            size = None
+            if ok:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    size = st.st_size if stat.S_ISREG(st.st_mode) else None
+            yield prefix + name, size
             continue
         try:
             sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
@@ -805,11 +784,11 @@ def _walk(fd: int, prefix: str) -> Iterator[str]:
             continue  # removed meanwhile
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                yield prefix + name  # replaced by a link or a file meanwhile: an entry
+                yield prefix + name, None  # replaced by a link or a file meanwhile: an entry
                 continue
             raise
         try:
-            yield from _walk(sub, f"{prefix}{name}/")
+            yield from _walk(sub, f"{prefix}{name}/", ok)
         finally:
             os.close(sub)
 
