@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -70,6 +70,9 @@ def is_safe_key(key: str) -> bool:
     except UnsafePathError:
         return False
     return True
+
+
+_Item = TypeVar("_Item")
 
 
 class StoreClaim:
@@ -218,6 +221,34 @@ class Store(ABC):
 
     def is_empty(self) -> bool:
         return next(iter(self.list()), None) is None
+
+
+class ForwardingStore(Store):
+    """A store over another one (``inner``), for wrappers: every read and the listing go
+    to ``inner`` unchanged; a subclass says what its writes do (``put``, ``delete``,
+    ``delete_all``)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.location = inner.location
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, offset, length)
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        return self.inner.get_suffix(key, length)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        return self.inner.read_into(key, offset, buffers)
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
 
 
 class LocalStore(Store):
@@ -1010,23 +1041,17 @@ class ReadGuard(Store):
         return bool(self._call(key, lambda: self.inner.exists(key)))
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        keys = iter(self._call(prefix or ".", lambda: self.inner.list(prefix)))
-        while True:
-            try:
-                key = next(keys)
-            except StopIteration:
-                return
-            except UCPError:
-                raise
-            except OSError as exc:
-                raise self._error(prefix or ".", exc) from exc
-            yield key
+        return self._guarded(prefix, lambda: self.inner.list(prefix))
 
     def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
-        found = iter(self._call(prefix or ".", lambda: self.inner.list_sizes(prefix)))
+        return self._guarded(prefix, lambda: self.inner.list_sizes(prefix))
+
+    def _guarded(self, prefix: str, listing: Callable[[], Iterable[_Item]]) -> Iterator[_Item]:
+        """The items of ``listing()``, an OSError while listing turned into a StorageError."""
+        items = iter(self._call(prefix or ".", listing))
         while True:
             try:
-                item = next(found)
+                item = next(items)
             except StopIteration:
                 return
             except UCPError:

@@ -14,40 +14,24 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from ucpformat.errors import WriteError
-from ucpformat.storage import Store
+from ucpformat.storage import ForwardingStore, Store
 
 #: The files megatron.core.dist_checkpointing writes beside any strategy's.
 MEGATRON_FILES: Final = ("common.pt", "metadata.json")
 
 
-class BesideFiles(Store):
+class BesideFiles(ForwardingStore):
     """``inner`` without the top-level files ``keep``: they are not listed, and cannot be
     written or deleted through this store."""
 
     def __init__(self, inner: Store, keep: Collection[str] = MEGATRON_FILES) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.keep = frozenset(keep)
-        self.location = inner.location
 
     def _writable(self, key: str) -> None:
         if key in self.keep:
             raise WriteError(f"{key} belongs to Megatron, not to the UCP checkpoint",
                              path=self.location)
-
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        return self.inner.get_range(key, offset, length)
-
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        return self.inner.get_suffix(key, length)
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        return self.inner.read_into(key, offset, buffers)
-
-    def size(self, key: str) -> int | None:
-        return self.inner.size(key)
 
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
         self._writable(key)
