@@ -23,6 +23,16 @@ from ucpformat import dtypes
 from ucpformat.layout.boxes import Box, box_shape
 from ucpformat.saveplan import PlanOptions, describe, encode_description
 
+
+def _gloo_available() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
+GLOO = _gloo_available()
 TINY = L.Transformer("tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48,
                      vocab=40)
 OPTIONS = PlanOptions(None, chunk_bytes=256, shard_bytes=2048, min_shard_bytes=1024)
@@ -100,10 +110,8 @@ def test_the_simulated_plan_moves_boundary_cells() -> None:
 
 @pytest.mark.torch
 @pytest.mark.distributed
+@pytest.mark.skipif(not GLOO, reason="needs torch.distributed with gloo")
 def test_simulated_plans_equal_a_real_gloo_save(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
     import ucpformat
     from ucpformat.torch.launch import spawn
 

@@ -891,13 +891,19 @@ def _parallel(fn: Callable[[str], None], paths: Sequence[str], threads: int) -> 
             pass
 
 
-def _load_sync_file_range() -> Callable[[int], None] | None:
+def _linux_libc_function(name: str) -> Any:
+    """The C library's function ``name`` (errno kept), or None off Linux or without it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return None
+
+
+def _load_sync_file_range() -> Callable[[int], None] | None:
+    fn = _linux_libc_function("sync_file_range")
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
@@ -916,12 +922,8 @@ def _load_openat2() -> Callable[[int, str, int], int] | None:
     """Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: a path
     opened relative to a directory descriptor in one system call, refused (ELOOP, EXDEV)
     if any component is a link or leads out. None where it is missing or not allowed."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
-    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+    syscall = _linux_libc_function("syscall")
+    if syscall is None:
         return None
     syscall.restype = ctypes.c_long
 
