@@ -68,6 +68,7 @@ from ucpformat.testing.common import (
     tree_bytes,
 )
 from ucpformat.testing.faults import FaultyStore
+from ucpformat.testing.gloo_writers import SaveOrder, WriterGroup, expected
 from ucpformat.writer import StreamingWriter, save
 
 WRITER_KINDS = (
@@ -75,14 +76,21 @@ WRITER_KINDS = (
     "overwrite-hard-link", "marker-hard-link", "marker-link", "streaming-dir-link",
     "race-save",
 )
+#: Distributed saves (two ranks over gloo) into the same plantings as the writer kinds.
+DIST_KINDS = ("dist-dir-link", "dist-overwrite-dir-link", "dist-overwrite-nested-link",
+              "dist-overwrite-file-link", "dist-overwrite-hard-link", "dist-marker-hard-link",
+              "dist-marker-link")
 MANAGER_KINDS = ("manager-step-link", "manager-foreign-step")
 READER_KINDS = ("reader-swap-file", "reader-swap-dir")
 KINDS = WRITER_KINDS + MANAGER_KINDS + READER_KINDS
+#: The distributed writers, in turn.
+DIST_WRITERS = ("distributed", "dcp")
 
 
 @dataclass
 class Trial:
     kind: str
+    writer: str = ""  # dist- kinds: distributed | dcp
     outcome: str = ""  # refused | saved | wrong (writers); read (readers)
     outside: list[str] = field(default_factory=list)  # what touched the outside
     reads: Counter[str] = field(default_factory=Counter)  # readers: read/refused/wrong
@@ -164,9 +172,10 @@ def _save_outcome(trial: Trial, run: Callable[[], object], location: Path,
 # -- writers ---------------------------------------------------------------------------------
 
 
-def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
-    trial = Trial(kind)
-    new = small_state(rng.randrange(1000))
+def plant(kind: str, site: Site, rng: random.Random) -> bool:
+    """Plant the links of a writer ``kind`` into ``site.ckpt``; whether the save then
+    passes ``overwrite=True`` (a ``dist-`` kind plants what the kind without it does)."""
+    kind = kind.removeprefix("dist-")
     ckpt = site.ckpt
     overwrite = True
     if kind == "dir-link":
@@ -199,6 +208,14 @@ def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
         else:
             shutil.rmtree(target)
             target.symlink_to(_counterpart(site, target), target_is_directory=True)
+    return overwrite
+
+
+def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
+    trial = Trial(kind)
+    new = small_state(rng.randrange(1000))
+    ckpt = site.ckpt
+    overwrite = plant(kind, site, rng)
     with site.watched(trial):
         if kind == "streaming-dir-link":
             _save_outcome(trial, lambda: _streaming_save(ckpt, new), ckpt, _model_only(new))
@@ -208,6 +225,60 @@ def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
                 lambda: save(ckpt, new, overwrite=overwrite, durable=False, **SMALL_CHUNKING),
                 ckpt, new,
             )
+    return trial
+
+
+def location_entries(root: Path) -> dict[str, str | bytes]:
+    """Every entry under ``root``, links not followed: a file's bytes, a link's target
+    (``-> target``), a directory's name (``dir``)."""
+    out: dict[str, str | bytes] = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            out[key] = f"-> {os.readlink(path)}"
+        elif path.is_dir():
+            out[key] = "dir"
+        elif path.stat().st_nlink > 1:  # a hard link: its bytes may be outside's
+            out[key] = f"hard link, inode {path.stat().st_ino}"
+        else:
+            out[key] = path.read_bytes()
+    return out
+
+
+def distributed_trial(kind: str, site: Site, rng: random.Random, group: WriterGroup,
+                      writer: str) -> Trial:
+    """A ``dist-`` kind: the links of the kind without the prefix, saved to by every
+    rank of a distributed save (``writer``: ``distributed`` or ``dcp``, see
+    :mod:`ucpformat.testing.gloo_writers`). Refused, the location must be as it was."""
+    trial = Trial(kind, writer=writer)
+    seed = rng.randrange(1000)
+    overwrite = plant(kind, site, rng)
+    before = location_entries(site.ckpt)
+    with site.watched(trial):
+        answers = group.save(SaveOrder(writer, str(site.ckpt), seed, overwrite))
+    outcomes = {a.outcome for a in answers}
+    why = next((a.why for a in answers if a.why), "")
+    if outcomes == {"saved"}:
+        try:
+            with open_checkpoint(site.ckpt) as ckpt:
+                diffs = differences(ckpt.to_dict(), expected(writer, seed))
+        except UCPError as exc:
+            diffs = [f"does not open: {exc}"]
+        trial.outcome = "saved" if not diffs else "wrong"
+        if diffs:
+            trial.problems.append(f"saved, but loads something else: {diffs[:2]}")
+    elif outcomes == {"refused"}:
+        trial.outcome = "refused"
+        if not any(a.rule for a in answers):
+            trial.problems.append(f"refused without a requirement: {why[:300]}")
+        after = location_entries(site.ckpt)
+        if after != before:
+            changed = sorted(k for k in set(before) | set(after)
+                             if before.get(k) != after.get(k))
+            trial.problems.append(f"refused, but the location changed: {changed[:3]}")
+    else:
+        trial.outcome = "refused"
+        trial.problems.append(f"the ranks said {[a.outcome for a in answers]}: {why[:300]}")
     return trial
 
 
@@ -378,14 +449,15 @@ class Figures:
     failures: list[str] = field(default_factory=list)
 
     def add(self, trial: Trial) -> None:
-        self.trials[trial.kind] += 1
-        self.outcomes.setdefault(trial.kind, Counter())[trial.outcome] += 1
+        label = f"{trial.kind} ({trial.writer})" if trial.writer else trial.kind
+        self.trials[label] += 1
+        self.outcomes.setdefault(label, Counter())[trial.outcome] += 1
         if trial.outside:
-            self.outside_touched[trial.kind] += 1
+            self.outside_touched[label] += 1
             trial.problems.append(f"outside touched: {trial.outside[:3]}")
         self.reads.update(trial.reads)
         if trial.problems:
-            self.failures.append(f"{trial.kind}: {'; '.join(trial.problems)}")
+            self.failures.append(f"{label}: {'; '.join(trial.problems)}")
 
     @property
     def failed(self) -> int:
@@ -406,8 +478,11 @@ class Figures:
 
 
 def run(trials: int, *, reads: int = 1000, seed: int = 0,
-        kinds: Sequence[str] = KINDS, progress: bool = False) -> Figures:
-    """``trials`` trials of every kind; reader trials make ``reads`` reads each."""
+        kinds: Sequence[str] = KINDS, dist_trials: int = 0, dist_kinds: Sequence[str] = DIST_KINDS,
+        progress: bool = False, gloo_timeout: float = 60.0, gloo_setup: str = "") -> Figures:
+    """``trials`` trials of every kind; reader trials make ``reads`` reads each; then
+    ``dist_trials`` trials of every distributed kind, their writers in turn
+    (``gloo_timeout``, ``gloo_setup``: see :class:`~ucpformat.testing.gloo_writers.WriterGroup`)."""
     rng = random.Random(seed)
     figures = Figures()
     for i in range(trials):
@@ -425,6 +500,17 @@ def run(trials: int, *, reads: int = 1000, seed: int = 0,
             figures.add(trial)
         if progress:
             print(f"  round {i + 1}/{trials}: {figures.failed} failed", flush=True)
+    if dist_trials and dist_kinds:
+        with WriterGroup(2, timeout=gloo_timeout, setup=gloo_setup) as group:
+            for i in range(dist_trials):
+                for k, kind in enumerate(dist_kinds):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        site = Site(Path(tmp), rng.randrange(10**6))
+                        writer = DIST_WRITERS[(i + k) % len(DIST_WRITERS)]
+                        figures.add(distributed_trial(kind, site, rng, group, writer))
+                if progress:
+                    print(f"  distributed round {i + 1}/{dist_trials}: {figures.failed} failed",
+                          flush=True)
     return figures
 
 
@@ -435,6 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reads", type=int, default=3000, help="reads per reader trial")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--dist-trials", type=int, default=0,
+                        help="trials of every distributed kind (two gloo ranks)")
+    parser.add_argument("--dist-kinds", nargs="*", default=list(DIST_KINDS), choices=DIST_KINDS)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if not OutsideWatch.available():
@@ -442,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
     start = time.perf_counter()
     figures = run(args.trials, reads=args.reads, seed=args.seed, kinds=args.kinds,
+                  dist_trials=args.dist_trials, dist_kinds=args.dist_kinds,
                   progress=not args.json)
     out = figures.as_dict()
     out["seconds"] = round(time.perf_counter() - start, 1)
