@@ -111,7 +111,7 @@ def test_concurrency_harness_notices_distributed_writers_not_serialised() -> Non
     """The quick distributed trials fail when the claim on the location is taken away
     in the writers (defect 3 of issue 13 put back: the marker no lock, objects replaced)."""
     pytest.importorskip("torch.distributed")
-    figures = concurrency.run(0, seed=5, gloo_trials=6, gloo_modes=("gloo",),
+    figures = concurrency.run(0, seed=5, gloo_trials=12, gloo_modes=("gloo",),
                               gloo_setup="tests.reliability.regressions:no_claim",
                               gloo_timeout=30)
     assert figures.failures

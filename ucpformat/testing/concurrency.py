@@ -331,6 +331,7 @@ class Figures:
     holds: Counter[str] = field(default_factory=Counter)
     by_scenario: dict[str, Counter[str]] = field(default_factory=dict)
     reads: Counter[str] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)  # by the rule they name
     failures: list[str] = field(default_factory=list)
 
     def add(self, trial: Trial) -> None:
@@ -339,6 +340,10 @@ class Figures:
         if trial.mode in GLOO_MODES:
             label = f"{trial.mode} {'+'.join(trial.writers)} overwrite={trial.overwrite}{onto}"
         self.reads.update(trial.reads)
+        for outcome, _, why in trial.results:
+            if outcome == "refused":
+                rules = [r for r in ("UCP-1.0-R059", "UCP-1.0-R053") if r in why]
+                self.refusals[rules[0] if rules else "other"] += 1
         self.trials[label] += 1
         for outcome, _, _ in trial.results:
             self.writers[outcome] += 1
@@ -369,6 +374,7 @@ class Figures:
                 f"{self.writers['saved']} / {self.writers['refused']} / "
                 f"{self.writers['crashed']} / {self.writers['hung']}"
             ),
+            "refused writers by the rule named": dict(sorted(self.refusals.items())),
             "trials with one writer saved (both saved: one after the other)": (
                 f"{self.one_saved} ({self.both_saved})"),
             "reads during a distributed overwrite (old / new / refused / mixed / crashed)": (

@@ -16,6 +16,13 @@ and the bytes of every file there are compared before and after. Kinds:
   (``marker-hard-link``, ``marker-link``); the streaming writer (``streaming-dir-link``);
   and a directory of the destination swapped for a link again and again while a save
   runs (``race-save``);
+- distributed saves (``--dist-trials``): the plantings of the writer kinds but the
+  streaming writer and the race (``dist-dir-link``, ``dist-overwrite-dir-link``, ...),
+  saved to by a process group of two ranks over ``torch.distributed`` (gloo), each
+  writing the stored objects it owns, with :func:`~ucpformat.distributed.save_distributed`
+  and the DCP plugin in turn (:mod:`ucpformat.testing.gloo_writers`); a refused
+  distributed save must leave the location entry for entry as it was (links not
+  followed), so that a checkpoint there survives;
 - the checkpoint manager: a ``step-*`` entry that is a link to a checkpoint outside the
   run directory, and a ``step-*`` directory of other files, during rotation
   (``manager-step-link``, ``manager-foreign-step``);
@@ -30,8 +37,8 @@ or *wrong* (other values: read through a link); a trial is *outside-touched* if 
 under ``outside`` was opened, listed, written or deleted. Every figure but refused, saved
 and read must be zero.
 
-Run ``python -m ucpformat.testing.links --trials 20 --reads 3000`` (``make stress``); the
-test suite runs a quick mode.
+Run ``python -m ucpformat.testing.links --trials 20 --reads 3000 --dist-trials 20`` (``make
+stress``); the test suite runs a quick mode.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class Trial:
     kind: str
     writer: str = ""  # dist- kinds: distributed | dcp
     outcome: str = ""  # refused | saved | wrong (writers); read (readers)
+    rule: str = ""  # dist- kinds, refused: the requirement the refusal named
     outside: list[str] = field(default_factory=list)  # what touched the outside
     reads: Counter[str] = field(default_factory=Counter)  # readers: read/refused/wrong
     problems: list[str] = field(default_factory=list)
@@ -269,7 +277,8 @@ def distributed_trial(kind: str, site: Site, rng: random.Random, group: WriterGr
             trial.problems.append(f"saved, but loads something else: {diffs[:2]}")
     elif outcomes == {"refused"}:
         trial.outcome = "refused"
-        if not any(a.rule for a in answers):
+        trial.rule = next((a.rule for a in answers if a.rule), "")
+        if not trial.rule:
             trial.problems.append(f"refused without a requirement: {why[:300]}")
         after = location_entries(site.ckpt)
         if after != before:
@@ -446,9 +455,12 @@ class Figures:
     outcomes: dict[str, Counter[str]] = field(default_factory=dict)
     outside_touched: Counter[str] = field(default_factory=Counter)
     reads: Counter[str] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)  # dist- kinds: by rule
     failures: list[str] = field(default_factory=list)
 
     def add(self, trial: Trial) -> None:
+        if trial.rule:
+            self.refusals[f"{trial.kind}: {trial.rule}"] += 1
         label = f"{trial.kind} ({trial.writer})" if trial.writer else trial.kind
         self.trials[label] += 1
         self.outcomes.setdefault(label, Counter())[trial.outcome] += 1
@@ -474,6 +486,7 @@ class Figures:
             ),
             "outcomes per kind": {k: dict(sorted(v.items()))
                                   for k, v in sorted(self.outcomes.items())},
+            "distributed refusals by rule": dict(sorted(self.refusals.items())),
         }
 
 
