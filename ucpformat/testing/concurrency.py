@@ -229,10 +229,6 @@ class GlooWriters:
             return [self.group("a"), self.group("b")]
         return [self.group("single" if w == "single" else "a") for w in trial.writers]
 
-    @property
-    def restarts(self) -> int:
-        return sum(g.restarts for g in self._groups.values())
-
     def close(self) -> None:
         for group in self._groups.values():
             group.close()
@@ -320,7 +316,10 @@ def _gloo_duration(writers: GlooWriters, root: Path) -> float:
     group = writers.group("a")
     for i in range(2):
         start = time.perf_counter()
-        group.save(SaveOrder("distributed", str(root / f"gloo-timing-{i}"), 0, delay=DELAY))
+        answers = group.save(SaveOrder("distributed", str(root / f"gloo-timing-{i}"), 0,
+                                       delay=DELAY))
+        if any(a.outcome != "saved" for a in answers):
+            raise RuntimeError(f"a distributed save into a new location failed: {answers}")
     return time.perf_counter() - start
 
 

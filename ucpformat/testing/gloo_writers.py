@@ -19,8 +19,9 @@ and message) or ``crashed`` (any other exception). Writers (``SaveOrder.writer``
 
 Every writer's store sleeps ``delay`` seconds before each storage operation
 (:class:`~ucpformat.testing.faults.FaultyStore`), so that saves overlap.
-A group that does not answer within its time limit is killed and started again (the
-harness counts a hang). Workers end, when told or when their stdin closes, with a
+A group that does not answer within its time limit (counted once every worker has said
+it is ready: torch imported, group joined) is killed and started again (the harness
+counts a hang). Workers end, when told or when their stdin closes, with a
 barrier, ``destroy_process_group()``, flushed output and ``os._exit(0)`` (gloo may abort
 at interpreter shutdown otherwise).
 """
@@ -49,6 +50,10 @@ from ucpformat.testing.common import SMALL_CHUNKING, small_state
 WRITERS = ("distributed", "dcp", "single")
 #: What a worker prints before each answer (other output may come from libraries).
 ANSWER = "ucp-writer-answer "
+#: What a worker prints once it has joined its group and is ready for orders.
+READY = "ucp-writer-ready"
+#: Seconds a group may take to start (import torch, join the group): not a save's time.
+START_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -108,9 +113,9 @@ class WriterGroup:
         self.world = world
         self.timeout = timeout
         self.setup = setup
-        self.restarts = 0
         self._procs: list[subprocess.Popen[bytes]] = []
         self._buffers: list[bytearray] = []  # each worker's output not yet read as answers
+        self._ready = False  # every worker has said READY
         self._deadline = 0.0
         self._start()
 
@@ -130,17 +135,33 @@ class WriterGroup:
             for r in range(self.world)
         ]
         self._buffers = [bytearray() for _ in self._procs]
+        self._ready = False
 
     def send(self, order: SaveOrder) -> None:
         """Tell every rank to run ``order`` (its answers: :meth:`collect`)."""
         if not self._procs:
             self._start()
+        self._await_ready()
         line = (json.dumps(asdict(order)) + "\n").encode()
         for proc in self._procs:
             assert proc.stdin is not None
             proc.stdin.write(line)
             proc.stdin.flush()
         self._deadline = max(order.start, time.time()) + self.timeout
+
+    def _await_ready(self) -> None:
+        """Wait for every worker of a group just started to say it is ready (the time
+        limit of a save starts after this)."""
+        if self._ready:
+            return
+        deadline = time.time() + START_TIMEOUT
+        for proc, buffer in zip(self._procs, self._buffers, strict=True):
+            said = _read_line(proc, buffer, deadline, READY)
+            if said is not None:
+                self.close(kill=True)
+                raise RuntimeError(f"a writer group did not start: {said}")
+            _take_line(buffer)
+        self._ready = True
 
     def collect(self) -> list[Answer]:
         """Every rank's answer to the last order (``hung`` for a rank that gave none
@@ -150,7 +171,6 @@ class WriterGroup:
                    for p, b in zip(self._procs, self._buffers, strict=True)]
         if any(a.outcome == "hung" for a in answers):
             self.close(kill=True)  # started again by the next order
-            self.restarts += 1
         return answers
 
     def save(self, order: SaveOrder) -> list[Answer]:
@@ -186,31 +206,45 @@ class WriterGroup:
 
 
 def _read_answer(proc: subprocess.Popen[bytes], buffer: bytearray, deadline: float) -> Answer:
-    """The next answer line of ``proc`` (``buffer``: what was read of its output and not
-    yet used), or ``hung`` at ``deadline`` (or if it died)."""
+    """The next answer of ``proc`` (``buffer``: what was read of its output and not yet
+    used), or ``hung`` at ``deadline`` (or if it died)."""
+    said = _read_line(proc, buffer, deadline, ANSWER)
+    if said is None:
+        return Answer(**json.loads(_take_line(buffer)[len(ANSWER):]))
+    return Answer("hung", time.time(), said)
+
+
+def _take_line(buffer: bytearray) -> str:
+    """The first line of ``buffer``, removed from it."""
+    end = buffer.index(b"\n")
+    text = buffer[:end].decode(errors="replace")
+    del buffer[: end + 1]
+    return text
+
+
+def _read_line(proc: subprocess.Popen[bytes], buffer: bytearray, deadline: float,
+               prefix: str) -> str | None:
+    """Read ``proc``'s output up to its next line that starts with ``prefix``, leaving
+    that line first in ``buffer``: None; or why there is none by ``deadline`` (the
+    worker's last lines of other output)."""
     out = proc.stdout
     assert out is not None
     seen: list[str] = []
     while True:
-        end = buffer.find(b"\n")
-        if end >= 0:
-            text = buffer[:end].decode(errors="replace")
-            del buffer[: end + 1]
-            if text.startswith(ANSWER):
-                return Answer(**json.loads(text[len(ANSWER):]))
-            seen.append(text[:300])
+        if b"\n" in buffer:
+            if buffer.startswith(prefix.encode()):
+                return None
+            seen.append(_take_line(buffer)[:300])
             continue
         left = deadline - time.time()
         ready, _, _ = select.select([out], [], [], max(0.0, left))
         if not ready:
             if left <= 0:  # (what came before the deadline was read: it may be late)
-                return Answer("hung", time.time(),
-                              "no answer in time: " + " | ".join(seen[-3:]))
+                return "no answer in time: " + " | ".join(seen[-3:])
             continue
         chunk = os.read(out.fileno(), 1 << 16)
         if not chunk:
-            return Answer("hung", time.time(), f"the worker ended ({proc.poll()}): "
-                          + " | ".join(seen[-5:]))
+            return f"the worker ended ({proc.poll()}): " + " | ".join(seen[-5:])
         buffer += chunk
 
 
@@ -316,6 +350,7 @@ def worker(args: argparse.Namespace, stdin: IO[str]) -> int:
     if args.setup:
         module, _, function = args.setup.partition(":")
         getattr(importlib.import_module(module), function)()
+    print(READY, flush=True)
     code = 0
     try:
         for line in stdin:
@@ -348,5 +383,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ANSWER", "WRITERS", "Answer", "SaveOrder", "WriterGroup", "dcp_expected",
-           "distributed_expected", "expected"]
+__all__ = ["ANSWER", "READY", "START_TIMEOUT", "WRITERS", "Answer", "SaveOrder", "WriterGroup",
+           "dcp_expected", "distributed_expected", "expected"]

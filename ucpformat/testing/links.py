@@ -22,7 +22,9 @@ and the bytes of every file there are compared before and after. Kinds:
   writing the stored objects it owns, with :func:`~ucpformat.distributed.save_distributed`
   and the DCP plugin in turn (:mod:`ucpformat.testing.gloo_writers`); a refused
   distributed save must leave the location entry for entry as it was (links not
-  followed), so that a checkpoint there survives;
+  followed), so that a checkpoint there survives, and ``dist-refused-links`` saves
+  without ``overwrite`` onto a checkpoint with the links of an ``overwrite-`` kind, which
+  must be refused;
 - the checkpoint manager: a ``step-*`` entry that is a link to a checkpoint outside the
   run directory, and a ``step-*`` directory of other files, during rotation
   (``manager-step-link``, ``manager-foreign-step``);
@@ -84,9 +86,10 @@ WRITER_KINDS = (
     "race-save",
 )
 #: Distributed saves (two ranks over gloo) into the same plantings as the writer kinds.
-DIST_KINDS = ("dist-dir-link", "dist-overwrite-dir-link", "dist-overwrite-nested-link",
-              "dist-overwrite-file-link", "dist-overwrite-hard-link", "dist-marker-hard-link",
-              "dist-marker-link")
+OVERWRITE_KINDS = ("overwrite-dir-link", "overwrite-nested-link", "overwrite-file-link",
+                   "overwrite-hard-link")
+DIST_KINDS = ("dist-dir-link", *(f"dist-{k}" for k in OVERWRITE_KINDS), "dist-marker-hard-link",
+              "dist-marker-link", "dist-refused-links")
 MANAGER_KINDS = ("manager-step-link", "manager-foreign-step")
 READER_KINDS = ("reader-swap-file", "reader-swap-dir")
 KINDS = WRITER_KINDS + MANAGER_KINDS + READER_KINDS
@@ -257,10 +260,13 @@ def distributed_trial(kind: str, site: Site, rng: random.Random, group: WriterGr
                       writer: str) -> Trial:
     """A ``dist-`` kind: the links of the kind without the prefix, saved to by every
     rank of a distributed save (``writer``: ``distributed`` or ``dcp``, see
-    :mod:`ucpformat.testing.gloo_writers`). Refused, the location must be as it was."""
+    :mod:`ucpformat.testing.gloo_writers`). Refused, the location must be as it was.
+    ``dist-refused-links``: the links of an ``overwrite-`` kind, saved to without
+    ``overwrite``: the save must be refused (a checkpoint is committed there)."""
     trial = Trial(kind, writer=writer)
     seed = rng.randrange(1000)
-    overwrite = plant(kind, site, rng)
+    refuse = kind == "dist-refused-links"
+    overwrite = plant(rng.choice(OVERWRITE_KINDS) if refuse else kind, site, rng) and not refuse
     before = location_entries(site.ckpt)
     with site.watched(trial):
         answers = group.save(SaveOrder(writer, str(site.ckpt), seed, overwrite))
@@ -275,6 +281,8 @@ def distributed_trial(kind: str, site: Site, rng: random.Random, group: WriterGr
         trial.outcome = "saved" if not diffs else "wrong"
         if diffs:
             trial.problems.append(f"saved, but loads something else: {diffs[:2]}")
+        if refuse:
+            trial.problems.append("saved over a committed checkpoint without overwrite")
     elif outcomes == {"refused"}:
         trial.outcome = "refused"
         trial.rule = next((a.rule for a in answers if a.rule), "")
