@@ -607,7 +607,7 @@ def plan_shares(
         descriptions = decode_descriptions(blobs)
     except BaseException as exc:
         return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc
-    failed = failed_ranks([str(d.get("error", "")) for d in descriptions])
+    failed = failed_ranks([d.error for d in descriptions])
     if failed:
         return None, _to_all(world, {"failed": failed}), None, error
     try:
