@@ -259,19 +259,22 @@ def describe(
     }
 
 
-#: The header of :func:`encode_description`: the byte lengths of its four sections
-#: (specs, paths, rest, boxes) and the dimensions of its widest box.
-_HEADER = struct.Struct("<QQQQI")
+#: The headers of :func:`encode_description`: the length of its compressed specs; then,
+#: inside the rest, the byte lengths of its three sections (paths, rest, boxes) and the
+#: dimensions of its widest box.
+_SPECS_LENGTH = struct.Struct("<Q")
+_HEADER = struct.Struct("<QQQI")
 
 
 def encode_description(description: Mapping[str, Any]) -> bytes:
     """A :func:`describe` document as bytes for the coordinator, compressed.
 
-    Four sections: the specs (JSON), the paths its boxes name (JSON), the rest (JSON:
-    group attributes, error report) and the boxes as int64 records (path index, number
-    of dimensions, then start and stop per dimension, zero-padded to the widest box).
-    Data-parallel replicas send the same specs and paths, which
-    :func:`decode_descriptions` parses once; the boxes need no parsing."""
+    The specs (JSON) compressed on their own, then the rest compressed: the paths its
+    boxes name (JSON), the rest of the document (JSON: group attributes, error report)
+    and the boxes as int64 records (path index, number of dimensions, then start and stop
+    per dimension, zero-padded to the widest box). Data-parallel replicas send the same
+    specs and paths, which :func:`decode_descriptions` decompresses and parses once;
+    the boxes need no parsing."""
     paths: dict[str, int] = {}
     listed = description["boxes"]
     dims = max((len(box) for _, box in listed), default=0)
@@ -282,12 +285,13 @@ def encode_description(description: Mapping[str, Any]) -> bytes:
             flat += (int(a), int(b))
         flat += (0,) * (2 * (dims - len(box)))
     sections = (
-        _dumps(description["specs"]),
         _dumps(list(paths)),
         _dumps({k: v for k, v in description.items() if k not in ("specs", "boxes")}),
         np.asarray(flat, dtype="<i8").tobytes(),
     )
-    return zlib.compress(_HEADER.pack(*map(len, sections), dims) + b"".join(sections), 1)
+    specs = zlib.compress(_dumps(description["specs"]), 1)
+    rest = zlib.compress(_HEADER.pack(*map(len, sections), dims) + b"".join(sections), 1)
+    return _SPECS_LENGTH.pack(len(specs)) + specs + rest
 
 
 def _dumps(value: Any) -> bytes:
@@ -333,16 +337,22 @@ def decode_descriptions(blobs: Sequence[bytes]) -> list[Description]:
             doc = parsed[raw] = json.loads(raw)
         return doc
 
+    specs_by_bytes: dict[bytes, Any] = {}
     out = []
     for rank, blob in enumerate(blobs):
         try:
-            raw = zlib.decompress(blob)
+            (n,) = _SPECS_LENGTH.unpack_from(blob)
+            packed = blob[_SPECS_LENGTH.size:_SPECS_LENGTH.size + n]
+            specs = specs_by_bytes.get(packed)
+            if specs is None:
+                specs = specs_by_bytes[packed] = json.loads(zlib.decompress(packed))
+            raw = zlib.decompress(blob[_SPECS_LENGTH.size + n:])
             *lengths, dims = _HEADER.unpack_from(raw)
             ends = list(itertools.accumulate(lengths, initial=_HEADER.size))
             if ends[-1] != len(raw):
                 raise ValueError(f"{len(raw)} bytes where the header says {ends[-1]}")
-            specs, paths, rest = (parse(raw[a:b]) for a, b in itertools.pairwise(ends[:4]))
-            boxes = np.frombuffer(raw, dtype="<i8", offset=ends[3]).reshape(-1, 2 + 2 * dims)
+            paths, rest = (parse(raw[a:b]) for a, b in itertools.pairwise(ends[:3]))
+            boxes = np.frombuffer(raw, dtype="<i8", offset=ends[2]).reshape(-1, 2 + 2 * dims)
             if len(boxes) and not (
                 boxes[:, 0].min() >= 0 and boxes[:, 0].max() < len(paths)
                 and boxes[:, 1].min() >= 0 and boxes[:, 1].max() <= dims
@@ -698,7 +708,11 @@ def _plan(
             nbytes = box_size(region) * dt.itemsize
             candidates = holders.containing(region)
             if candidates:
-                owner = min(candidates, key=lambda r: (load[r], (r - counter) % world_size))
+                # the least loaded; ties: the first from a position rotating with the
+                # objects (the replicas of a tensor take turns)
+                least = min(map(load.__getitem__, candidates))
+                owner = min((r for r in candidates if load[r] == least),
+                            key=lambda r: (r - counter) % world_size)
                 obj = ObjectPlan(path, coords, region, owner)
             else:
                 # the rank holding most of the region writes it (ties: least loaded, then
