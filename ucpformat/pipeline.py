@@ -607,15 +607,16 @@ def plan_shares(
         descriptions = decode_descriptions(blobs)
     except BaseException as exc:
         return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc
-    failed = failed_ranks([str(d.get("error", "")) for d in descriptions])
+    failed = failed_ranks([d.error for d in descriptions])
     if failed:
         return None, _to_all(world, {"failed": failed}), None, error
     try:
         plan = plan_from_descriptions(descriptions, options)
-        tensors = len(plan.tensors)
-        docs = {path: tp.meta.to_zarr_json() for path, tp in plan.tensors.items()}
-        shares = {r: json.dumps({"tasks": t.to_json(docs), "tensors": tensors},
-                                separators=(",", ":")).encode()
+        # each array's zarr.json encoded once, spliced into every share that names it
+        docs = {path: json.dumps(tp.meta.to_zarr_json(), separators=(",", ":")).encode()
+                for path, tp in plan.tensors.items()}
+        tail = b',"tensors":%d}' % len(plan.tensors)
+        shares = {r: b'{"tasks":' + t.to_json_bytes(docs) + tail
                   for r, t in enumerate(plan.all_tasks()) if r != 0}
     except BaseException as exc:
         return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc
