@@ -81,6 +81,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ucpformat import feed as feeds
 from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import LayoutError, UCPError, WriteError
@@ -136,7 +137,13 @@ class FragmentSource(Protocol):
         """This rank's fragments of tensor ``path``, each value array shaped like its box.
 
         Called during the exchange and the write, once per tensor and step (it may copy
-        from a device or read a file, and it may fail: the pipeline reports it)."""
+        from a device or read a file, and it may fail: the pipeline reports it).
+
+        A source that is also :class:`ucpformat.feed.Prefetching` (a staging area of
+        bounded host buffers, :mod:`ucpformat.torch.staging`) is told the order of the
+        write step's requests before it starts, told when each tensor's values are no
+        longer needed (after the exchange has packed them, and after the write step has
+        written its last stored object), and stopped at the end of the write step."""
         ...
 
 
@@ -273,12 +280,16 @@ def _pack(tasks: RankTasks, source: FragmentSource) -> dict[int, bytearray]:
     local: Sequence[tuple[Box, np.ndarray[Any, Any]]] = ()
     for owner, path, cell in tasks.sends:  # grouped by tensor: one resolution each
         if path != current:
+            if current is not None:
+                feeds.release(source, current)
             current, local = path, source.fragments(path)
         dt = tasks.arrays[path].dtype
         n = box_size(cell)
         dst = np.frombuffer(outgoing[owner], dtype=dt.numpy, count=n, offset=offsets[owner])
         dst.reshape(box_shape(cell))[...] = extract(local, path, cell)
         offsets[owner] += n * dt.itemsize
+    if current is not None:
+        feeds.release(source, current)
     return outgoing
 
 
@@ -434,6 +445,7 @@ class _Resolved:
     def done(self, path: str) -> None:
         if next(self._done[path]) == self._total[path]:
             self._cache.pop(path, None)
+            feeds.release(self._source, path)
 
 
 def write(
@@ -447,7 +459,28 @@ def write(
     progress: bool | ProgressCallback = False,
 ) -> list[StoredObject]:
     """Step 6 (every rank, no collective): assemble and write each stored object this
-    rank owns, whole (one writer per shard, UCP-1.0-R130), on ``workers`` threads."""
+    rank owns, whole (one writer per shard, UCP-1.0-R130), on ``workers`` threads.
+
+    A prefetching source (:class:`ucpformat.feed.Prefetching`) learns the order in which
+    tensors are needed first, and is stopped at the end, whatever happens."""
+    try:
+        return _write(store, tasks, source, inbox, workers=workers,
+                      hash_algorithm=hash_algorithm, progress=progress)
+    finally:
+        feeds.stop(source)
+
+
+def _write(
+    store: Store,
+    tasks: RankTasks,
+    source: FragmentSource,
+    inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
+    *,
+    workers: int | None,
+    hash_algorithm: str | None,
+    progress: bool | ProgressCallback,
+) -> list[StoredObject]:
+    feeds.schedule(source, list(dict.fromkeys(o.path for o in tasks.objects)))
     resolved = _Resolved(source, tasks.objects)
     total = sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize for o in tasks.objects)
     with (
@@ -469,7 +502,11 @@ def write(
             advance(data.nbytes)
             return stored
 
-        objects = list(pool.map(run, tasks.objects))
+        try:
+            objects = list(pool.map(run, tasks.objects))
+        except BaseException:
+            feeds.stop(source)  # threads waiting for a tensor's values raise at once
+            raise
     store.flush()
     return objects
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat import dtypes, jsonvalues, names
+from ucpformat import feed as feeds
 from ucpformat._version import __version__
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
@@ -212,7 +214,7 @@ class Plan:
     other groups are in their ``GroupMeta``, encoded.
     """
 
-    arrays: list[tuple[ArrayMeta, np.ndarray[Any, Any]]] = field(default_factory=list)
+    arrays: list[tuple[ArrayMeta, ArrayValue]] = field(default_factory=list)
     groups: list[GroupMeta] = field(default_factory=list)
     root_values: dict[str, Any] = field(default_factory=dict)
 
@@ -242,14 +244,16 @@ class Group(dict[str, Any]):
 
 def _has_array(value: Any) -> bool:
     """True if ``value`` must be stored as a group (it holds an array or a Group)."""
-    if isinstance(value, np.ndarray | np.generic | Group):
+    if isinstance(value, np.ndarray | np.generic | Group | feeds.Deferred):
         return True
     if isinstance(value, Mapping):
         return any(_has_array(v) for v in value.values())
     return False
 
 
-ArrayAttributes = Callable[[str, np.ndarray[Any, Any]], Mapping[str, Any] | None]
+#: An array's values, or a placeholder whose values a :class:`ucpformat.feed.Feed` gives.
+ArrayValue = np.ndarray[Any, Any] | feeds.Deferred
+ArrayAttributes = Callable[[str, ArrayValue], Mapping[str, Any] | None]
 
 
 def plan(
@@ -296,8 +300,8 @@ def plan(
                     path=where,
                 )
             path = f"{prefix}/{node}" if prefix else node
-            if isinstance(value, np.ndarray | np.generic):
-                arr = np.asarray(value)
+            if isinstance(value, np.ndarray | np.generic | feeds.Deferred):
+                arr = value if isinstance(value, feeds.Deferred) else np.asarray(value)
                 attrs = dict(array_attributes(path, arr) or {}) if array_attributes else {}
                 result.arrays.append(
                     (_array_meta(path, arr, compression, chunk_bytes, shard_bytes, attrs), arr)
@@ -343,7 +347,7 @@ def _looks_like_tensor(value: Any) -> bool:
 
 def _array_meta(
     path: str,
-    arr: np.ndarray[Any, Any],
+    arr: ArrayValue,
     compression: str | Mapping[str, Any] | None,
     chunk_bytes: int,
     shard_bytes: int,
@@ -410,6 +414,7 @@ def save(
     array_attributes: ArrayAttributes | None = None,
     created: str | None = None,
     producer: Mapping[str, Any] | None = None,
+    feed: feeds.Feed | None = None,
 ) -> SaveResult:
     """Write ``state`` (a nested mapping of numpy arrays and JSON values) as a checkpoint.
 
@@ -422,7 +427,40 @@ def save(
     ``name`` and ``version``, default: this library) are stored in the root as given,
     so that a save of the same state can be byte-for-byte reproducible (the conformance
     cases are generated this way).
+
+    ``feed`` gives the values of the :class:`ucpformat.feed.Deferred` arrays of
+    ``state``, which are written in the order given, each as soon as the feed has it
+    (:mod:`ucpformat.torch.staging` copies tensors from a GPU this way).
     """
+    try:
+        return _save(path, state, metadata=metadata, compression=compression,
+                     hash_algorithm=hash_algorithm, overwrite=overwrite,
+                     chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, workers=workers,
+                     durable=durable, progress=progress, array_attributes=array_attributes,
+                     created=created, producer=producer, feed=feed)
+    finally:
+        if feed is not None:
+            feed.stop()
+
+
+def _save(
+    path: str | os.PathLike[str] | Store,
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None,
+    compression: str | Mapping[str, Any] | None,
+    hash_algorithm: str | None,
+    overwrite: bool,
+    chunk_bytes: int,
+    shard_bytes: int,
+    workers: int | None,
+    durable: bool,
+    progress: bool | ProgressCallback,
+    array_attributes: ArrayAttributes | None,
+    created: str | None,
+    producer: Mapping[str, Any] | None,
+    feed: feeds.Feed | None,
+) -> SaveResult:
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
     the_plan = plan(
@@ -439,7 +477,7 @@ def save(
         prepare_destination(store, overwrite=overwrite)
         objects = write_arrays(
             store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
-            progress=progress,
+            progress=progress, feed=feed,
         )
         commit(
             store,
@@ -471,40 +509,69 @@ def default_workers() -> int:
 
 def write_arrays(
     store: Store,
-    arrays: Sequence[tuple[ArrayMeta, np.ndarray[Any, Any]]],
+    arrays: Sequence[tuple[ArrayMeta, ArrayValue]],
     *,
     hash_algorithm: str | None,
     workers: int | None = None,
     progress: bool | ProgressCallback = False,
+    feed: feeds.Feed | None = None,
 ) -> list[StoredObject]:
-    """Write every stored object of ``arrays`` with a pool of threads."""
-    tasks = [
-        (meta, coords, data)
-        for meta, data in arrays
-        for coords in object_coords(meta)
-    ]
-    total = sum(meta.nbytes for meta, _ in arrays)
-    from ucpformat.progress import byte_progress
+    """Write every stored object of ``arrays`` with a pool of threads.
 
-    with byte_progress(progress, total, "saving") as advance, ThreadPoolExecutor(
-        workers or default_workers()
-    ) as pool:
+    The values of :class:`ucpformat.feed.Deferred` arrays come from ``feed``, asked for
+    in the order of ``arrays`` and released once their last stored object is written;
+    the feed is stopped at the end, whatever happens.
+    """
+    try:
+        deferred = [data.key for _, data in arrays if isinstance(data, feeds.Deferred)]
+        if deferred and feed is None:
+            raise InvalidValueError("placeholder arrays (ucpformat.feed.Deferred) need a feed "
+                                    "that gives their values", path=deferred[0])
+        tasks = [
+            (meta, coords, data)
+            for meta, data in arrays
+            for coords in object_coords(meta)
+        ]
+        remaining = {meta.path: itertools.count(1) for meta, _ in arrays}  # next() is atomic
+        counts = {meta.path: meta.object_count for meta, _ in arrays}
+        total = sum(meta.nbytes for meta, _ in arrays)
+        from ucpformat.progress import byte_progress
 
-        def run(task: tuple[ArrayMeta, tuple[int, ...], np.ndarray[Any, Any]]) -> StoredObject:
-            meta, coords, data = task
-            region = data[object_region(meta, coords)]
-            le = region.astype(meta.dtype.numpy, copy=False)
+        if feed is not None:
+            feed.schedule(deferred)
+        with byte_progress(progress, total, "saving") as advance, ThreadPoolExecutor(
+            workers or default_workers()
+        ) as pool:
+
+            def run(task: tuple[ArrayMeta, tuple[int, ...], ArrayValue]) -> StoredObject:
+                meta, coords, value = task
+                data = feed.get(value.key) if isinstance(value, feeds.Deferred) and feed \
+                    else value
+                assert isinstance(data, np.ndarray)
+                region = data[object_region(meta, coords)]
+                le = region.astype(meta.dtype.numpy, copy=False)
+                try:
+                    obj = write_object(store, meta, coords, le, hash_algorithm=hash_algorithm)
+                except UCPError:
+                    raise
+                except OSError as exc:
+                    raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
+                                     path=store.location) from exc
+                if isinstance(value, feeds.Deferred) and feed is not None and \
+                        next(remaining[meta.path]) == counts[meta.path]:
+                    feed.release(value.key)
+                advance(region.nbytes)
+                return obj
+
             try:
-                obj = write_object(store, meta, coords, le, hash_algorithm=hash_algorithm)
-            except UCPError:
+                return list(pool.map(run, tasks))
+            except BaseException:
+                if feed is not None:
+                    feed.stop()  # threads still waiting for a value raise at once
                 raise
-            except OSError as exc:
-                raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
-                                 path=store.location) from exc
-            advance(region.nbytes)
-            return obj
-
-        return list(pool.map(run, tasks))
+    finally:
+        if feed is not None:
+            feed.stop()
 
 
 # -- adopting arrays written by another writer ----------------------------------------------

@@ -26,11 +26,10 @@ it is stored under.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from ucpformat import names
@@ -51,7 +50,8 @@ from ucpformat.torch.planner import (
     tree_to_torch,
 )
 from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors
-from ucpformat.writer import Group, SaveResult
+from ucpformat.torch.staging import Staging, deferred_of
+from ucpformat.writer import ArrayValue, Group, SaveResult
 from ucpformat.writer import save as _save
 
 
@@ -231,14 +231,25 @@ def optimizer_fqns(
 # -- save -----------------------------------------------------------------------------
 
 
-def _tree_to_numpy(value: Any, *, where: str) -> Any:
+#: What a save stores for a tensor: a numpy array, or a placeholder that staging fills
+#: (arguments: the tensor, where it is stored).
+ArrayOf = Callable[[torch.Tensor, str], ArrayValue]
+
+
+def numpy_of(tensor: torch.Tensor, where: str) -> ArrayValue:
+    """The default :data:`ArrayOf`: the tensor's values as numpy (a view on the CPU)."""
+    return to_numpy(tensor, name=where)
+
+
+def _tree_to_numpy(value: Any, *, where: str, convert: ArrayOf = numpy_of) -> Any:
     """Tensors -> numpy arrays (any depth of mappings); other values -> JSON-ready."""
     if isinstance(value, torch.Tensor):
-        return to_numpy(value, name=where)
+        return convert(value, where)
     if isinstance(value, Mapping):
         if not any(isinstance(v, torch.Tensor | Mapping) for v in value.values()):
             return to_json(value, where=where)
-        return {str(k): _tree_to_numpy(v, where=f"{where}/{k}") for k, v in value.items()}
+        return {str(k): _tree_to_numpy(v, where=f"{where}/{k}", convert=convert)
+                for k, v in value.items()}
     if isinstance(value, list | tuple) and _holds_tensor(value):
         raise InvalidValueError(
             "tensors inside a list cannot be stored as arrays; use a mapping "
@@ -254,8 +265,10 @@ def state_of(
     scheduler: Stateful | None = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    convert: ArrayOf = numpy_of,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The mapping ``ucpformat.save`` writes, and the role of each array path."""
+    """The mapping ``ucpformat.save`` writes, and the role of each array path; each
+    tensor becomes ``convert(tensor, where)``."""
     state: dict[str, Any] = {}
     roles: dict[str, str] = {}
     if model is not None:
@@ -269,13 +282,13 @@ def state_of(
             if fqn in aliases:  # tied: stored once, under its first name
                 continue
             if isinstance(value, torch.Tensor):
-                group[fqn] = to_numpy(value, name=where)
+                group[fqn] = convert(value, where)
                 roles[names.path_of("model", fqn)] = "parameter" if fqn in params else "buffer"
             else:
                 group[fqn] = to_json(value, where=where)
         state["model"] = group
     if optimizer is not None:
-        state["optimizer"] = _optimizer_state(optimizer, model)
+        state["optimizer"] = _optimizer_state(optimizer, model, convert)
     training = Group()
     if step is not None:
         training["step"] = int(step)
@@ -285,14 +298,15 @@ def state_of(
         if key in training:
             raise InvalidValueError(f"extra[{key!r}] would replace training/{key}",
                                     path="training")
-        training[key] = _tree_to_numpy(value, where=f"training/{key}")
+        training[key] = _tree_to_numpy(value, where=f"training/{key}", convert=convert)
     if training:
         state["training"] = training
     return state, roles
 
 
 def _optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+    convert: ArrayOf = numpy_of,
 ) -> dict[str, Any]:
     osd = optimizer.state_dict()
     fqns = optimizer_fqns(optimizer, model)
@@ -323,7 +337,7 @@ def _optimizer_state(
                 raise InvalidValueError(f"state names must be strings, got {key!r}",
                                         path=f"optimizer/state/{fqn}")
             if isinstance(value, torch.Tensor):
-                entry[key] = to_numpy(value, name=where)
+                entry[key] = convert(value, where)
             else:
                 if _holds_tensor(value):
                     raise InvalidValueError(
@@ -358,20 +372,39 @@ def save(
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    staging: Staging | None = None,
     **save_kwargs: Any,
 ) -> SaveResult:
     """Save a model, optimizer, LR scheduler, step and extra training state.
 
     ``extra`` entries go into ``training/`` (tensors as arrays, e.g. an RNG state; other
     values as JSON). ``save_kwargs`` go to ``ucpformat.save`` (``overwrite``,
-    ``compression``, ...). Tensors on other devices are copied to the CPU one by one.
+    ``compression``, ...).
+
+    Tensors on other devices (a GPU) are copied to host memory through a bounded pool of
+    (pinned) buffers, the next one while the previous one is written
+    (:mod:`ucpformat.torch.staging`; ``staging`` sets the pool, default
+    :func:`~ucpformat.torch.staging.default_pool`). CPU tensors are written from their
+    own memory.
     """
+    how = staging if staging is not None else Staging()
+    staged: dict[str, torch.Tensor] = {}
+
+    def convert(tensor: torch.Tensor, where: str) -> ArrayValue:
+        if not how.stages(tensor):
+            return to_numpy(tensor, name=where)
+        if type(tensor).__name__ == "DTensor":  # refused as the plain path refuses it
+            to_numpy(tensor, name=where)
+        staged[where] = tensor
+        return deferred_of(where, tensor)
+
     state, roles = state_of(
-        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra,
+        convert=convert,
     )
     user_hook = save_kwargs.pop("array_attributes", None)
 
-    def attributes(node_path: str, array: np.ndarray[Any, Any]) -> Mapping[str, Any]:
+    def attributes(node_path: str, array: ArrayValue) -> Mapping[str, Any]:
         top = node_path.partition("/")[0]
         role = roles.get(node_path) or {
             "optimizer": "optimizer_state", "training": "training_state"
@@ -380,7 +413,9 @@ def save(
         attrs["ucp"] = {"role": role, **dict(attrs.get("ucp", {}))}
         return attrs
 
-    return _save(path, state, metadata=metadata, array_attributes=attributes, **save_kwargs)
+    feed = how.stager(staged) if staged else None
+    return _save(path, state, metadata=metadata, array_attributes=attributes, feed=feed,
+                 **save_kwargs)
 
 
 # -- load -----------------------------------------------------------------------------
