@@ -151,7 +151,8 @@ class AsyncSaver:
         cap = self.staging_pool.capacity_bytes
         if cap is None:
             return
-        need = sum(t.numel() * t.element_size() for t in local_tensors(state, self._comm.rank))
+        need = sum(self.staging_pool.buffer_bytes(t.numel() * t.element_size())
+                   for t in local_tensors(state, self._comm.rank))
         if need > cap:
             from ucpformat.errors import ResourceLimitError
 

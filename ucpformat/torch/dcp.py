@@ -45,6 +45,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -116,6 +117,7 @@ from ucpformat.torch.dcp_keys import (
     record_to_json,
 )
 from ucpformat.torch.planner import like
+from ucpformat.torch.staging import Staging
 from ucpformat.torch.state import qualified_name, unwrap
 from ucpformat.writer import commit, default_workers, zero_bits
 
@@ -185,6 +187,10 @@ class UCPWriter(StorageWriter):
     ranks that hold them (over ``process_group``, default: the default group, which must
     be the group DCP saves with). ``0`` never moves data between ranks: shards then follow
     every chunk boundary, however small.
+
+    ``staging``: how tensors on a device (a GPU) reach host memory: through a bounded
+    pool of pinned buffers, the next tensor copied while the previous one is written
+    (:class:`ucpformat.torch.staging.Staging`; default: the shared default pool).
     """
 
     def __init__(
@@ -204,8 +210,10 @@ class UCPWriter(StorageWriter):
         workers: int | None = None,
         durable: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        staging: Staging | None = None,
     ) -> None:
         super().__init__()
+        self.staging = staging if staging is not None else Staging()
         self.path: CheckpointId | None = path
         self.overwrite = overwrite
         self.key_map = key_map or KeyMap()
@@ -408,14 +416,14 @@ class UCPWriter(StorageWriter):
         except BaseException as exc:
             error = exc
         source = _ItemFragments(planner, items_of, share.key_of,
-                                tasks.arrays if tasks is not None else {})
+                                tasks.arrays if tasks is not None else {}, self.staging)
         received = exchange_and_prepare(
             self._communicator(), store, tasks, source, error=error,
             coordinator=self._is_coordinator,
             replacing=self._state is not None and self._state.replacing)
         assert tasks is not None  # agreed: no rank failed
         stored = write(store, tasks, source, received.inbox, workers=self.workers,
-                       hash_algorithm=self.hash_algorithm)
+                       hash_algorithm=self.hash_algorithm)  # stops the source's staging
         by_path: dict[str, list[StoredObject]] = {}
         for obj, written in zip(tasks.objects, stored, strict=True):
             by_path.setdefault(obj.path, []).append(written)
@@ -580,31 +588,67 @@ class UCPWriter(StorageWriter):
 
 class _ItemFragments:
     """A rank's DCP write items as a :class:`ucpformat.pipeline.FragmentSource`: each
-    tensor's chunks resolved through the planner when the pipeline asks for them."""
+    tensor's chunks resolved through the planner when the pipeline asks for them; chunks
+    on a device are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
+    (one key per chunk), ahead of the write step and released after it."""
 
     def __init__(self, planner: SavePlanner, items_of: Mapping[str, Sequence[WriteItem]],
-                 key_of: Mapping[str, str], arrays: Mapping[str, ArrayMeta]) -> None:
+                 key_of: Mapping[str, str], arrays: Mapping[str, ArrayMeta],
+                 staging: Staging) -> None:
         self._planner = planner
         self._items_of = items_of
         self._key_of = key_of
         self._arrays = arrays
+        self._staging = staging
+        self._stager = staging.stager({})
+        self._resolved: dict[str, list[tuple[Box, str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
 
     def boxes(self) -> list[tuple[str, Box]]:
         return [(path, _item_box(item)) for path, key in self._key_of.items()
                 for item in self._items_of.get(key, [])]
 
+    def _resolve(self, path: str) -> list[tuple[Box, str, torch.Tensor]]:
+        """(box, staging key, tensor) of each chunk of ``path``, resolved once."""
+        with self._lock:
+            found = self._resolved.get(path)
+            if found is not None:
+                return found
+            key = self._key_of[path]
+            out = []
+            for i, item in enumerate(self._items_of.get(key, [])):
+                data = self._planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
+                    raise WriteError("resolve_data returned no tensor", tensor=path)
+                chunk = f"{path}#{i}"
+                if self._staging.stages(data):
+                    self._stager.add(chunk, data)
+                out.append((_item_box(item), chunk, data))
+            self._resolved[path] = out
+            return out
+
     def fragments(self, path: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
         meta = self._arrays[path]
-        key = self._key_of[path]
         out = []
-        for item in self._items_of.get(key, []):
-            box = _item_box(item)
-            data = self._planner.resolve_data(item)
-            if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
-                raise WriteError("resolve_data returned no tensor", tensor=path)
-            arr = to_numpy(data, name=key).reshape(box_shape(box))
-            out.append((box, arr.astype(meta.dtype.numpy, copy=False)))
+        for box, chunk, data in self._resolve(path):
+            arr = self._stager.get(chunk) if chunk in self._stager \
+                else to_numpy(data, name=self._key_of[path])
+            out.append((box, arr.reshape(box_shape(box)).astype(meta.dtype.numpy, copy=False)))
         return out
+
+    def schedule(self, keys: Sequence[str]) -> None:
+        chunks = [chunk for path in keys for _, chunk, _ in self._resolve(path)]
+        self._stager.schedule([c for c in chunks if c in self._stager])
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            chunks = self._resolved.pop(key, [])
+        for _, chunk, _ in chunks:
+            if chunk in self._stager:
+                self._stager.release(chunk)
+
+    def stop(self) -> None:
+        self._stager.stop()
 
 
 def _item_box(item: WriteItem) -> Box:

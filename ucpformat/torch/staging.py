@@ -84,8 +84,9 @@ class HostBufferPool:
     """Host byte buffers, at most ``capacity_bytes`` held in all (None: no bound).
 
     Thread-safe. :meth:`acquire` returns an idle buffer that fits (best fit, at most
-    twice the size asked), or allocates one while the bound allows, freeing idle buffers
-    to make room; otherwise it waits for a :meth:`release`. ``pin`` (default: whether
+    twice the size asked), or allocates one while the bound allows, or takes a larger
+    idle buffer, or frees idle buffers to make room; otherwise it waits for a
+    :meth:`release`. ``pin`` (default: whether
     CUDA is available) allocates page-locked memory.
     """
 
@@ -99,15 +100,20 @@ class HostBufferPool:
         self._cond = threading.Condition()
         self.stats = PoolStats(capacity_bytes, pinned=self.pin)
 
+    @staticmethod
+    def buffer_bytes(nbytes: int) -> int:
+        """The size of the buffer that holds ``nbytes`` (rounded up to ALIGN_BYTES)."""
+        return _rounded(nbytes)
+
     def _fits(self, nbytes: int) -> bool:
         cap = self.capacity_bytes
         return cap is None or self.stats.allocated_bytes + nbytes <= cap
 
-    def _take_idle(self, nbytes: int) -> torch.Tensor | None:
+    def _take_idle(self, nbytes: int, *, most: int) -> torch.Tensor | None:
         best: torch.Tensor | None = None
         for buf in self._idle:
             size = buf.numel()
-            if nbytes <= size <= 2 * nbytes and (best is None or size < best.numel()):
+            if nbytes <= size <= most and (best is None or size < best.numel()):
                 best = buf
         if best is not None:
             self._idle = [b for b in self._idle if b is not best]
@@ -135,7 +141,11 @@ class HostBufferPool:
             while True:
                 if stopped is not None and stopped.is_set():
                     raise StagingStopped("staging was stopped before this value was copied")
-                buf = self._take_idle(size)
+                # an idle buffer of about the size; else a new one if the bound allows;
+                # else any idle buffer large enough; else free idle ones to make room
+                buf = self._take_idle(size, most=2 * size)
+                if buf is None and not self._fits(size):
+                    buf = self._take_idle(size, most=1 << 62)
                 if buf is not None:
                     self.stats.reuses += 1
                     break
@@ -302,15 +312,14 @@ class Stager:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self._began = False
 
     def __contains__(self, key: object) -> bool:
         return key in self._tensors
 
-    def _begin(self) -> None:
-        if not self._began:
-            self._copier.begin(self._tensors.values())
-            self._began = True
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """Stage ``tensor`` under ``key`` too (before it is scheduled or asked for)."""
+        with self._lock:
+            self._tensors[key] = tensor
 
     def _copy(self, key: str, slot: _Slot) -> None:
         """Copy ``slot``'s tensor into a pool buffer (the calling thread waits for it)."""
@@ -329,7 +338,8 @@ class Stager:
         self._record("copy-end", key)
 
     def schedule(self, keys: Sequence[str]) -> None:
-        self._begin()
+        """Start copying ``keys`` in this order (call it on the thread whose CUDA stream
+        last updated the tensors: the copies wait for that stream)."""
         order: list[tuple[str, _Slot]] = []
         with self._lock:
             for key in keys:
@@ -338,6 +348,7 @@ class Stager:
                     order.append((key, self._slots[key]))
         if not order:
             return
+        self._copier.begin([slot.tensor for _, slot in order])
 
         def run() -> None:
             failed: BaseException | None = None
@@ -364,8 +375,8 @@ class Stager:
             if slot is None:
                 slot = self._slots[key] = _Slot(self._tensors[key])
         if fresh:  # not scheduled: copied here and now
-            self._begin()
             try:
+                self._copier.begin([slot.tensor])
                 self._copy(key, slot)
             except BaseException as exc:
                 slot.error = exc
