@@ -399,3 +399,60 @@ def test_numpy_of_a_staged_value_is_never_an_alias_of_a_live_tensor(tmp_path: Pa
     assert np.array_equal(arr, np.arange(10, dtype=np.float32))
     stager.release("x")
     stager.stop()
+
+
+# -- loads to a device ----------------------------------------------------------------------
+
+
+class _GatedCopier(_DeferredCopier):
+    """A simulated device whose copy of batch k completes only once batch k + 1 is being
+    read (the last batch at once)."""
+
+    def __init__(self, events: Events, batches: int) -> None:
+        super().__init__(events)
+        self.batches = batches
+        self.batch = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        done = threading.Event()
+        nxt = self.batch + 1
+        events = self.events
+        last = self.batch + 1 >= self.batches
+
+        def run() -> None:
+            if not last:
+                events.wait_for("read", str(nxt))
+            dst.copy_(src)
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        return (done, "")
+
+
+def test_reads_for_a_device_overlap_copies_within_the_pool(tmp_path: Path) -> None:
+    from ucpformat.torch.reads import DeviceStaging, TensorRead, read_tensors
+
+    model = _model(width=128, layers=6)
+    save(tmp_path / "ckpt", model=model)
+    ck = ucpformat.open_checkpoint(tmp_path / "ckpt")
+    paths = [f"model/{k}" for k in model.state_dict()]
+    pool = HostBufferPool(2 * (64 * 1024 + ALIGN_BYTES), pin=False)  # batches of a weight
+    events = Events()
+
+    class _Copier(_GatedCopier):
+        def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+            self.batch = int(events.keys("read")[-1])
+            return super().copy(dst, src)
+
+    copier = _Copier(events, batches=6)
+    got = read_tensors(ck, [TensorRead(p, device="cpu") for p in paths],
+                       staging=DeviceStaging(pool=pool, cpu=True, copier=copier,
+                                             recorder=events)).tensors
+    for t, v in zip(got, model.state_dict().values(), strict=True):
+        assert _raw(t) == _raw(v)
+    reads = events.keys("read")
+    assert len(reads) == 6  # weight + bias per batch
+    for k in range(len(reads) - 1):  # batch k's copy ended after batch k + 1 began its read
+        assert events.index("read", str(k + 1)) < events.index("copied", str(k))
+    assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
+    assert pool.stats.in_use_bytes == 0 and pool.stats.reuses > 0

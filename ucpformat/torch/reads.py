@@ -5,8 +5,12 @@ for go to :meth:`ucpformat.Checkpoint.read_regions` together, so the checkpoint'
 read the inner chunks of small and large tensors alike in parallel.
 
 A read either makes a **new** tensor (no target): the chunks land in the new tensor's own
-memory, nothing is copied after the read (on another device: read into host memory, then
-moved, in batches of :data:`STAGED_BATCH_BYTES`). Or it fills a **target**, a tensor that
+memory, nothing is copied after the read. On another device (a GPU) they land in the
+buffers of a bounded pool of pinned host memory (:mod:`ucpformat.torch.staging`, at
+most :data:`DEVICE_POOL_BYTES`), a batch at a time (half the pool), and each batch is
+copied to the device asynchronously, on a side stream with one event per batch, while
+the next batch is read; the caller's stream waits for those events, never the whole
+device. Or it fills a **target**, a tensor that
 already holds live state (a model's parameter, an optimizer's state): the target must not
 change unless every read of the load has succeeded, so the data is read into new host
 memory (*staging*: a damaged or missing chunk fails there, every CRC32C is checked) and
@@ -17,19 +21,62 @@ everything else. Staging holds one host copy of what the targets receive until t
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from ucpformat.distributed import read_locals
+from ucpformat.errors import ResourceLimitError
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
 from ucpformat.reader import Checkpoint
-from ucpformat.torch.convert import from_numpy, to_numpy
+from ucpformat.torch.convert import from_numpy, to_numpy, torch_dtype
+from ucpformat.torch.staging import (
+    Copier,
+    DeviceCopier,
+    HostBufferPool,
+    Recorder,
+    host_array,
+    typed_view,
+)
 
 #: Host bytes read for new tensors on another device before they are moved there.
 STAGED_BATCH_BYTES = 1 << 30
+#: Bound of the pinned pool through which new tensors reach a device (two batches).
+DEVICE_POOL_BYTES = 512 << 20
+
+_device_pool: HostBufferPool | None = None
+
+
+@dataclass
+class DeviceStaging:
+    """How new tensors reach a device (the ``staging=`` argument of :func:`read_tensors`):
+    the pinned ``pool`` (default: one shared pool of :data:`DEVICE_POOL_BYTES`), each
+    batch half of it; ``cpu=True`` stages reads bound for the CPU too (tests);
+    ``copier`` and ``recorder``: see :mod:`ucpformat.torch.staging`. The recorder sees
+    ``("read", batch)`` before each batch is read and ``("copied", batch)`` once its
+    copies are complete."""
+
+    pool: HostBufferPool | None = None
+    cpu: bool = False
+    copier: Copier | None = None
+    recorder: Recorder | None = None
+
+    def the_pool(self) -> HostBufferPool:
+        global _device_pool
+        if self.pool is not None:
+            return self.pool
+        if _device_pool is None:
+            _device_pool = HostBufferPool(DEVICE_POOL_BYTES)
+        return _device_pool
+
+    def stages(self, device: str | torch.device | None) -> bool:
+        if device is None:
+            return False
+        return self.cpu or torch.device(device).type not in ("cpu", "meta")
 
 
 @dataclass(frozen=True)
@@ -87,15 +134,31 @@ def _plain_memory(t: torch.Tensor) -> bool:
 
 
 def read_tensors(
-    ckpt: Checkpoint, reads: Sequence[TensorRead], *, batch_bytes: int = STAGED_BATCH_BYTES
+    ckpt: Checkpoint,
+    reads: Sequence[TensorRead],
+    *,
+    batch_bytes: int = STAGED_BATCH_BYTES,
+    staging: DeviceStaging | None = None,
 ) -> StagedReads:
     """Read every request as one batch; no target changes before :meth:`StagedReads.apply`.
 
-    A failure (a damaged or missing chunk, a refused region) raises here, with every
-    target as it was.
+    New tensors for a device go through pinned host buffers, their copies to the device
+    overlapped with the next reads (``staging``, see :class:`DeviceStaging`). A failure
+    (a damaged or missing chunk, a refused region) raises here, with every target as it
+    was.
     """
+    how = staging if staging is not None else DeviceStaging()
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([])
+    to_device = [i for i, r in enumerate(reads) if r.target is None and how.stages(r.device)]
+    if to_device:
+        for i, tensor in zip(to_device, _read_to_device(ckpt, [reads[i] for i in to_device],
+                                                        how), strict=True):
+            tensors[i] = tensor
+        chosen = set(to_device)
+        rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
+    else:
+        rest = list(enumerate(reads))
     pending: list[tuple[int, TensorRead, LocalMap]] = []
     moving = 0  # host bytes of new tensors bound for another device in this batch
 
@@ -113,7 +176,7 @@ def read_tensors(
         pending.clear()
         moving = 0
 
-    for i, read in enumerate(reads):
+    for i, read in rest:
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
         pending.append((i, read, lm))
@@ -132,4 +195,84 @@ def read_tensors(
     return result
 
 
-__all__ = ["STAGED_BATCH_BYTES", "StagedReads", "TensorRead", "read_tensors", "whole"]
+def _read_to_device(
+    ckpt: Checkpoint, reads: Sequence[TensorRead], how: DeviceStaging
+) -> list[torch.Tensor]:
+    """New tensors on their devices, read through the pinned pool: batch k + 1 is read
+    while batch k is copied to the device (a batch's buffers return to the pool once its
+    copies are complete); the caller's stream waits for every copy."""
+    pool = how.the_pool()
+    copier: Copier = how.copier if how.copier is not None else DeviceCopier()
+    record = how.recorder or (lambda event, key: None)
+    limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
+    outs: list[torch.Tensor] = []
+    plans: list[tuple[TensorRead, LocalMap, torch.Tensor]] = []
+    for read in reads:
+        meta = ckpt.arrays[read.path]
+        lm = read.local if read.local is not None else whole(meta.shape)
+        dst = torch.empty(lm.local_shape, dtype=torch_dtype(meta.dtype, tensor=read.path),
+                          device=read.device)
+        outs.append(dst)
+        plans.append((read, lm, dst))
+    copier.begin(outs)
+    batches: list[list[tuple[TensorRead, LocalMap, torch.Tensor]]] = [[]]
+    size = 0
+    for plan in plans:
+        n = plan[2].numel() * plan[2].element_size()
+        if batches[-1] and size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(plan)
+        size += n
+    in_flight: deque[tuple[int, list[Any], list[torch.Tensor]]] = deque()
+
+    def retire() -> None:
+        index, done, bufs = in_flight.popleft()
+        for d in done:
+            copier.wait(d)
+            copier.guard(d)
+        for buf in bufs:
+            pool.release(buf)
+        record("copied", str(index))
+
+    try:
+        for index, batch in enumerate(batches):
+            bufs: list[torch.Tensor] = []
+            items = []
+            for read, lm, dst in batch:
+                n = dst.numel() * dst.element_size()
+                while True:
+                    try:
+                        buf = pool.acquire(n, wait=False)
+                        break
+                    except ResourceLimitError:
+                        if not in_flight:
+                            raise
+                        retire()  # wait for the oldest batch's copies, reuse its buffers
+                bufs.append(buf)
+                items.append((read.path, lm, host_array(typed_view(buf, dst), name=read.path)))
+            record("read", str(index))
+            try:
+                read_locals(ckpt, items)
+            except BaseException:
+                for buf in bufs:
+                    pool.release(buf)
+                raise
+            done = [copier.copy(dst, typed_view(buf, dst))
+                    for (_, _, dst), buf in zip(batch, bufs, strict=True)]
+            in_flight.append((index, done, bufs))
+    finally:
+        while in_flight:
+            retire()
+    return outs
+
+
+__all__ = [
+    "DEVICE_POOL_BYTES",
+    "STAGED_BATCH_BYTES",
+    "DeviceStaging",
+    "StagedReads",
+    "TensorRead",
+    "read_tensors",
+    "whole",
+]

@@ -235,19 +235,23 @@ class DeviceCopier:
             stream.wait_stream(torch.cuda.current_stream(dev))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        if src.device.type != "cuda":
+        """Device to host (a save) or host to device (a load); host to host at once."""
+        device_side = src if src.device.type == "cuda" else dst
+        if device_side.device.type != "cuda":
             with torch.no_grad():
                 dst.copy_(src)
             return None
-        stream = self._streams.get(src.device)
+        stream = self._streams.get(device_side.device)
         if stream is None:
-            raise WriteError(f"no copy stream for {src.device}: begin() was not told of it")
+            raise WriteError(
+                f"no copy stream for {device_side.device}: begin() was not told of it")
         with torch.cuda.stream(stream), torch.no_grad():
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        src.record_stream(stream)  # the allocator keeps src's memory until the copy ran
-        return (event, src.device)
+        # the allocator keeps the device memory until the copy ran
+        device_side.record_stream(stream)
+        return (event, device_side.device)
 
     def wait(self, done: Any) -> None:
         if done is not None:
