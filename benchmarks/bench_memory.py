@@ -29,7 +29,8 @@ from benchmarks import state as synthetic
 DEFAULT_SIZE_MIB = 2048
 QUICK_SIZE_MIB = 16
 METHODS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat async")
-LOAD_METHODS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat in place")
+LOAD_METHODS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat staged",
+                "ucpformat in_place")
 LABELS = {
     "raw": "raw write / read into new arrays",
     "torch": "torch.save / torch.load",
@@ -37,7 +38,8 @@ LABELS = {
     "dcp": "DCP FileSystemWriter / Reader",
     "ucpformat": "ucpformat.torch.save / load_state_dict",
     "ucpformat async": "ucpformat AsyncSaver (staging = a full snapshot)",
-    "ucpformat in place": "ucpformat.torch.load(model=) into new tensors",
+    "ucpformat staged": "ucpformat.torch.load(model=), staged (default)",
+    "ucpformat in_place": "ucpformat.torch.load(model=, in_place=True)",
 }
 
 
@@ -87,10 +89,10 @@ def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
             dcp.load(result, storage_reader=dcp.FileSystemReader(path))
         elif method == "ucpformat":
             result = ucpt.load_state_dict(path)
-        elif method == "ucpformat in place":
+        elif method in ("ucpformat staged", "ucpformat in_place"):
             empty = {d.name: torch.empty(d.shape, dtype=_torch_dtype(d.dtype)) for d in defs}
             result = common.buffer_module(empty)
-            ucpt.load(path, model=result)
+            ucpt.load(path, model=result, in_place=method == "ucpformat in_place")
         del result
     peak = common.peak_rss_bytes() - base
     return {"peak": peak, "nbytes": nbytes, "largest": largest, "held": held}
@@ -131,7 +133,7 @@ def measure(size_mib: float, root: Path, methods: tuple[str, ...] = METHODS) -> 
         path = str(root / method.replace(" ", "-"))
         out["save"][method] = _spawn(method, "save", size_mib, path)
         for load in [m for m in LOAD_METHODS if m == method or
-                     (method == "ucpformat" and m == "ucpformat in place")]:
+                     (method == "ucpformat" and m.startswith("ucpformat "))]:
             out["load"][load] = _spawn(load, "load", size_mib, path)
         common.remove(path)
     return out

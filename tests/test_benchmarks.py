@@ -39,6 +39,17 @@ def test_open_benchmark_runs(tmp_path: Path) -> None:
     assert any("inspect" in m for m in methods)
 
 
+def test_validate_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import bench_validate
+
+    (table,) = bench_validate.run(quick=True, n_arrays=30, repeats=1, directory=tmp_path)
+    rows = {(row[0], row[1].split(" (")[0]) for row in table.rows}
+    assert len(table.rows) == 8
+    assert ("each document different", "`ucpformat.validate`") in rows
+    assert ("documents alike", "read and parse the root zarr.json") in rows
+    assert any("ucp validate" in row[1] for row in table.rows)
+
+
 def test_runner_writes_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_open
@@ -77,7 +88,9 @@ def test_throughput_benchmark_runs(tmp_path: Path) -> None:
     main, blocked = tables
     assert main.rows[0][0].startswith("**limit**")
     assert any("DCP" in row[0] for row in main.rows)
-    assert set(main.data["rows"]) >= {"raw", "dcp", "ucpformat", "ucpformat in place"}
+    assert set(main.data["rows"]) >= {"raw", "dcp", "ucpformat", "ucpformat staged",
+                                      "ucpformat in_place"}
+    assert set(main.data["staged_over_in_place"]) == {"cold", "warm"}
     assert "blocked" in blocked.title.lower()
     assert run.chart([main], tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 1000
@@ -100,7 +113,9 @@ def test_memory_benchmark_runs_in_fresh_processes(tmp_path: Path) -> None:
     from benchmarks import bench_memory
 
     (table,) = bench_memory.run(quick=True, size_mib=1, directory=tmp_path)
-    assert len(table.rows) == 3  # raw, ucpformat save/load, ucpformat in place
+    # raw, ucpformat save/load, ucpformat load into a model staged and in place
+    assert len(table.rows) == 4
+    assert {"ucpformat staged", "ucpformat in_place"} <= set(table.data["load"])
     assert table.data["save"]["ucpformat"] > 0
 
 
@@ -140,3 +155,16 @@ def test_update_doc_replaces_only_the_generated_part(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "old" not in text and "new table" in text
     assert text.startswith("# Title\n\nintro") and text.endswith("## Notes\nmine\n")
+
+
+@pytest.mark.torch
+def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    from benchmarks import bench_flat
+
+    (table,) = bench_flat.run(quick=True, size_mib=2, repeats=1, directory=tmp_path,
+                              durable=False)
+    operations = [row[0] for row in table.rows]
+    assert operations[0].startswith("`save_file`") and len(operations) == 4
+    assert any("get_slice" in op for op in operations)
+    assert set(table.data["flat"]) == set(operations)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ucpformat.dtypes import DataType
-from ucpformat.errors import FormatError, InvalidValueError
+from ucpformat.errors import InvalidValueError
+from ucpformat.optional import require
 
 if TYPE_CHECKING:
     import torch
@@ -107,14 +108,8 @@ def parse_size(value: int | str) -> int:
 
 
 def torch_module() -> Any:
-    """The torch module; ``FormatError`` saying how to install it where it is missing."""
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is in the import extra
-        raise FormatError(
-            "this conversion needs torch (pip install 'ucpformat[import]')"
-        ) from exc
-    return torch
+    """The torch module; a ``MissingDependencyError`` naming the extra where it is missing."""
+    return require("torch", extra="import", purpose="this conversion")
 
 
 def data_type_of(dtype: torch.dtype, *, tensor: str | None = None) -> DataType:

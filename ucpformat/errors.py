@@ -36,6 +36,12 @@ class UCPError(Exception):
         return " ".join(parts)
 
 
+def restated(error: UCPError, message: str) -> UCPError:
+    """A new error of ``error``'s class, rule, path and tensor, with another message (to
+    raise ``from error`` where a caller has something to add)."""
+    return type(error)(message, rule=error.rule, path=error.path, tensor=error.tensor)
+
+
 # -- reading and validating ---------------------------------------------------------
 
 
@@ -87,6 +93,10 @@ class SelectionError(UCPError, IndexError):
 
 class ResourceLimitError(UCPError):
     """Honouring the request would allocate beyond a configured or physical limit."""
+
+
+class MissingDependencyError(UCPError, ImportError):
+    """An optional dependency that the request needs is not installed; names the extra."""
 
 
 class TensorNotFoundError(UCPError, KeyError):

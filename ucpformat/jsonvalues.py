@@ -119,20 +119,18 @@ MAX_DOCUMENT_DEPTH: Final = 80
 
 
 def json_depth(doc: Any) -> int:
-    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(doc, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((v, depth + 1) for v in children)
-    return deepest
+    """Nesting depth of a JSON value (a scalar is 0), computed without recursion, one
+    level of containers at a time."""
+    depth = 0
+    level = [doc] if isinstance(doc, (dict, list)) else []
+    while level:
+        depth += 1
+        below: list[Any] = []
+        for value in level:
+            children = value.values() if isinstance(value, dict) else value
+            below.extend([v for v in children if isinstance(v, (dict, list))])
+        level = below
+    return depth
 
 
 def json_equal(a: Any, b: Any) -> bool:

@@ -17,7 +17,8 @@ ProgressCallback = Callable[[int], None]
 def byte_progress(
     progress: bool | ProgressCallback, total: int, description: str
 ) -> Iterator[ProgressCallback]:
-    """Yield ``advance(nbytes)``: a rich progress bar if ``progress`` is True, else a no-op.
+    """Yield ``advance(nbytes)``: a rich progress bar if ``progress`` is True and stderr is
+    a terminal (or a Jupyter notebook), else a no-op.
 
     A callable ``progress`` is called with each increment instead.
     """
@@ -28,6 +29,12 @@ def byte_progress(
         yield lambda _n: None
         return
     from rich.console import Console
+
+    console = Console(stderr=True)
+    if not (sys.stderr.isatty() or console.is_jupyter):
+        # off a terminal a bar is only escape sequences in a log (even with FORCE_COLOR)
+        yield lambda _n: None
+        return
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -42,8 +49,7 @@ def byte_progress(
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=not sys.stderr.isatty(),
+        console=console,
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)

@@ -494,23 +494,29 @@ def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -
     return min(MAX_METADATA_BYTES, max(MIN_METADATA_BYTES, memory // METADATA_MEMORY_FACTOR))
 
 
-def read_metadata(store: Store, key: str, *, limit: int, what: str = "") -> bytes | None:
+def read_metadata(
+    store: Store, key: str, *, limit: int, what: str = "", size: int | None = None
+) -> bytes | None:
     """A metadata document's bytes (None if absent), refused before it is read when it is
-    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read."""
-    size = store.size(key)
+    larger than ``limit`` (UCP-1.0-R098): never more than ``limit`` bytes are read.
+    ``size``: the document's size, if the caller has it from a listing (not asked again)."""
+    size = store.size(key) if size is None else size
     if size is None:
         return None
-    too_big = ResourceLimitError(
-        f"{what or key} is {size} bytes or more, over the limit of {limit} for a metadata "
-        "document (refused unread; raise max_metadata_bytes to read it)",
-        rule="UCP-1.0-R098",
-        path=f"{store.location}/{key}",
-    )
+
+    def too_big(size: int) -> ResourceLimitError:
+        return ResourceLimitError(
+            f"{what or key} is {size} bytes or more, over the limit of {limit} for a "
+            "metadata document (refused unread; raise max_metadata_bytes to read it)",
+            rule="UCP-1.0-R098",
+            path=f"{store.location}/{key}",
+        )
+
     if size > limit:
-        raise too_big
+        raise too_big(size)
     raw = store.get_range(key, 0, limit + 1)  # the file may have grown since
     if raw is not None and len(raw) > limit:
-        raise too_big
+        raise too_big(size)
     return raw
 
 

@@ -13,6 +13,7 @@ import ctypes
 import os
 import re
 import shutil
+import stat
 import sys
 import threading
 import uuid
@@ -30,6 +31,11 @@ from ucpformat.errors import (
 )
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
+
+
+def _key_part_ok(part: str) -> bool:
+    """One component of a key that :func:`check_key` accepts."""
+    return part not in (".", "..") and len(part) <= 255 and _KEY_PART.match(part) is not None
 
 
 def check_key(key: str) -> None:
@@ -111,6 +117,14 @@ class Store(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """All keys under ``prefix`` (recursively), in no particular order."""
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        """The keys :meth:`list` gives, in its order, each with the size :meth:`size`
+        would return where the listing tells it without another request; None where it
+        does not (ask :meth:`size`, which also makes that key's checks). This default
+        tells none."""
+        for key in self.list(prefix):
+            yield key, None
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
@@ -270,6 +284,49 @@ class LocalStore(Store):
             rel = os.path.relpath(dirpath, self.location)
             for name in sorted(filenames):
                 yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        """:meth:`list`'s walk, and the size of every regular file it reaches through
+        directories that are no links and whose key :func:`check_key` accepts: what
+        :meth:`size` returns for it (its real path lies inside the checkpoint), at the cost
+        of one ``lstat`` instead of a path resolution per key. Links and other files get
+        None, and so does every key of a subclass that overrides :meth:`size`."""
+        base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
+        if not os.path.isdir(base):
+            return
+        rel = os.path.relpath(base, self.location)
+        root_real = os.path.realpath(self.location)
+        exact = type(self).size is LocalStore.size and os.path.realpath(base) == (
+            root_real if rel == "." else os.path.join(root_real, rel))
+        key_ok = exact and (rel == "." or all(_key_part_ok(p) for p in rel.split(os.sep)))
+        # os.walk(base)'s order and choices: top-down, directories sorted, links to
+        # directories not followed, a directory that cannot be read skipped
+        stack = [(base, "" if rel == "." else rel.replace(os.sep, "/") + "/", key_ok)]
+        while stack:
+            directory, key_prefix, dir_ok = stack.pop()
+            dirs: list[os.DirEntry[str]] = []
+            files: list[os.DirEntry[str]] = []
+            try:
+                with os.scandir(directory) as entries:
+                    for entry in entries:
+                        try:
+                            is_dir = entry.is_dir()
+                        except OSError:
+                            is_dir = False
+                        (dirs if is_dir else files).append(entry)
+            except OSError:
+                continue
+            for entry in sorted(files, key=lambda e: e.name):
+                size = None
+                if dir_ok and _key_part_ok(entry.name):
+                    with contextlib.suppress(OSError):
+                        st = entry.stat(follow_symlinks=False)
+                        size = st.st_size if stat.S_ISREG(st.st_mode) else None
+                yield key_prefix + entry.name, size
+            for entry in sorted(dirs, key=lambda e: e.name, reverse=True):
+                if not os.path.islink(entry.path):
+                    stack.append((entry.path, f"{key_prefix}{entry.name}/",
+                                  dir_ok and _key_part_ok(entry.name)))
 
     # -- writes -----------------------------------------------------------------------
 
@@ -560,6 +617,19 @@ class ReadGuard(Store):
             except OSError as exc:
                 raise self._error(prefix or ".", exc) from exc
             yield key
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
+        found = iter(self._call(prefix or ".", lambda: self.inner.list_sizes(prefix)))
+        while True:
+            try:
+                item = next(found)
+            except StopIteration:
+                return
+            except UCPError:
+                raise
+            except OSError as exc:
+                raise self._error(prefix or ".", exc) from exc
+            yield item
 
     def is_empty(self) -> bool:
         return bool(self._call(".", self.inner.is_empty))

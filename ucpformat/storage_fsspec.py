@@ -20,7 +20,8 @@ import posixpath
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ucpformat.errors import UnsafePathError
+from ucpformat.errors import MissingDependencyError, UnsafePathError
+from ucpformat.optional import require
 from ucpformat.storage import Store, check_key
 
 
@@ -34,14 +35,20 @@ class FsspecStore(Store):
         storage_options: Mapping[str, Any] | None = None,
         fs: Any = None,
     ) -> None:
-        import fsspec
-
         options = dict(storage_options or {})
         if fs is None:
+            purpose = f"the location {url.partition('://')[0]}://..."
+            core = require("fsspec.core", extra="s3", purpose=purpose)
             # fresh instance, no listings cache: every exists/size asks the store
             options.setdefault("skip_instance_cache", True)
             options.setdefault("use_listings_cache", False)
-            fs, path = fsspec.core.url_to_fs(url, **options)
+            try:
+                fs, path = core.url_to_fs(url, **options)
+            except ImportError as exc:  # fsspec is there, its backend (s3fs, gcsfs...) not
+                raise MissingDependencyError(
+                    f"{purpose} needs a package fsspec uses for it, which is not installed "
+                    f"(for s3://: pip install 'ucpformat[s3]'): {exc}", path=url,
+                ) from exc
         else:
             path = fs._strip_protocol(url)
         root = str(path).rstrip("/")

@@ -10,15 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ucpformat import names, schemas
+from ucpformat import names, rng, schemas
 from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
-from ucpformat.errors import UCPError
-from ucpformat.jsonvalues import json_equal
+from ucpformat.errors import UCPError, WriteError
+from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_equal
 from ucpformat.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
@@ -216,10 +217,13 @@ def _validate(
     _check_tree(arrays, groups, report)
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
+    _check_rng(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     _check_model_group(arrays, groups, report)
-    manifest, damaged = _check_manifest(store, ucp, arrays, report, limit=limit)
-    _check_node_files(store, doc, report, damaged=damaged, limit=limit)
+    manifest, damaged, listed = _check_manifest(store, ucp, arrays, report, limit=limit)
+    node_files: dict[str, bytes] = {}
+    _check_node_files(store, doc, report, parsed=arrays.keys() | groups.keys(), damaged=damaged,
+                      listed=listed, limit=limit, keep=node_files if deep else None)
     if manifest is not None:
         _check_root_seal(doc, manifest, report)
     cm = doc.get("consolidated_metadata")
@@ -232,17 +236,21 @@ def _validate(
         root = parse_group("", doc, root=True)
         ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
         _deep(ckpt, manifest, damaged, report, progress=progress, workers=workers,
-              block=min(HASH_BLOCK, ckpt.max_read_bytes))
+              block=min(HASH_BLOCK, ckpt.max_read_bytes), read=node_files)
 
 
 def root_violations(doc: Any) -> list[schemas.SchemaViolation]:
     """The violations of ``root.schema.json`` by a root document, the same as
     ``schemas.violations("root", doc)`` gives, in time linear in the number of nodes.
 
-    Each node of the consolidated metadata is checked against the array or group schema
-    on its own (as the root schema's ``if``/``then``/``else`` does), once per distinct
-    document: the states of one parameter, or the experts of one layer, share theirs.
+    A root the compiled validator accepts has none (see :mod:`ucpformat.schemas`).
+    Otherwise each node of the consolidated metadata is checked against the array or group
+    schema on its own (as the root schema's ``if``/``then``/``else`` does), once per
+    distinct document: the states of one parameter, or the experts of one layer, share
+    theirs.
     """
+    if schemas.fast_accepts("root", doc):  # the whole root in one pass of the compiled check
+        return []
     cm = doc.get("consolidated_metadata") if isinstance(doc, Mapping) else None
     nodes = cm.get("metadata") if isinstance(cm, Mapping) else None
     if not isinstance(doc, Mapping) or not isinstance(cm, Mapping) or not isinstance(
@@ -320,14 +328,20 @@ def _check_node_files(
     doc: Mapping[str, Any],
     report: Report,
     *,
+    parsed: Set[str],
     damaged: set[str],
+    listed: Mapping[str, int | None],
     limit: int,
+    keep: dict[str, bytes] | None = None,
 ) -> None:
     """R055: every node's own zarr.json equals its entry in the consolidated metadata.
 
     A node document is read only up to the metadata limit (UCP-1.0-R098), and not at all
     when the manifest check found it missing or of another size than the manifest says
-    (``damaged``: reported there, R043).
+    (``damaged``: reported there, R043). ``listed``: the sizes the manifest check's
+    listing gave (not asked again); ``parsed``: the nodes whose paths were checked already.
+    ``keep`` receives the documents read (key -> bytes), so that a deep validation does
+    not read them again.
     """
     cm = doc.get("consolidated_metadata")
     meta = cm.get("metadata") if isinstance(cm, Mapping) else None
@@ -338,22 +352,43 @@ def _check_node_files(
         if key in damaged:
             continue
         try:
-            names.check_path(path)
-            raw = read_metadata(store, key, limit=limit)
+            if path not in parsed:
+                names.check_path(path)
+            raw = read_metadata(store, key, limit=limit, size=listed.get(key))
         except UCPError as exc:
             report.add_error(exc, path)
             continue
         if raw is None:
             report.add("UCP-1.0-R055", path, "its own zarr.json is missing")
             continue
+        if keep is not None:
+            keep[key] = raw
         try:
             own = loads(raw, what=key)
-            check_depth(own, what=key)
+            # a value nests no deeper than it has brackets: most documents need no walk
+            if raw.count(b"[") + raw.count(b"{") > MAX_DOCUMENT_DEPTH:
+                check_depth(own, what=key)
         except UCPError as exc:
             report.add_error(exc, path)
             continue
-        if not json_equal(own, node):
+        if not (_same_text(own, node) or json_equal(own, node)):
             report.add("UCP-1.0-R055", path, "its zarr.json differs from the consolidated metadata")
+
+
+def _same_text(a: Any, b: Any) -> bool:
+    """True if two parsed JSON values have the same canonical text (keys sorted), which
+    tells every value's kind and every number exactly: then they are equal (UCP-1.0-R073),
+    as :func:`~ucpformat.jsonvalues.json_equal` would find member by member, 5 to 10 times
+    slower. False says nothing."""
+    try:
+        return _canonical(a) == _canonical(b)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
 
 
 def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report: Report) -> None:
@@ -455,6 +490,57 @@ def _check_optimizer(
                        "optimizer state arrays live at optimizer/state/<parameter>/<state>")
 
 
+def _check_rng(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
+) -> None:
+    """R085: the generators of ``training/rng`` (when it is a group), each in its form."""
+    base = "training/rng"
+    if base not in groups:
+        return
+
+    def children(parent: str) -> dict[str, str]:
+        start = parent + "/"
+        return {names.unescape(p[len(start):]): p for p in [*arrays, *groups]
+                if p.startswith(start) and "/" not in p[len(start):]}
+
+    def check(path: str, kind: str | None) -> None:
+        if path in arrays:
+            meta = arrays[path]
+            found = rng.problems({}, {"": (meta.dtype.name, len(meta.shape))}, torch_state=True)
+            if kind in (rng.PYTHON, rng.NUMPY):
+                found = [f"the {kind} generator's state is a group, not an array"]
+        elif kind == "torch":
+            found = ["a torch generator's state is a 1-D uint8 array, not a group"]
+        else:
+            inside = children(path)
+            found = rng.problems(groups[path].values, {
+                name: (arrays[p].dtype.name, len(arrays[p].shape))
+                for name, p in inside.items() if p in arrays})
+            found += [f"{name}: a group inside a generator's group"
+                      for name, p in inside.items() if p in groups]
+            if not found and kind is not None and groups[path].values.get("kind") != kind:
+                found.append(f"the {kind} generator's group has another kind")
+        for problem in found:
+            report.add(rng.RULE, path, problem)
+
+    top = children(base)
+    for name in (rng.PYTHON, rng.NUMPY, rng.TORCH_CPU):
+        if name in top:
+            check(top[name], "torch" if name == rng.TORCH_CPU else name)
+    for name in (rng.TORCH_CUDA, rng.GENERATORS):
+        path = top.get(name)
+        if path is None:
+            continue
+        if path in arrays:
+            report.add(rng.RULE, path, "a group of generators, not an array")
+            continue
+        inside = children(path)
+        if name == rng.TORCH_CUDA and sorted(inside) != sorted(str(i) for i in range(len(inside))):
+            report.add(rng.RULE, path, "the CUDA devices' states are named 0, 1, ...")
+        for child in inside.values():
+            check(child, "torch" if name == rng.TORCH_CUDA else None)
+
+
 def _check_layouts(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
@@ -525,9 +611,10 @@ def _check_manifest(
     report: Report,
     *,
     limit: int,
-) -> tuple[dict[str, Any] | None, set[str]]:
+) -> tuple[dict[str, Any] | None, set[str], dict[str, int | None]]:
     """The manifest checks (R042, R043, R030, R031, R044): the manifest, if it could be
-    checked, and the listed files found of another size or unreadable (``damaged``).
+    checked, the listed files found of another size or unreadable (``damaged``), and the
+    files of the checkpoint with the sizes its listing gave (empty if not listed).
 
     The manifest is read only if its size is the one the root gives (R043) and within the
     metadata limit (UCP-1.0-R098).
@@ -535,19 +622,19 @@ def _check_manifest(
     damaged: set[str] = set()
     ref = ucp.get("manifest")
     if not isinstance(ref, Mapping) or ref.get("path") != MANIFEST_KEY:
-        return None, damaged  # reported by the schema
+        return None, damaged, {}  # reported by the schema
     size = store.size(MANIFEST_KEY)
     if size is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None, damaged
+        return None, damaged, {}
     if size != ref.get("nbytes"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    f"the manifest is {size} bytes, the root says {ref.get('nbytes')} (not read)")
-        return None, damaged
+        return None, damaged, {}
     raw = read_metadata(store, MANIFEST_KEY, limit=limit, what="the manifest")
     if raw is None:
         report.add("UCP-1.0-R042", MANIFEST_KEY, "the manifest is missing")
-        return None, damaged
+        return None, damaged, {}
     if hashlib.sha256(raw).hexdigest() != ref.get("sha256"):
         report.add("UCP-1.0-R043", MANIFEST_KEY,
                    "the manifest's SHA-256 differs from the one in the root")
@@ -556,13 +643,13 @@ def _check_manifest(
         check_depth(manifest, what=MANIFEST_KEY)
     except UCPError as exc:
         report.add_error(exc, MANIFEST_KEY)
-        return None, damaged
+        return None, damaged, {}
     del raw
     violations = schemas.violations("manifest", manifest)
     for v in violations:
         report.add(v.rule, MANIFEST_KEY, f"{v.message} (at {v.pointer})")
     if violations:
-        return None, damaged
+        return None, damaged, {}
     files: Mapping[str, Any] = manifest["files"]
     for meta in arrays.values():
         listed_node = f"{meta.path}/{ZARR_JSON}"
@@ -582,13 +669,18 @@ def _check_manifest(
             if key not in files:
                 report.add("UCP-1.0-R030", meta.path,
                            f"stored object {key} is not in the manifest (never written)")
+    # one listing gives every file and most sizes (a path check per file costs more than
+    # the rest of a shallow validation); a size the listing does not give is asked for
+    listed = dict(store.list_sizes())
     for key, entry in files.items():
-        try:
-            found = store.size(key)
-        except UCPError as exc:
-            report.add_error(exc, key)
-            damaged.add(key)
-            continue
+        found = listed.get(key)
+        if found is None:
+            try:
+                found = store.size(key)
+            except UCPError as exc:
+                report.add_error(exc, key)
+                damaged.add(key)
+                continue
         if found is None:
             report.add("UCP-1.0-R031", key, "listed in the manifest but missing")
         elif found != entry.get("nbytes"):
@@ -596,10 +688,72 @@ def _check_manifest(
                        f"is {found} bytes, the manifest says {entry.get('nbytes')}")
             damaged.add(key)
     known = set(files) | {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY}
-    for key in store.list():
+    for key in listed:
         if key not in known:
             report.add("UCP-1.0-R044", key, "a file that the manifest does not list", "warning")
-    return dict(manifest), damaged
+    return dict(manifest), damaged, listed
+
+
+class _ReadOnceStore(Store):
+    """The checkpoint's store, read-only, that serves a held stored object from memory.
+
+    A deep validation reads each stored object once: :meth:`hold` reads it whole (and
+    checks its SHA-256 against the manifest), and the chunk checks that follow read their
+    ranges from that copy until :meth:`release`.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.location = store.location
+        self._held: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, key: str) -> bytes | None:
+        data = self.store.get(key)
+        if data is not None:
+            with self._lock:
+                self._held[key] = data
+        return data
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+
+    def _copy(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._held.get(key)
+
+    def get(self, key: str) -> bytes | None:
+        held = self._copy(key)
+        return held if held is not None else self.store.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        held = self._copy(key)
+        if held is None:
+            return self.store.get_range(key, offset, length)
+        return held[offset : offset + max(0, length)]
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        held = self._copy(key)
+        if held is None:
+            return self.store.get_suffix(key, length)
+        return held[max(0, len(held) - length) :]
+
+    def size(self, key: str) -> int | None:
+        held = self._copy(key)
+        return len(held) if held is not None else self.store.size(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.store.list(prefix)
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        raise WriteError("validation never writes", path=self.location)
+
+    def delete(self, key: str) -> None:
+        raise WriteError("validation never deletes", path=self.location)
+
+    def delete_all(self) -> None:
+        raise WriteError("validation never deletes", path=self.location)
 
 
 def _deep(
@@ -611,27 +765,42 @@ def _deep(
     progress: bool | Callable[[int], None],
     workers: int,
     block: int,
+    read: Mapping[str, bytes],
 ) -> None:
-    """Read every stored object: SHA-256 against the manifest, CRC32C of every chunk.
+    """Read every stored object once: its SHA-256 against the manifest, and the CRC32C of
+    every chunk (and shard index) in it; then every other file the manifest lists.
 
-    Digests are computed over blocks of ``block`` bytes, so that a file, however large,
-    costs one block of memory (UCP-1.0-R098); files the manifest check found of another
-    size (``damaged``) are not read again.
+    An object is read whole and its chunks checked from that copy; one larger than the
+    checkpoint's ``max_read_bytes`` (what a read may hold) has its digest computed over
+    blocks of ``block`` bytes, then its chunks read as any read does (UCP-1.0-R098).
+    Files the manifest check found of another size (``damaged``) are not hashed, and the
+    node documents the shallow checks read (``read``) are not read again.
     """
     files: Mapping[str, Any] = (manifest or {}).get("files", {})
     total = sum(int(e.get("nbytes", 0)) for e in files.values())
+    store = _ReadOnceStore(ckpt.store)
+    ckpt = Checkpoint(store, ckpt.root, ckpt.arrays, ckpt.groups,
+                      max_read_bytes=ckpt.max_read_bytes)
+
+    def digest_of(key: str) -> str | None:
+        entry = files.get(key)
+        return None if entry is None or key in damaged else entry.get("sha256")
 
     def check_file(key: str) -> tuple[int, UCPError | Issue | None]:
-        entry = files[key]
-        digest = entry.get("sha256")
-        if key in damaged or digest is None:
+        entry, digest = files[key], digest_of(key)
+        if digest is None:
             return int(entry.get("nbytes", 0)), None
+        if key in read:
+            data = read[key]
+            ok = len(data) == entry.get("nbytes") and hashlib.sha256(data).hexdigest() == digest
+            return len(data), None if ok else Issue(
+                "UCP-1.0-R043", key, "its SHA-256 differs from the manifest's")
         try:
             return sha256_matches(ckpt.store, key, int(entry["nbytes"]), digest, block)
         except UCPError as exc:
             return 0, exc
 
-    tasks: list[tuple[Tensor, list[int], list[int]]] = []
+    tasks: list[tuple[Tensor, list[int], list[int], str]] = []
     # Never enumerate more objects than the manifest lists (a hostile shape can describe
     # 2**60): a non-sparse array that needs more is already reported (R030).
     bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
@@ -642,34 +811,54 @@ def _deep(
         for coords in coords_list:
             lo = [c * e for c, e in zip(coords, meta.object_shape, strict=True)]
             hi = [min(a + e, n) for a, e, n in zip(lo, meta.object_shape, meta.shape, strict=True)]
-            tasks.append((tensor, lo, hi))
+            tasks.append((tensor, lo, hi, meta.object_key(coords)))
+    objects = {task[3] for task in tasks}
 
-    def check_object(task: tuple[Tensor, list[int], list[int]]) -> UCPError | None:
-        tensor, lo, hi = task
+    def check_object(
+        task: tuple[Tensor, list[int], list[int], str],
+    ) -> tuple[int, list[UCPError | Issue]]:
+        tensor, lo, hi, key = task
+        found: list[UCPError | Issue] = []
+        nbytes, digest = 0, digest_of(key)
+        listed = int(files[key].get("nbytes", 0)) if key in files else None
         try:
+            if listed is not None and listed <= ckpt.max_read_bytes:
+                data = store.hold(key)  # a missing object: the read below names it (R031)
+                nbytes = len(data) if data is not None else 0
+                if data is not None and digest is not None and (
+                        hashlib.sha256(data).hexdigest() != digest):
+                    found.append(Issue("UCP-1.0-R043", key,
+                                       "its SHA-256 differs from the manifest's"))
+            elif digest is not None:  # too large to hold: hashed in blocks, then read
+                nbytes, issue = sha256_matches(ckpt.store, key, int(listed or 0), digest, block)
+                if issue is not None:
+                    found.append(issue)
             tensor.read_region(lo, hi)
         except UCPError as exc:
-            return exc
-        return None
+            found.append(exc)
+        finally:
+            store.release(key)
+        return nbytes or (listed or 0), found
 
-    def record(found: UCPError | Issue | None, path: str) -> None:
-        if isinstance(found, Issue):
-            report.add(found.rule, found.path, found.message)
-        elif found is not None:
-            report.add_error(found, path)
+    def record(problem: UCPError | Issue | None, path: str) -> None:
+        if isinstance(problem, Issue):
+            report.add(problem.rule, problem.path, problem.message)
+        elif problem is not None:
+            report.add_error(problem, path)
 
     with (
-        byte_progress(progress, 2 * total, "verifying") as advance,
+        byte_progress(progress, total, "verifying") as advance,
         ThreadPoolExecutor(workers) as pool,
     ):
-        for key, (nbytes, problem) in zip(files, pool.map(check_file, list(files)),
-                                          strict=True):
+        for task, (nbytes, problems) in zip(tasks, pool.map(check_object, tasks), strict=True):
+            report.checked_objects += 1
+            advance(nbytes if task[3] in files else 0)
+            for found in problems:
+                record(found, task[0].path)
+        others = [k for k in files if k not in objects]
+        for key, (nbytes, problem) in zip(others, pool.map(check_file, others), strict=True):
             advance(nbytes)
             record(problem, key)
-        for task, error in zip(tasks, pool.map(check_object, tasks), strict=True):
-            report.checked_objects += 1
-            record(error, task[0].path)
-        advance(total)
 
 
 #: Bytes a digest is computed over at a time (deep validation).

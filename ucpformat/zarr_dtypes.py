@@ -3,8 +3,10 @@
 zarr-python 3.1 has no bfloat16 or float8 data types. These classes teach it the
 ones in ucpformat's closed list, with numpy scalars from ``ml_dtypes``, so that plain
 ``zarr.open`` reads and writes UCP checkpoints. They are registered when
-``ucpformat`` is imported, and through the ``zarr.data_type`` entry point for users who
-only import zarr. A name that zarr-python already knows is left to zarr-python.
+``ucpformat`` is imported, and, for users who only import zarr, by the start-up hook
+the wheel installs (``hooks/_ucpformat_zarr.py``: zarr-python 3.1 and 3.2 never load
+the ``zarr.data_type`` entry point ucpformat declares; docs/zarr-python.md). A name
+that zarr-python already knows is left to zarr-python.
 
 Two traps are handled here:
 
@@ -161,12 +163,21 @@ PLUGINS: tuple[type[_ExtensionFloat], ...] = (
 )
 
 
+#: The module of the stand-ins that the import hook shipped with the wheel registers
+#: before ucpformat is imported (hooks/_ucpformat_zarr.py); these classes replace them.
+IMPORT_HOOK = "_ucpformat_zarr"
+
+
 def register() -> None:
-    """Register the plugins with zarr-python (idempotent; zarr's own types win)."""
+    """Register the plugins with zarr-python (idempotent; zarr's own types win).
+
+    A name is (re)registered in place, never removed and added: zarr may be iterating
+    over its registry when the import hook's stand-in calls this.
+    """
     data_type_registry._lazy_load()
     for cls in PLUGINS:
         existing = data_type_registry.contents.get(cls._zarr_v3_name)
-        if existing is None or existing.__module__ == __name__:
+        if existing is None or existing.__module__ in (__name__, IMPORT_HOOK):
             data_type_registry.register(cls._zarr_v3_name, cls)  # type: ignore[arg-type]
 
 

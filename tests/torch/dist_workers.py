@@ -222,6 +222,7 @@ def load_two(rank: int, world: int, root: str) -> dict[str, Any]:
     opt = make_optimizer(model, lr=0.5)
     train(model, opt, 1, seed=3)  # the optimizer holds state before loading
     out["failed loads"] = failed_loads_change_nothing(rank, root, model, opt)
+    out["failed in place"] = failed_in_place_load_says_what_changed(rank, root, model, opt)
     result = load_distributed(f"{root}/fsdp4", model=model, optimizer=opt)
     out["fsdp4 -> fsdp2"] = check_state(f"{root}/fsdp4", model, opt)
     ck = ucpformat.open_checkpoint(f"{root}/fsdp4")
@@ -330,6 +331,33 @@ def failed_loads_change_nothing(
     return done
 
 
+def failed_in_place_load_says_what_changed(
+    rank: int, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> str:
+    """``in_place=True`` on the copy with a damaged object only rank 1 reads (made by
+    :func:`failed_loads_change_nothing`): every rank raises, each saying that its own
+    tensors were changed and naming them."""
+    before = _local_bytes(model, opt)
+    try:
+        load_distributed(f"{root}/two-rows-crc", model=model, optimizer=opt, in_place=True)
+    except ucpformat.errors.UCPError as exc:
+        message = str(exc)
+        if rank == 1:
+            assert type(exc).__name__ == "ChecksumError", repr(exc)
+            assert exc.tensor == "model/emb.weight", repr(exc)
+        else:
+            assert type(exc).__name__ == "LoadError" and "rank 1" in message, repr(exc)
+    else:
+        raise AssertionError("an in-place load of a damaged checkpoint succeeded")
+    assert "in_place=True), so the model and the optimizer were partly changed" in message
+    after = _local_bytes(model, opt)
+    changed = [k for k in before if k.startswith("model/") and after[k] != before[k]]
+    assert changed, "nothing was read in place"
+    for name in changed:
+        assert f"'{name}'" in message, (name, message)
+    return "named"
+
+
 def save_single(path: Path) -> dict[str, torch.Tensor]:
     """The single-process checkpoint that the 2-rank run loads (ucpformat.torch.save)."""
     import ucpformat.torch as ucpt
@@ -339,3 +367,52 @@ def save_single(path: Path) -> dict[str, torch.Tensor]:
     train(model, opt, 2)
     ucpt.save(path, model=model, optimizer=opt, step=2)
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def meta_loads(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks: FSDP2 and TP models built on the meta device. Without ``assign`` the load
+    is refused; ``to_empty`` then a plain load (model and optimizer), or ``assign=True``
+    (then an optimizer built on the new parameters), give the checkpoint's state."""
+    out: dict[str, Any] = {}
+    model = build("fsdp")
+    opt = make_optimizer(model)
+    train(model, opt, 2)
+    path = f"{root}/fsdp-src"
+    save_distributed(path, model=model, optimizer=opt, step=2)
+
+    def on_meta(layout: str) -> torch.nn.Module:
+        with torch.device("meta"):
+            return build(layout, seed=5)
+
+    meta = on_meta("fsdp")
+    try:
+        load_distributed(path, model=meta)
+    except ucpformat.errors.LoadError as exc:
+        assert "meta device" in str(exc) and "assign=True" in str(exc), repr(exc)
+    else:
+        raise AssertionError("a meta model loaded without assign")
+    assert all(t.is_meta for t in meta.state_dict().values())
+    # the torchtitan way: to_empty, optimizer, one load of both
+    meta.to_empty(device="cpu")
+    meta_opt = make_optimizer(meta, lr=0.5)
+    result = load_distributed(path, model=meta, optimizer=meta_opt)
+    assert result.step == 2 and result.on_meta == []
+    out["fsdp meta + to_empty"] = check_state(path, meta, meta_opt)
+    # by assignment, then an optimizer on the new parameters, which trains
+    for layout in ("fsdp", "tp", "2x2"):
+        meta = on_meta(layout)
+        try:
+            load_distributed(path, model=meta, optimizer=make_optimizer(meta), assign=True)
+        except ucpformat.errors.LoadError as exc:
+            assert "build the optimizer" in str(exc), repr(exc)
+        else:
+            raise AssertionError("assign=True with an optimizer built before was accepted")
+        load_distributed(path, model=meta, assign=True)
+        for name, t in meta.named_parameters():
+            assert isinstance(t, torch.nn.Parameter) and t.requires_grad, name
+            assert not t.is_meta and (layout == "tp" or isinstance(t, DTensor)), name
+        out[f"{layout} meta + assign"] = check_state(path, meta, None)
+        new_opt = make_optimizer(meta)
+        train(meta, new_opt, 1)
+        assert all(not s["exp_avg"].is_meta for s in new_opt.state.values())
+    return out

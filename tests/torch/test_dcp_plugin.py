@@ -473,8 +473,13 @@ def test_key_mapping_table() -> None:
         "optimizer", "state", "a.b", "exp_avg")
     assert locate(("optimizer", "param_groups", 0, "lr"), tensor=False, ctx=ctx).logical == (
         "optimizer", "param_groups", 0, "lr")
+    # a scheduler under either key is training/scheduler, where ucpformat.torch.load finds it
     assert locate(("lr_scheduler", "last_epoch"), tensor=False, ctx=ctx).logical == (
-        "training", "lr_scheduler", "last_epoch")
+        "training", "scheduler", "last_epoch")
+    assert locate(("scheduler", "last_epoch"), tensor=False, ctx=ctx).logical == (
+        "training", "scheduler", "last_epoch")
+    assert locate(("data", "epoch"), tensor=False, ctx=ctx).logical == (
+        "training", "data", "epoch")
     assert locate(("training", "step"), tensor=False, ctx=ctx).logical == ("training", "step")
     assert locate(("step",), tensor=True, ctx=ctx).logical == ("training", "step")
     # flattened optimizer: the longest known parameter name wins over the last dot

@@ -62,6 +62,7 @@ def test_n_to_m_ranks_any_layout(tmp_path: Path) -> None:
         result = back[rank]
         assert "fsdp4 -> fsdp2" in result
         assert result["failed loads"] == ["crc", "missing"]
+        assert result["failed in place"] == "named"
         # FSDP2 on 2 ranks needs about half of every sharded tensor: far less than all
         assert result["bytes_read"] < 0.8 * result["bytes_read_whole"], result
         assert "emb.weight" in result["mismatch"]
@@ -85,6 +86,15 @@ def test_n_to_m_ranks_any_layout(tmp_path: Path) -> None:
     ck = ucpformat.open_checkpoint(f"{root}/single")
     for fqn, value in single_state.items():
         assert np.array_equal(ck.tensor("model", fqn).read(), value.numpy()), fqn
+
+
+def test_fsdp2_and_tp_built_on_meta(tmp_path: Path) -> None:
+    """Refused without assign; to_empty + load, and assign=True, load bit for bit."""
+    out = spawn(w.meta_loads, 2, str(tmp_path), timeout=240)
+    for rank in range(2):
+        assert set(out[rank]) == {"fsdp meta + to_empty", "fsdp meta + assign",
+                                  "tp meta + assign", "2x2 meta + assign"}, out[rank]
+        assert all(v["checked"] >= 8 for v in out[rank].values()), out[rank]
 
 
 def test_load_distributed_in_one_process(tmp_path: Path) -> None:

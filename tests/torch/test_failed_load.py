@@ -244,3 +244,36 @@ def test_a_hyperparameter_the_checkpoint_lacks_keeps_the_optimizers_value(
     assert opt.param_groups[0]["lr"] == state["optimizer"]["param_groups"][0]["lr"]
     model(torch.randn(4, 6)).sum().backward()
     opt.step()  # a group without betas would fail here (KeyError)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_in_place_a_damaged_chunk_says_the_model_was_partly_changed(
+    saved: Path, loader: str
+) -> None:
+    """``in_place=True`` reads into the live tensors: a damaged chunk then leaves the model
+    partly changed, and the error says so and names the tensors; the scheduler, and with
+    ``load`` the optimizer (whose state is read into new tensors), are as they were."""
+    node = "model/2.weight"
+    target = _object(saved, node)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    model, opt, sched = _trained(1)
+    before = _snapshot(model, opt, sched)
+    with pytest.raises(ChecksumError) as info:
+        _load(loader, saved, model, opt, sched, in_place=True)
+    assert (info.value.tensor, info.value.rule) == (node, "UCP-1.0-R041")
+    message = str(info.value)
+    # load_distributed reads the optimizer's state into its live tensors too
+    owners = "model was" if loader == "load" else "model and the optimizer were"
+    assert f"in_place=True), so the {owners} partly changed" in message
+    after = _snapshot(model, opt, sched)
+    unchanged = ("scheduler", "lr", "optimizer") if loader == "load" else ("scheduler", "lr")
+    assert {k: after[k] for k in unchanged} == {k: before[k] for k in unchanged}
+    ckpt = ucpformat.open_checkpoint(saved)
+    changed = [k for k in before["model"] if after["model"][k] != before["model"][k]]
+    assert changed  # the other tensors of the batch were read into the model
+    for name in changed:
+        assert f"'model/{name}'" in message, name  # every changed tensor is named
+        if f"model/{name}" != node:
+            assert after["model"][name][2] == ckpt[f"model/{name}"].read().tobytes(), name

@@ -66,11 +66,35 @@ def test_load_stages_then_copies_into_the_parameters_memory(
     assert nbytes <= peak < 1.25 * nbytes
 
 
-def test_load_into_another_dtype_is_staged_and_copied(tmp_path: Path) -> None:
+def test_in_place_load_reads_straight_into_the_parameters_memory(
+    tmp_path: Path, spy: list[list[Any]]
+) -> None:
+    src = _model(0)
+    ucpt.save(tmp_path / "c", model=src, durable=False)
+    dst = _model(1)
+    params = dict(dst.named_parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    tracemalloc.start()
+    try:
+        ucpt.load(tmp_path / "c", model=dst, in_place=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(spy) == 1
+    outs = [o for o in spy[0] if o is not None]
+    for name, p in params.items():
+        assert torch.equal(p, dict(src.named_parameters())[name])
+        mine = to_numpy(p.detach())
+        assert sum(np.shares_memory(o, mine) for o in outs) == 1, name  # the read buffer
+    assert peak < 0.1 * nbytes  # no staging
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_load_into_another_dtype_is_staged_and_copied(tmp_path: Path, in_place: bool) -> None:
     src = _model(0)
     ucpt.save(tmp_path / "c", model=src, durable=False)
     dst = _model(1).to(torch.bfloat16)
-    ucpt.load(tmp_path / "c", model=dst)
+    ucpt.load(tmp_path / "c", model=dst, in_place=in_place)
     for (name, p), q in zip(dst.named_parameters(), src.parameters(), strict=True):
         assert p.dtype == torch.bfloat16, name
         assert torch.equal(p, q.to(torch.bfloat16)), name

@@ -22,7 +22,7 @@ from types import ModuleType
 
 from ucpformat._version import __version__
 from ucpformat.cli import conformance, convert, demo, diff, export, inspect, tour, validate
-from ucpformat.cli.common import ERROR, FOUND, CommandError
+from ucpformat.cli.common import ERROR, FOUND, CommandError, as_flags, long_options
 from ucpformat.errors import (
     CheckpointNotFoundError,
     FormatError,
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for module in COMMANDS:
         module.register(sub, common)
+    for command in sub.choices.values():
+        # error messages name the library's keywords (overwrite=True): say --overwrite
+        command.set_defaults(flags=long_options(command))
     return parser
 
 
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         code, line = _describe(exc, invalid_status=getattr(args, "invalid_status", FOUND))
-        sys.stderr.write(f"ucp: error: {line}\n")
+        sys.stderr.write(f"ucp: error: {as_flags(line, getattr(args, 'flags', ()))}\n")
         return code
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
 from rich.console import Console
@@ -32,12 +33,41 @@ class CommandError(UCPError):
 def console() -> Console:
     """A console on the current stdout (so that tests capture it).
 
-    Off a terminal, lines are never wrapped: each issue or tensor stays on one line for grep.
+    Off a terminal, lines are never wrapped (each issue or tensor stays on one line for
+    grep) and never styled: no escape sequences, even where ``FORCE_COLOR`` is set.
     """
     out = sys.stdout
     if out.isatty():
         return Console(file=out, highlight=False)
-    return Console(file=out, highlight=False, width=100_000, no_color=True)
+    return Console(file=out, highlight=False, width=100_000, no_color=True, force_terminal=False)
+
+
+#: A Python keyword hint in an error message: ``overwrite=True``, ``param_names='model-order'``.
+_KEYWORD_HINT = re.compile(r"""\b([a-z][a-z0-9_]*)=(True|'[^']*'|"[^"]*"|\[[^\]]*\])""")
+
+
+def as_flags(message: str, options: Collection[str]) -> str:
+    """``message`` with each keyword hint the library gives (``pass overwrite=True``)
+    spelled as the command's flag (``pass --overwrite``), where the command has that flag
+    (``options``: its long options) and the message does not name the flag already."""
+
+    def flag(match: re.Match[str]) -> str:
+        option = "--" + match[1].replace("_", "-")
+        if option not in options or option in message:
+            return match[0]
+        value = match[2]
+        if value == "True":
+            return option
+        if value.startswith("["):
+            return f"{option} NAME,NAME,..."
+        return f"{option} {value[1:-1]}"
+
+    return _KEYWORD_HINT.sub(flag, message)
+
+
+def long_options(parser: Any) -> frozenset[str]:
+    """The long options (``--overwrite``) a command's parser accepts, from its usage line."""
+    return frozenset(re.findall(r"--[a-z][a-z0-9-]*", parser.format_usage()))
 
 
 def local_path(location: str) -> str:

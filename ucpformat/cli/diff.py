@@ -8,7 +8,12 @@ and B. With ``--atol``/``--rtol``, a tensor whose every element has
 ``|a - b| <= atol + rtol * max(|a|, |b|)`` is "close" and does not count as a difference.
 
 JSON values (optimizer hyperparameters, step, scheduler state) are compared per group as
-stored. Root metadata (producer, creation time, user metadata) is not compared.
+stored. So is the metadata of every node: the root's ``attributes.ucp`` (the user's
+``metadata``, the version, ``must_understand``, ...), each group's (tied-tensor aliases,
+...) and each array's (role, layout semantics). A metadata difference makes the
+checkpoints differ unless ``--data-only``; it is reported either way. Not compared:
+``producer``, ``created``, ``manifest`` and ``root_sha256``, which differ between any two
+saves, and how the data is stored (chunking, compression).
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=_tolerance, default=None, metavar="X",
                    help="relative tolerance (of max(|a|, |b|)): tensors within it are 'close'")
     p.add_argument("--all", action="store_true", help="also list the tensors that are equal")
+    p.add_argument("--data-only", action="store_true",
+                   help="compare tensors and values only: report metadata differences (user "
+                   "metadata, version, roles, layout semantics, aliases) without counting them")
     p.set_defaults(run=run, invalid_status=ERROR)
 
 
@@ -245,6 +253,31 @@ def _walk(group: str, key: str, a: Any, b: Any, out: list[ValueDiff]) -> None:
         out.append(ValueDiff(group, key, DIFFERENT, a=a, b=b))
 
 
+#: Members of the root's ``attributes.ucp`` that differ between any two saves (what wrote
+#: it, when, the digests sealing it), or are compared elsewhere (``values``).
+_NOT_METADATA = frozenset({"producer", "created", "manifest", "root_sha256", "values"})
+
+
+def compare_metadata(a: Checkpoint, b: Checkpoint) -> list[ValueDiff]:
+    """Differences of the nodes' ``attributes.ucp`` (root, groups, arrays in both), values
+    excluded (see :func:`compare_values`); ``group`` is the node path (``""``: root)."""
+    out: list[ValueDiff] = []
+
+    def without(ucp: Mapping[str, Any], drop: frozenset[str]) -> dict[str, Any]:
+        return {k: v for k, v in ucp.items() if k not in drop}
+
+    _walk("", "", without(a.ucp, _NOT_METADATA), without(b.ucp, _NOT_METADATA), out)
+    values = frozenset({"values"})
+    empty: Mapping[str, Any] = {}
+    for path in sorted(set(a.groups) | set(b.groups)):
+        ga, gb = a.groups.get(path), b.groups.get(path)
+        _walk(path, "", without(ga.ucp, values) if ga else empty,
+              without(gb.ucp, values) if gb else empty, out)
+    for path in sorted(set(a.arrays) & set(b.arrays)):
+        _walk(path, "", a.arrays[path].ucp, b.arrays[path].ucp, out)
+    return out
+
+
 def compare_values(a: Checkpoint, b: Checkpoint) -> list[ValueDiff]:
     out: list[ValueDiff] = []
     empty: Mapping[str, Any] = {}
@@ -264,10 +297,17 @@ class DiffResult:
     b: str
     tensors: list[TensorDiff] = field(default_factory=list)
     values: list[ValueDiff] = field(default_factory=list)
+    metadata: list[ValueDiff] = field(default_factory=list)
+    #: Metadata differences are reported but do not count.
+    data_only: bool = False
 
     @property
     def identical(self) -> bool:
-        return not self.values and all(t.status not in DIFFERENCES for t in self.tensors)
+        return (
+            not self.values
+            and (self.data_only or not self.metadata)
+            and all(t.status not in DIFFERENCES for t in self.tensors)
+        )
 
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -283,15 +323,17 @@ class DiffResult:
             "summary": self.counts(),
             "tensors": [t.to_json() for t in self.tensors],
             "values": [v.to_json() for v in self.values],
+            "metadata": [v.to_json() for v in self.metadata],
+            "data_only": self.data_only,
         }
 
 
 def diff_checkpoints(
     a: Checkpoint, b: Checkpoint, *, atol: float | None = None, rtol: float | None = None,
-    limit: int = BLOCK_BYTES,
+    limit: int = BLOCK_BYTES, data_only: bool = False,
 ) -> DiffResult:
     tolerant = atol is not None or rtol is not None
-    result = DiffResult(a.location, b.location)
+    result = DiffResult(a.location, b.location, data_only=data_only)
     for path in sorted(set(a.arrays) | set(b.arrays)):
         if path not in b.arrays:
             result.tensors.append(TensorDiff(path, ONLY_IN_A))
@@ -303,6 +345,7 @@ def diff_checkpoints(
                 limit=limit,
             ))
     result.values = compare_values(a, b)
+    result.metadata = compare_metadata(a, b)
     return result
 
 
@@ -330,9 +373,9 @@ def tensor_line(t: TensorDiff) -> Text:
     return line
 
 
-def value_line(v: ValueDiff) -> Text:
+def value_line(v: ValueDiff, label: str = "value", style: str = "bold red") -> Text:
     where = f"{logical_path(v.group)}: {v.key}" if v.group else v.key
-    line = Text.assemble(("value", "bold red"), "      ", where, "  ")
+    line = Text.assemble((f"{label:<10}", style), " ", where, "  ")
     if v.status == ONLY_IN_A:
         line.append(f"only in A ({value_text(v.a)})")
     elif v.status == ONLY_IN_B:
@@ -346,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
     a = open_location(args.a)
     b = open_location(args.b)
     with a, b:
-        result = diff_checkpoints(a, b, atol=args.atol, rtol=args.rtol)
+        result = diff_checkpoints(a, b, atol=args.atol, rtol=args.rtol,
+                                  data_only=args.data_only)
     if args.json:
         write_json(result.to_json())
     else:
@@ -357,8 +401,14 @@ def run(args: argparse.Namespace) -> int:
                 out.print(tensor_line(t), soft_wrap=True)
         for v in result.values:
             out.print(value_line(v), soft_wrap=True)
+        for v in result.metadata:
+            out.print(value_line(v, "metadata", "yellow" if args.data_only else "bold red"),
+                      soft_wrap=True)
         counts = ", ".join(f"{n:,} {_LABEL[s][0]}" for s, n in sorted(result.counts().items()))
         values = f"; {len(result.values)} value(s) differ" if result.values else ""
+        if result.metadata:
+            ignored = " (ignored: --data-only)" if args.data_only else ""
+            values += f"; {len(result.metadata)} metadata difference(s){ignored}"
         verdict = ("identical", "bold green") if result.identical else ("different", "bold red")
         out.print(Text.assemble(verdict, f": {counts or 'no tensors'}{values}"), soft_wrap=True)
     return OK if result.identical else FOUND

@@ -102,9 +102,25 @@ def document(ckpt: Checkpoint, files: int | None) -> dict[str, Any]:
         "metadata": dict(ucp.get("metadata", {})),
         "groups": groups,
         "tensors": [tensor_json(ckpt.arrays[p], parents) for p in sorted(ckpt.arrays)],
+        "aliases": [
+            {"group": group, "name": alias, "target": target,
+             "target_path": f"{group}/{names.escape(target)}"}
+            for group, alias, target in aliases(ckpt)
+        ],
         "nbytes": sum(m.nbytes for m in ckpt.arrays.values()),
         "files": files,
     }
+
+
+def aliases(ckpt: Checkpoint) -> list[tuple[str, str, str]]:
+    """(group path, alias, stored name) of every tied tensor: a logical name that a
+    group's ``attributes.ucp.aliases`` maps onto a tensor stored once (spec R108)."""
+    out: list[tuple[str, str, str]] = []
+    for path in sorted(ckpt.groups):
+        table = ckpt.groups[path].ucp.get("aliases")
+        if isinstance(table, Mapping):
+            out.extend((path, str(alias), str(target)) for alias, target in table.items())
+    return out
 
 
 # -- the tree --------------------------------------------------------------------------
@@ -237,6 +253,11 @@ def build_tree(ckpt: Checkpoint, *, show_all: bool = False) -> Tree:
         else:
             parent.add(tensor_label(ckpt.arrays[path], name))
             nodes[path] = None
+    for group, alias, target in aliases(ckpt):
+        node = nodes.get(group)
+        if node is not None:
+            node.add(Text.assemble((alias, "bold"), "  ", ("-> " + target, "magenta"),
+                                   ("  (tied: stored once, under that name)", "dim")))
     for parent_path, count in hidden.items():
         more = nodes[parent_path]
         assert more is not None

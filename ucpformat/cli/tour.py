@@ -25,6 +25,7 @@ from rich.rule import Rule
 from rich.text import Text
 
 import ucpformat
+from ucpformat import rng as generator_states
 from ucpformat.cli import inspect as inspect_cmd
 from ucpformat.cli import validate as validate_cmd
 from ucpformat.cli.common import ERROR, OK, CommandError, console, human_bytes, manifest_files
@@ -79,8 +80,6 @@ def training_state(seed: int = 0) -> dict[str, Any]:
         }
         for name, w in master.items()
     }
-    bit_state = rng.bit_generator.state["state"]
-    rng_words = [(bit_state[k] >> s) & (2**64 - 1) for k in ("state", "inc") for s in (64, 0)]
     return {
         "model": model,
         "optimizer": {
@@ -97,7 +96,8 @@ def training_state(seed: int = 0) -> dict[str, Any]:
                           "base_lr": 3e-4, "last_epoch": STEP},
             "data": {"epoch": 0, "samples_seen": STEP * 64, "shard": "train-00003"},
             "best_val_loss": float("inf"),
-            "rng": {"numpy_pcg64": np.array(rng_words, dtype=np.uint64)},
+            # the data generator's state, as spec R085 lays it out (PCG64: 128-bit integers)
+            "rng": generator_states.encode({"generators": {"data": rng.bit_generator.state}}),
         },
     }
 

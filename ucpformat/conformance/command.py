@@ -149,13 +149,18 @@ def _suite_options(parser: argparse.ArgumentParser) -> None:
                         help="the adapter command, after --")
 
 
+#: ``--help`` text (plain: the module docstring is reST).
+DESCRIPTION = ("The conformance suite: check checkpoints (or cases) per requirement, and judge "
+               "readers, writers and validators through an adapter command.")
+
+
 def add_subparser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()
                   ) -> argparse.ArgumentParser:
     """Add ``conformance`` to the subcommands of a ``ucp`` parser."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "conformance", parents=list(parents),
         help="run the conformance suite (check, reader, writer, validator)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=DESCRIPTION,
     )
     build(parser)
     parser.set_defaults(run=run)
@@ -266,8 +271,7 @@ def _coverage(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ucpformat.conformance ...`` (the same as ``ucp conformance ...``)."""
-    parser = argparse.ArgumentParser(prog="ucp conformance",
-                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="ucp conformance", description=DESCRIPTION)
     build(parser)
     try:
         args = parser.parse_args(argv)

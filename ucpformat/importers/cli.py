@@ -47,6 +47,23 @@ def _rule_param(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _param_names(text: str) -> str | list[str]:
+    """``model-order``, a comma-separated list of names, or ``@FILE`` (one name a line)."""
+    if text == "model-order":
+        return text
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as f:
+                names = [line.strip() for line in f if line.strip()]
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {exc.strerror}") from None
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no parameter names in {text!r}")
+    return names
+
+
 def add_subparsers(
     subparsers: Any, parent: argparse.ArgumentParser | None = None
 ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -59,6 +76,7 @@ def add_convert(
 ) -> argparse.ArgumentParser:
     """Add ``convert`` to ``subparsers``."""
     from ucpformat.importers import FORMATS as IMPORTS
+    from ucpformat.layout.rules import builtin_rule_files
 
     parents = [parent] if parent is not None else []
     conv: argparse.ArgumentParser = subparsers.add_parser(
@@ -75,12 +93,18 @@ def add_convert(
                       help="allow reading pickled metadata (PyTorch DCP's .metadata): only "
                       "for checkpoints you trust")
     conv.add_argument("--rules", default=None,
-                      help="rule file (path, or a shipped one: megatron-gpt, llama, mixtral) "
-                      "giving layout semantics the source does not record")
+                      help="rule file (path, or a shipped one: "
+                      f"{', '.join(builtin_rule_files())}) giving layout semantics the source "
+                      "does not record")
     conv.add_argument("--rule-param", action="append", type=_rule_param, default=None,
                       metavar="KEY=VALUE", help="a rule-file parameter (repeatable)")
     conv.add_argument("--tag", default=None, help="DeepSpeed tag / Megatron iteration "
                       "(default: the latest)")
+    conv.add_argument("--param-names", type=_param_names, default=None, metavar="NAMES",
+                      help="torch.save training checkpoints whose optimizer numbers its "
+                      "parameters: 'model-order' (the model's tensors in order, checked shape "
+                      "by shape), the names in the optimizer's order separated by commas, or "
+                      "@FILE with one name a line")
     conv.add_argument("--compression", default=None, help="zstd, gzip, blosc or none")
     _common(conv)
     conv.set_defaults(run=run_convert, invalid_status=ERROR)
@@ -146,6 +170,7 @@ def run_convert(args: argparse.Namespace) -> int:
         "rules": args.rules,
         "rule_params": dict(args.rule_param) if args.rule_param else None,
         "tag": args.tag,
+        "param_names": args.param_names,
     }
     options = _options(importers.module(fmt).scan, given, fmt)
     compression = None if args.compression in (None, "none") else args.compression

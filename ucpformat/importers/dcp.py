@@ -17,14 +17,19 @@ Where things go (the metadata's ``planner_data`` gives each flattened key its pa
 the saved state dict): ``model.<fqn>`` (or ``model_key``) -> ``model/<fqn>``;
 ``optim.state.<fqn>.<name>`` (``get_state_dict``'s optimizer) ->
 ``optimizer/state/<fqn>/<name>``, its ``param_groups`` -> the ``optimizer`` group's
-values; anything else -> ``training/`` (``training/step``, ...). A DCP checkpoint of a
+values; an LR scheduler's state (``lr_scheduler`` or ``scheduler``) -> the value
+``scheduler`` of group ``training``, where ``ucpformat.torch.load`` finds it (the
+convention of :mod:`ucpformat.torch.dcp_keys`); anything else -> ``training/``
+(``training/step``, ...). A DCP checkpoint of a
 bare model state dict goes to ``model/``. DCP records no parallel layout, so layout
 semantics come from a rule file (``rules=``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import itertools
 import os
 import pickle
 from collections.abc import Mapping
@@ -200,6 +205,10 @@ def scan(
     metadata = read_metadata(path, allow_pickle=allow_pickle)
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    from ucpformat.torch.dcp_keys import KeyMap
+
+    scheduler_keys = KeyMap().scheduler_keys  # one convention with the DCP plugin
+
     reader = _Reader(path, metadata)
     out = Scan(FORMAT, str(path))
     annotator = Annotator.make(rules, rule_params)
@@ -219,6 +228,7 @@ def scan(
     values = reader.values(byte_keys)
     param_groups: dict[int, dict[str, Any]] = {}
     aliases: dict[str, str] = {}
+    model_tensors: list[tuple[int, str, Mapping[str, Any] | None]] = []
 
     def tensor_source(key: str, where: tuple[str, ...], attrs: dict[str, Any]) -> TensorSource:
         md = entries[key]
@@ -247,10 +257,9 @@ def scan(
             if action == "alias" and target is not None:
                 aliases[name] = target
                 continue
-            kind = data_type_of(md.properties.dtype, tensor=name).kind
-            role = "parameter" if kind in ("float", "complex") else "buffer"
-            out.tensors.append(tensor_source(key, ("model", name),
-                                             model_attributes(role, layout)))
+            # the role is known only for tensors the optimizer's param groups name (below)
+            model_tensors.append((len(out.tensors), name, layout))
+            out.tensors.append(tensor_source(key, ("model", name), model_attributes(None, layout)))
         elif okey is not None and p[0] == okey and len(p) == 4 and p[1] == "state":
             pname, sname = str(p[2]), str(p[3])
             if is_tensor:
@@ -259,6 +268,9 @@ def scan(
             else:
                 out.group_values(node("optimizer", "state", pname))[sname] = _json(
                     values[key], out, key)
+        elif p[0] in scheduler_keys and len(p) > 1:
+            value = reader.tensor(key).tolist() if is_tensor else _json(values[key], out, key)
+            _place(out.group_values("training"), ("scheduler", *p[1:]), value)
         elif okey is not None and p[0] == okey and len(p) == 4 and p[1] == "param_groups":
             if is_tensor:
                 raise FormatError("a tensor among the param_groups", path=str(path), tensor=key)
@@ -276,6 +288,14 @@ def scan(
         for g in groups:
             g["params"] = [str(x) for x in g.get("params", [])]
         out.group_values("optimizer")["param_groups"] = groups
+    # DCP does not say which model tensors are parameters: those the param groups name are
+    # (as the DCP plugin decides); a buffer or a frozen parameter cannot be told apart, so
+    # the others get no role rather than a guess
+    named = {p for g in param_groups.values() for p in g.get("params", [])}
+    for index, name, semantics in model_tensors:
+        if name in named:
+            out.tensors[index] = dataclasses.replace(
+                out.tensors[index], attributes=model_attributes("parameter", semantics))
     if aliases:
         out.groups.setdefault("model", {})["aliases"] = aliases
     if rules is None:
@@ -287,6 +307,27 @@ def scan(
     out.metadata["source"] = {"format": FORMAT, "model_key": mkey, "optimizer_key": okey,
                               "files": sorted(p.name for p in path.glob("*.distcp"))}
     return out
+
+
+def _place(tree: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in a tree of dicts, and of lists where DCP's flattening
+    indexed a list (integer items)."""
+    node: Any = tree
+    for item, after in itertools.pairwise(path):
+        empty: Any = [] if isinstance(after, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (int(item) + 1 - len(node)))
+            if node[item] is None:
+                node[item] = empty
+            node = node[item]
+        else:
+            node = node.setdefault(str(item), empty)
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (int(last) + 1 - len(node)))
+        node[last] = value
+    else:
+        node[str(last)] = value
 
 
 def _json(value: Any, out: Scan, where: str) -> Any:

@@ -133,8 +133,9 @@ def optimizer_names(
             return dict(zip(ids, names, strict=True))
     if param_names is None:
         raise InvalidValueError(
-            "the optimizer state names its parameters by number only; give param_names "
-            "(the parameter names in the optimizer's order) or param_names='model-order'"
+            "the optimizer state names its parameters by number only; give the parameter "
+            "names in the optimizer's order (param_names=[...]) or take them from the model's "
+            "tensors in order (param_names='model-order')"
         )
     if param_names == "model-order":
         candidates = list(model_shapes)
@@ -149,7 +150,7 @@ def optimizer_names(
                     raise InvalidValueError(
                         f"param_names='model-order' gives parameter {i} the name {name!r} of "
                         f"shape {list(model_shapes[name])}, but its state {sname!r} has shape "
-                        f"{list(value.shape)}: give param_names explicitly"
+                        f"{list(value.shape)}: give the names explicitly (param_names=[...])"
                     )
     else:
         names = [str(n) for n in param_names]

@@ -30,6 +30,13 @@ from ucpformat.layout.semantics import PART_MAJOR, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "rules"
+
+
+def builtin_rule_files() -> list[str]:
+    """Names of the rule files shipped with ucpformat (``llama``, ``megatron-gpt``, ...)."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
+
+
 CAPTURES = ("layer", "expert")
 
 _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
@@ -241,7 +248,7 @@ class RuleSet:
 
     @staticmethod
     def load(name_or_path: str | Path) -> RuleSet:
-        """A built-in rule file by name (``megatron-gpt``, ``llama``, ``mixtral``) or a path."""
+        """A built-in rule file by name (one of :func:`builtin_rule_files`) or a path."""
         path = Path(name_or_path)
         if not path.suffix:
             path = BUILTIN_DIR / f"{name_or_path}.json"
@@ -250,9 +257,9 @@ class RuleSet:
         except (RecursionError, UnicodeDecodeError) as exc:  # hostile nesting or bytes
             raise LayoutError(f"not JSON: {exc}", rule="UCP-1.0-R120", path=str(path)) from None
         except FileNotFoundError:
-            known = sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
             raise LayoutError(
-                f"no rule file {str(name_or_path)!r} (built in: {known})", rule="UCP-1.0-R120"
+                f"no rule file {str(name_or_path)!r} (built in: {builtin_rule_files()})",
+                rule="UCP-1.0-R120",
             ) from None
         except json.JSONDecodeError as exc:
             raise LayoutError(f"not JSON: {exc}", rule="UCP-1.0-R120", path=str(path)) from None

@@ -684,7 +684,8 @@ OS_ERRORS = [
     OSError(5, "Input/output error"), FileNotFoundError(2, "No such file or directory"),
     OSError(40, "Too many levels of symbolic links"),
 ]
-_READS = ("get", "get_range", "get_suffix", "read_into", "size", "exists", "list", "is_empty")
+_READS = ("get", "get_range", "get_suffix", "read_into", "size", "exists", "list", "list_sizes",
+          "is_empty")
 
 
 class FailingStore(LocalStore):

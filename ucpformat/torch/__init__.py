@@ -6,6 +6,11 @@ Single process::
     ucpt.save("ckpt", model=model, optimizer=opt, scheduler=sched, step=step)
     result = ucpt.load("ckpt", model=model, optimizer=opt, scheduler=sched)
 
+A flat mapping of tensors, safetensors-style (:mod:`ucpformat.torch.flat`)::
+
+    ucpt.save_file({"w": w}, "ckpt"); ucpt.load_file("ckpt")
+    with ucpt.safe_open("ckpt", framework="pt") as f: f.get_slice("w")[:, :8]
+
 ``convert`` maps tensors to numpy arrays and back bit for bit; ``state`` defines the
 checkpoint layout of a training state.
 
@@ -27,9 +32,16 @@ With ``torch.distributed.checkpoint``, ``ucpformat.torch.dcp`` is a storage plug
 
 from typing import TYPE_CHECKING, Any
 
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
-from ucpformat.torch.state import (
+from ucpformat.optional import require
+
+require("torch", extra="torch", purpose="ucpformat.torch")  # a missing torch: name the extra
+
+from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype  # noqa: E402
+from ucpformat.torch.flat import SafeOpen, load_file, safe_open, save_file  # noqa: E402
+from ucpformat.torch.rng import rng_state, set_rng_state  # noqa: E402
+from ucpformat.torch.state import (  # noqa: E402
     LoadResult,
+    MetaTensorWarning,
     load,
     load_state_dict,
     optimizer_fqns,
@@ -69,17 +81,24 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncSaver",
     "LoadResult",
+    "MetaTensorWarning",
+    "SafeOpen",
     "data_type",
     "from_numpy",
     "load",
     "load_distributed",
+    "load_file",
     "load_state_dict",
     "optimizer_fqns",
     "parameter_names",
     "read_optimizer_state",
+    "rng_state",
+    "safe_open",
     "save",
     "save_async",
     "save_distributed",
+    "save_file",
+    "set_rng_state",
     "to_numpy",
     "torch_dtype",
     "wait_async",

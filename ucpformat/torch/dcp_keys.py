@@ -25,11 +25,17 @@ DCP object path                                       UCP location
 ``(optim, "param_groups.<fqn>.<key>")`` (flattened)   grouped: parameters whose hyperparameters
                                                       are equal share one ``param_groups`` entry
 ``(optim, *other)``                                   ``optimizer/<other...>``
+``(scheduler, *tail)``                                the value ``scheduler`` of group
+                                                      ``training``, where
+                                                      ``ucpformat.torch.save`` keeps
+                                                      ``scheduler.state_dict()``
 ``("training", *tail)`` or any other ``(key, *tail)``  ``training/<tail...>`` resp.
                                                       ``training/<key>/<tail...>``
 ====================================================  =====================================
 
-``optim`` is any of ``KeyMap.optimizer_keys`` (``"optim"`` and ``"optimizer"``). One
+``optim`` is any of ``KeyMap.optimizer_keys`` (``"optim"`` and ``"optimizer"``),
+``scheduler`` any of ``KeyMap.scheduler_keys`` (``"lr_scheduler"`` and ``"scheduler"``;
+a load derives every spelling). One
 wrapper key above everything (the DCP tutorial's ``{"app": AppState(...)}``) is looked
 through (``KeyMap.wrapper``, or found when every key is under one that holds ``model``
 or ``optim``).
@@ -86,6 +92,8 @@ class KeyMap:
     optimizer_keys: tuple[str, ...] = ("optim", "optimizer")
     flat_optimizer: bool = False
     wrapper: str | None = None
+    #: Keys of an LR scheduler's state (stored as ``training/scheduler``).
+    scheduler_keys: tuple[str, ...] = ("lr_scheduler", "scheduler")
 
     @classmethod
     def torchtitan(cls) -> KeyMap:
@@ -215,6 +223,8 @@ def locate(full_path: ObjectPath, *, tensor: bool, ctx: SaveContext) -> ValueTar
                 fqn, _, hyper = rest.rpartition(".")
                 return ValueTarget(param_entry=(fqn, hyper))
         return ValueTarget(("optimizer", *tail))
+    if head in key_map.scheduler_keys:
+        return ValueTarget(("training", "scheduler", *tail))
     if head == "training" and tail:
         return ValueTarget(("training", *tail))
     return ValueTarget(("training", *path))
@@ -473,12 +483,18 @@ def _container(value: Any) -> bool:
                                            for v in value)
 
 
-def _dcp_path(logical: Sequence[PathItem], key_map: KeyMap) -> ObjectPath | None:
-    """Inverse of :func:`locate` for the conventional locations."""
+def _dcp_paths(logical: Sequence[PathItem], key_map: KeyMap) -> list[ObjectPath]:
+    """Inverse of :func:`locate` for the conventional locations: every spelling (the LR
+    scheduler's state answers to each of ``KeyMap.scheduler_keys``)."""
     path = _dcp_path_unwrapped(logical, key_map)
-    if path is None or key_map.wrapper is None:
-        return path
-    return (key_map.wrapper, *path)
+    if path is None:
+        return []
+    paths = [path]
+    if tuple(logical[:2]) == ("training", "scheduler"):
+        paths = [(key, *path[1:]) for key in key_map.scheduler_keys]
+    if key_map.wrapper is None:
+        return paths
+    return [(key_map.wrapper, *p) for p in paths]
 
 
 def _dcp_path_unwrapped(logical: Sequence[PathItem], key_map: KeyMap) -> ObjectPath | None:
@@ -519,14 +535,12 @@ def derive_entries(
 
     for array in sorted(arrays):
         logical = tuple(names.split_path(array))
-        path = _dcp_path(logical, key_map)
-        if path is not None:
+        for path in _dcp_paths(logical, key_map):
             add(Entry(path, array=array))
         if len(logical) == 2 and logical[0] == "model":
             for alias, target in sorted(aliases.items()):
                 if target == logical[1]:
-                    alias_path = _dcp_path(("model", alias), key_map)
-                    if alias_path is not None:
+                    for alias_path in _dcp_paths(("model", alias), key_map):
                         add(Entry(alias_path, array=array))
     for gpath in sorted(group_values):
         base = tuple(names.split_path(gpath)) if gpath else ()
@@ -550,8 +564,7 @@ def derive_entries(
                                           pointer=("param_groups", gi, hyper)))
                 continue
             for sub, _ in _dcp_leaves(value, ()):
-                path = _dcp_path((*base, name, *sub), key_map)
-                if path is not None:
+                for path in _dcp_paths((*base, name, *sub), key_map):
                     add(Entry(path, group=gpath, pointer=(name, *sub)))
     return out
 

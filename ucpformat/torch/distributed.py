@@ -68,27 +68,40 @@ from ucpformat.layout.dtensor import (
 from ucpformat.pipeline import FragmentSource
 from ucpformat.reader import Checkpoint
 from ucpformat.storage import Store
+from ucpformat.torch.assign import (
+    AssignGroup,
+    assign_groups,
+    assign_step,
+    assigned_state,
+    live_tensors,
+)
 from ucpformat.torch.comm import ProcessGroup, communicator
 from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
 from ucpformat.torch.planner import (
+    Device,
     ModelPlan,
     OptimizerPlan,
     OptimizerView,
     PathOrCheckpoint,
     Step,
     apply_steps,
+    check_device,
     opened,
     plan_model,
     plan_optimizer,
     plan_scheduler,
+    refuse_meta_parameters,
+    refuse_optimizer_with_assign,
     scheduler_step,
     tree_to_torch,
 )
-from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors, whole
+from ucpformat.torch.reads import StagedReads, TensorRead, partly_changed, read_tensors, whole
 from ucpformat.torch.staging import Stager, Staging
 from ucpformat.torch.state import (
     LoadResult,
     Stateful,
+    meta_left,
+    non_persistent_buffers,
     qualified_name,
     tied_aliases,
     to_json,
@@ -535,16 +548,25 @@ class _LoadPlan:
     reads: list[_Read] = field(default_factory=list)
     model: ModelPlan | None = None
     model_sd: dict[str, Any] | None = None  # for set_model_state_dict (targets filled)
+    assign: list[AssignGroup] = field(default_factory=list)  # assign=True: new tensors
     optimizer: OptimizerPlan | None = None
     scheduler: tuple[bool, Any] = (False, None)
 
 
-def _plan_model(ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool) -> None:
+def _plan_model(
+    ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool, assign: bool
+) -> None:
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
-    plan.model = plan_model(ckpt, msd, strict=strict, owner="the model's state dict")
-    for fqn, path in plan.model.tensors.items():
-        plan.reads.append(_Read(path, msd[fqn]))
+    plan.model = plan_model(ckpt, msd, strict=strict, owner="the model's state dict",
+                            skip=non_persistent_buffers(model, msd), assign=assign)
+    if assign:
+        _, canonical = _model_fqns(model)
+        live = {canonical(name): t for name, t in live_tensors(model).items()}
+        plan.assign = assign_groups(live, plan.model.tensors)
+    else:
+        for fqn, path in plan.model.tensors.items():
+            plan.reads.append(_Read(path, msd[fqn]))
     msd.update(plan.model.values)
     plan.model_sd = msd
 
@@ -556,10 +578,11 @@ def _plan_optimizer(
     plan: _LoadPlan,
     strict: bool,
 ) -> None:
+    params = _param_tensors(model)
+    refuse_meta_parameters(params)  # before torch initialises the state (on meta)
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
     groups: list[dict[str, Any]] = list(osd.get("param_groups", []))
-    params = _param_tensors(model)
     current: dict[str, Any] = osd.get("state", {})
     view = OptimizerView(qualified_name(optimizer), groups,
                          [[str(f) for f in g["params"]] for g in groups], current, params)
@@ -595,11 +618,15 @@ def _new_state_tensor(
     return torch.empty(meta.shape, dtype=dtype, device=device)
 
 
-def _read_all(ckpt: Checkpoint, reads: Sequence[_Read]) -> StagedReads:
-    """Read every target's local part as one batch, into staging: no target changes
-    before :meth:`StagedReads.apply`."""
+def _read_all(
+    ckpt: Checkpoint, plan: _LoadPlan, map_location: Device, in_place: bool
+) -> tuple[StagedReads, list[torch.Tensor]]:
+    """Read every target's local part, and the new local part of every tensor assigned,
+    as one batch: into staging (no target changes before :meth:`StagedReads.apply`), or
+    ``in_place``. The new tensors assigned come back laid out as their live tensors
+    (DTensors of the same mesh and placements)."""
     requests: list[TensorRead] = []
-    for read in reads:
+    for read in plan.reads:
         target = read.target
         if isinstance(target, DTensor):
             lm = local_map_of(target, name=read.path)
@@ -612,18 +639,41 @@ def _read_all(ckpt: Checkpoint, reads: Sequence[_Read]) -> StagedReads:
         if local.numel() == 0:
             continue
         requests.append(TensorRead(read.path, local, lm))
-    return read_tensors(ckpt, requests)
+    first = len(requests)
+    layouts: list[Any] = []
+    for group in plan.assign:
+        like = (plan.model_sd or {}).get(group.names[0])
+        lm = None
+        if isinstance(like, DTensor):
+            lm = local_map_of(like, name=group.path)
+            if lm is None:
+                raise LoadError("this rank is not in the tensor's device mesh, so it cannot "
+                                "be given a local part", tensor=group.path)
+        layouts.append(like)
+        requests.append(TensorRead(group.path, local=lm, device=map_location))
+    staged = read_tensors(ckpt, requests, in_place=in_place)
+    new: list[torch.Tensor] = []
+    for like, local in zip(layouts, staged.tensors[first:], strict=True):
+        if isinstance(like, DTensor):
+            local = DTensor.from_local(local, like.device_mesh, like.placements,
+                                       run_check=False, shape=like.shape, stride=like.stride())
+        new.append(local)
+    return staged, new
 
 
-def _agree(comm: Communicator, error: BaseException | None, stage: str) -> None:
-    """Collective: raise on every rank if any rank failed (its own error where it has one)."""
+def _agree(
+    comm: Communicator, error: BaseException | None, stage: str, written: Sequence[str] = ()
+) -> None:
+    """Collective: raise on every rank if any rank failed (its own error where it has one;
+    ``written``: what this rank has changed already, read in place)."""
     failed = gather_failures(comm, error)
     if not failed:
         return
     if error is not None:
         raise error
     detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-    raise LoadError(f"loading failed on other ranks while {stage} ({detail})")
+    failure = LoadError(f"loading failed on other ranks while {stage} ({detail})")
+    raise partly_changed(failure, written) if written else failure
 
 
 def _steps(
@@ -632,18 +682,33 @@ def _steps(
     scheduler: Stateful | None,
     plan: _LoadPlan,
     staged: StagedReads,
+    assigned: Sequence[torch.Tensor],
     strict: bool,
 ) -> list[Step]:
     """The changes a load makes, in order: the scheduler (undone on a later failure),
-    then the tensors and the state dicts (which cannot be)."""
+    then the tensors and the state dicts (which cannot be). In place, the tensors were
+    changed by the read already: a later failure says so."""
     options = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
     steps: list[Step] = []
+    if staged.written:
+        steps.append(Step("the model's and the optimizer's tensors (read in place)", "model",
+                          lambda: None))
     load_scheduler, scheduler_state = plan.scheduler
     if scheduler is not None and load_scheduler:
         steps.append(scheduler_step(scheduler, scheduler_state))
     steps.append(Step("the model's and the optimizer's tensors", "model", staged.apply))
     model_sd = plan.model_sd
-    if model is not None and model_sd is not None:
+    if model is not None and model_sd is not None and plan.assign:
+        rename: dict[str, list[str]] = {}
+        _, canonical = _model_fqns(model)
+        for name in live_tensors(model):
+            rename.setdefault(canonical(name), []).append(name)
+        state = assigned_state(plan.assign, assigned, rename)
+        for fqn, value in (plan.model.values if plan.model else {}).items():
+            for key in rename.get(fqn, [fqn]):
+                state[key] = value
+        steps.append(assign_step(model, state))
+    elif model is not None and model_sd is not None:
         steps.append(Step("the model", "model",
                           lambda: set_model_state_dict(model, model_sd, options=options)))
     optim = plan.optimizer
@@ -664,6 +729,8 @@ def load_distributed(
     strict: bool = True,
     group: ProcessGroup | None = None,
     map_location: str | torch.device = "cpu",
+    assign: bool = False,
+    in_place: bool = False,
 ) -> LoadResult:
     """Collective: load a checkpoint into a model and optimizer laid out in any way.
 
@@ -675,6 +742,14 @@ def load_distributed(
     nothing on any rank (``strict=False`` loads what matches and lists the rest).
     Model-only loading: pass no optimizer. Tensors of ``training/`` come back on
     ``map_location``.
+
+    ``assign``: the model's tensors are replaced by new ones (the checkpoint's dtype; a
+    DTensor's local part read on ``map_location``, then on its mesh's device, with the
+    same mesh and placements) through ``model.load_state_dict(assign=True)``, as a
+    model built on the meta device needs (FSDP2 and TP models too); a meta tensor is
+    refused without it. ``in_place``: each rank reads straight into its local tensors
+    (no staging); a load that then fails leaves them partly changed, and the error says
+    so and names them.
     """
     comm = communicator(group)
     if optimizer is not None and model is None:
@@ -684,8 +759,10 @@ def load_distributed(
         plan = _LoadPlan()
         error: BaseException | None = None
         try:
+            check_device(map_location)
+            refuse_optimizer_with_assign(assign, optimizer)
             if model is not None:
-                _plan_model(ckpt, model, plan, strict)
+                _plan_model(ckpt, model, plan, strict, assign)
             if optimizer is not None:
                 assert model is not None
                 _plan_optimizer(ckpt, model, optimizer, plan, strict)
@@ -698,21 +775,22 @@ def load_distributed(
             error = exc
         _agree(comm, error, "checking the checkpoint")
         staged = StagedReads([])
+        assigned: list[torch.Tensor] = []
         training: dict[str, Any] = {}
         try:
-            staged = _read_all(ckpt, plan.reads)
+            staged, assigned = _read_all(ckpt, plan, map_location, in_place)
             training = tree_to_torch(
                 ckpt.to_dict("training") if "training" in ckpt.groups else {},
                 map_location, "training",
             )
         except BaseException as exc:
             error = exc
-        _agree(comm, error, "reading")
+        _agree(comm, error, "reading", staged.written)
         try:
-            apply_steps(_steps(model, optimizer, scheduler, plan, staged, strict))
+            apply_steps(_steps(model, optimizer, scheduler, plan, staged, assigned, strict))
         except BaseException as exc:
             error = exc
-        _agree(comm, error, "loading the checked state")
+        _agree(comm, error, "loading the checked state", staged.written)
         step = training.get("step")
         mp, op = plan.model, plan.optimizer
         return LoadResult(
@@ -721,9 +799,11 @@ def load_distributed(
             metadata=ckpt.metadata,
             missing_keys=mp.missing if mp else [],
             unexpected_keys=mp.unexpected if mp else [],
+            ignored_keys=mp.ignored if mp else [],
             missing_optimizer_params=op.missing if op else [],
             unexpected_optimizer_params=op.unexpected if op else [],
             bytes_read=ckpt.stats.bytes_read - start,
+            on_meta=meta_left(model),
         )
 
 

@@ -17,7 +17,12 @@ A stored JSON value must be of the kind the live object holds (a mapping for a m
 a number for a number; :func:`value_like`). A load then reads every tensor into staging
 (:mod:`ucpformat.torch.reads`) and only then changes the objects, in the order of
 :func:`apply_steps`: a checkpoint that does not fit, or whose data is damaged or missing,
-changes nothing.
+changes nothing. (With ``in_place=True`` the model's tensors are read into directly: a
+damaged or missing chunk then leaves them partly changed, and the error says so.)
+
+Tensors on the meta device hold nothing to copy into: the model's are refused unless the
+load assigns new ones (``assign=True``, :mod:`ucpformat.torch.assign`), an optimizer's
+always (:func:`refuse_meta_parameters`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import collections
 import copy
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,11 +112,12 @@ def optimizer_entries(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
 def saved_param_groups(
     ckpt: Checkpoint, optimizer_type: str, *, strict: bool
 ) -> list[Mapping[str, Any]]:
-    """The param groups of a checkpoint's optimizer, checked; with ``strict``, its type
-    must be ``optimizer_type`` (a qualified class name)."""
+    """The param groups of a checkpoint's optimizer, checked; with ``strict``, its type,
+    if it names one (R081: optional; DCP and the importers do not know it), must be
+    ``optimizer_type`` (a qualified class name)."""
     saved: dict[str, Any] = ckpt.values("optimizer")
     saved_type = saved.get("type")
-    if strict and saved_type != optimizer_type:
+    if strict and saved_type is not None and saved_type != optimizer_type:
         raise LoadError(
             f"the checkpoint holds the state of a {saved_type!r} optimizer, not of a "
             f"{optimizer_type!r}; pass strict=False to load it anyway",
@@ -297,16 +303,27 @@ class ModelPlan:
     missing: list[str] = field(default_factory=list)
     #: Names in the checkpoint that the state dict lacks (only with ``strict=False``).
     unexpected: list[str] = field(default_factory=list)
+    #: Stored tensors of names the load skips (the model's non-persistent buffers).
+    ignored: list[str] = field(default_factory=list)
 
 
 def plan_model(
-    ckpt: Checkpoint, state_dict: Mapping[str, Any], *, strict: bool, owner: str
+    ckpt: Checkpoint,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+    owner: str,
+    skip: Collection[str] = (),
+    assign: bool = False,
 ) -> ModelPlan:
     """Match a model's state dict (``owner`` names it in messages) with ``model/``.
 
+    ``skip``: names that are neither loaded nor unexpected when stored (a module's
+    non-persistent buffers, which it never loads); they are listed in ``ignored``.
     Raises ``KeyMismatchError`` (with ``strict``), ``ShapeMismatchError``, or
     ``LoadError`` for a stored tensor where the model holds something else, or a stored
-    value of another kind than the model's.
+    value of another kind than the model's; without ``assign``, for a tensor on the meta
+    device (copying into it would load nothing).
     """
     if "model" not in ckpt.groups:
         if strict:
@@ -319,9 +336,11 @@ def plan_model(
         if isinstance(target, str) and target in stored and alias not in stored:
             stored[str(alias)] = stored[target]  # a tied tensor stored once (R108)
     values = group_values(ckpt, "model")
+    skipped = {k for k in skip if k not in state_dict}
     plan = ModelPlan(
         missing=[k for k in state_dict if k not in stored and k not in values],
-        unexpected=[k for k in [*stored, *values] if k not in state_dict],
+        unexpected=[k for k in [*stored, *values] if k not in state_dict and k not in skipped],
+        ignored=[k for k in stored if k in skipped],
     )
     if strict:
         _refuse_mismatch(f"the checkpoint's model tensors differ from {owner}",
@@ -349,6 +368,17 @@ def plan_model(
                 tensor=path,
             )
         _check_tensor(current, path)
+        if current.is_meta and not assign:
+            more = sum(1 for k, v in state_dict.items()
+                       if k in stored and isinstance(v, torch.Tensor) and v.is_meta) - 1
+            others = f" and {more} more tensor{'s' if more > 1 else ''}" if more else ""
+            raise LoadError(
+                f"{owner} holds {fqn!r}{others} on "
+                "the meta device (no memory: a model built under torch.device('meta')), so "
+                "copying into them would load nothing; pass assign=True to replace them with "
+                "the checkpoint's tensors",
+                tensor=path,
+            )
         shape = ckpt.arrays[path].shape
         if _shape(current) != shape:
             raise ShapeMismatchError(
@@ -416,6 +446,7 @@ def plan_optimizer(ckpt: Checkpoint, view: OptimizerView, *, strict: bool) -> Op
     keeps the optimizer's value); every stored state is checked against its parameter
     (:func:`check_state_shape`).
     """
+    refuse_meta_parameters(view.params)
     current = [f for group in view.fqns for f in group]
     if "optimizer" not in ckpt.groups:
         if strict:
@@ -476,6 +507,39 @@ def plan_optimizer(ckpt: Checkpoint, view: OptimizerView, *, strict: bool) -> Op
             state[key] = new
     plan.state_dict = {"state": state, "param_groups": groups}
     return plan
+
+
+def refuse_meta_parameters(params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse an optimizer whose parameters (by FQN) are on the meta device: torch would
+    place the loaded state there, where it holds no data."""
+    for fqn, param in params.items():
+        if param.is_meta:
+            raise LoadError(
+                f"the optimizer's parameter {fqn!r} is on the meta device: its state would "
+                "be loaded there and hold nothing; load the model first (assign=True), "
+                "then build the optimizer on its new parameters and load its state",
+                path="optimizer",
+            )
+
+
+def check_device(map_location: Device | None) -> None:
+    """Refuse ``map_location='meta'``: tensors made there hold no data."""
+    if map_location is not None and torch.device(map_location).type == "meta":
+        raise LoadError("map_location is the meta device, where the loaded tensors would "
+                        "hold nothing; name a device with memory ('cpu', 'cuda', ...)")
+
+
+def refuse_optimizer_with_assign(assign: bool, optimizer: object | None) -> None:
+    """Refuse ``assign=True`` together with an optimizer: assigning replaces the model's
+    parameters, so an optimizer built before would hold the old ones (torch's rule for
+    ``Module.load_state_dict(assign=True)``)."""
+    if assign and optimizer is not None:
+        raise LoadError(
+            "assign=True replaces the model's parameters, and the optimizer holds the old "
+            "ones: load the model alone with assign=True, then build the optimizer on "
+            "model.parameters() and load its state in a second call (without assign)",
+            path="optimizer",
+        )
 
 
 def check_state_shape(
@@ -605,6 +669,7 @@ __all__ = [
     "Step",
     "StoredArray",
     "apply_steps",
+    "check_device",
     "check_state_shape",
     "group_values",
     "like",
@@ -613,6 +678,8 @@ __all__ = [
     "plan_model",
     "plan_optimizer",
     "plan_scheduler",
+    "refuse_meta_parameters",
+    "refuse_optimizer_with_assign",
     "saved_param_groups",
     "scheduler_step",
     "stored_tensors",

@@ -11,11 +11,19 @@ most :data:`DEVICE_POOL_BYTES`), a batch at a time (half the pool), and each bat
 copied to the device asynchronously, on a side stream with one event per batch, while
 the next batch is read; the caller's stream waits for those events, never the whole
 device. Or it fills a **target**, a tensor that
-already holds live state (a model's parameter, an optimizer's state): the target must not
-change unless every read of the load has succeeded, so the data is read into new host
-memory (*staging*: a damaged or missing chunk fails there, every CRC32C is checked) and
-copied into the targets only by :meth:`StagedReads.apply`, once the caller has checked
-everything else. Staging holds one host copy of what the targets receive until then.
+already holds live state (a model's parameter, an optimizer's state), in one of two ways:
+
+* **staged** (the default): the target must not change unless every read of the load has
+  succeeded, so the data is read into new host memory (*staging*: a damaged or missing
+  chunk fails there, every CRC32C is checked) and copied into the targets only by
+  :meth:`StagedReads.apply`, once the caller has checked everything else. Staging holds
+  one host copy of what the targets receive until then, and costs that copy.
+* **in place** (``in_place=True``): a target that is a contiguous CPU tensor of the stored
+  data type is itself the read buffer (no copy, no staging); a contiguous GPU target of
+  the stored type is filled from the pinned pool, as new tensors on a device are; other
+  targets are read into host memory and copied in right after their batch (batches of
+  :data:`STAGED_BATCH_BYTES`). A failed read then leaves the targets read so far changed,
+  some of them partly: the error says so and names them (:attr:`StagedReads.written`).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import numpy as np
 import torch
 
 from ucpformat.distributed import read_locals
-from ucpformat.errors import ResourceLimitError
+from ucpformat.errors import LoadError, ResourceLimitError, UCPError, restated
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
 from ucpformat.reader import Checkpoint
 from ucpformat.torch.convert import from_numpy, to_numpy, torch_dtype
@@ -43,7 +51,8 @@ from ucpformat.torch.staging import (
     typed_view,
 )
 
-#: Host bytes read for new tensors on another device before they are moved there.
+#: Host bytes read per batch for new tensors on another device before they are moved
+#: there, and (in place) for targets that cannot be read into directly.
 STAGED_BATCH_BYTES = 1 << 30
 #: Bound of the pinned pool through which new tensors reach a device (two batches).
 DEVICE_POOL_BYTES = 512 << 20
@@ -78,6 +87,8 @@ class DeviceStaging:
             return False
         return self.cpu or torch.device(device).type not in ("cpu", "meta")
 
+_MAX_NAMED = 20
+
 
 @dataclass(frozen=True)
 class TensorRead:
@@ -106,6 +117,8 @@ class StagedReads:
     tensors: list[torch.Tensor]
     #: (target, staged host copy of what it receives), in read order.
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: In place: the node paths whose targets were written by the read (in read order).
+    written: list[str] = field(default_factory=list)
 
     @property
     def staged_bytes(self) -> int:
@@ -115,16 +128,21 @@ class StagedReads:
     def apply(self) -> None:
         """Copy the staged data into the targets (data type and device kept) and release
         it. Every byte was read and checked before: this step does not fail on the
-        checkpoint's account. A contiguous CPU target of the staged type is a plain
-        memory copy (numpy's: torch's ``copy_`` slows down badly when the machine's cores
-        are busy); others go through ``copy_``."""
-        with torch.no_grad():
-            for target, data in self.staged:
-                if _plain_memory(target) and target.dtype == data.dtype:
-                    np.copyto(to_numpy(target.detach(), name=None), to_numpy(data, name=None))
-                else:
-                    target.copy_(data)
+        checkpoint's account."""
+        for target, data in self.staged:
+            copy_into(target, data)
         self.staged.clear()
+
+
+def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
+    """``target.copy_(data)`` without autograd. A contiguous CPU target of ``data``'s type
+    is a plain memory copy (numpy's: torch's ``copy_`` slows down badly when the machine's
+    cores are busy)."""
+    with torch.no_grad():
+        if _plain_memory(target) and target.dtype == data.dtype:
+            np.copyto(to_numpy(target.detach(), name=None), to_numpy(data, name=None))
+        else:
+            target.copy_(data)
 
 
 def _plain_memory(t: torch.Tensor) -> bool:
@@ -133,74 +151,148 @@ def _plain_memory(t: torch.Tensor) -> bool:
             and not t.is_neg() and t.layout == torch.strided)
 
 
+def _direct_view(
+    ckpt: Checkpoint, path: str, target: torch.Tensor
+) -> np.ndarray[Any, Any] | None:
+    """A numpy view of ``target``'s memory to read into, or None if it cannot be one."""
+    if _plain_memory(target) and target.dtype == torch_dtype(
+        ckpt.arrays[path].dtype.name, tensor=path
+    ):
+        return to_numpy(target.detach(), name=path)
+    return None
+
+
+def named(paths: Sequence[str]) -> str:
+    """The first node paths of a list, quoted, and how many more."""
+    shown = ", ".join(repr(p) for p in paths[:_MAX_NAMED])
+    more = f" and {len(paths) - _MAX_NAMED} more" if len(paths) > _MAX_NAMED else ""
+    return shown + more
+
+
+def partly_changed(exc: BaseException, written: Sequence[str]) -> BaseException:
+    """``exc`` restated to say that an in-place load changed the tensors at ``written``
+    (a UCPError of the same class; anything else becomes a LoadError)."""
+    owners = [o for o in ("model", "optimizer") if any(p.startswith(o + "/") for p in written)]
+    what = " and the ".join(owners or ["model"])
+    were = "were" if len(owners) > 1 else "was"
+    note = (f"; the load was in place (in_place=True), so the {what} {were} partly changed: "
+            f"{len(written)} tensor(s) may hold some or all of the checkpoint's data: "
+            f"{named(written)} (everything else is as it was; load a good checkpoint to "
+            "make the state whole again)")
+    if isinstance(exc, UCPError):
+        return restated(exc, exc.message + note)
+    return LoadError(f"{type(exc).__name__}: {exc}{note}")
+
+
 def read_tensors(
     ckpt: Checkpoint,
     reads: Sequence[TensorRead],
     *,
     batch_bytes: int = STAGED_BATCH_BYTES,
+    in_place: bool = False,
     staging: DeviceStaging | None = None,
 ) -> StagedReads:
-    """Read every request as one batch; no target changes before :meth:`StagedReads.apply`.
+    """Read every request as one batch (where memory allows).
 
-    New tensors for a device go through pinned host buffers, their copies to the device
-    overlapped with the next reads (``staging``, see :class:`DeviceStaging`). A failure
-    (a damaged or missing chunk, a refused region) raises here, with every target as it
-    was.
+    Staged (the default): no target changes before :meth:`StagedReads.apply`; a failure (a
+    damaged or missing chunk, a refused region) raises here with every target as it was.
+    ``in_place``: targets are filled by the read itself (:meth:`StagedReads.apply` has
+    nothing left to do); a failure raises the error restated by :func:`partly_changed`
+    when a target was written.
+
+    New tensors for a device (and, in place, contiguous device targets of the stored
+    type) go through pinned host buffers, their copies to the device overlapped with the
+    next reads (``staging``, see :class:`DeviceStaging`).
     """
     how = staging if staging is not None else DeviceStaging()
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([])
-    to_device = [i for i, r in enumerate(reads) if r.target is None and how.stages(r.device)]
+    to_device = [i for i, r in enumerate(reads) if (
+        how.stages(r.device) if r.target is None
+        else in_place and how.stages(r.target.device) and _device_target(ckpt, r))]
     if to_device:
-        for i, tensor in zip(to_device, _read_to_device(ckpt, [reads[i] for i in to_device],
-                                                        how), strict=True):
+        try:
+            moved = _read_to_device(ckpt, [reads[i] for i in to_device], how, result.written)
+        except BaseException as exc:
+            if result.written:
+                raise partly_changed(exc, result.written) from exc
+            raise
+        for i, tensor in zip(to_device, moved, strict=True):
             tensors[i] = tensor
-        chosen = set(to_device)
-        rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
-    else:
-        rest = list(enumerate(reads))
-    pending: list[tuple[int, TensorRead, LocalMap]] = []
-    moving = 0  # host bytes of new tensors bound for another device in this batch
+    chosen = set(to_device)
+    rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
+    pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None]] = []
+    held = 0  # host bytes of this batch that are not their final tensors' own memory
 
     def flush() -> None:
-        nonlocal moving
-        values = read_locals(ckpt, [(r.path, lm, None) for _, r, lm in pending])
-        for (i, r, _), value in zip(pending, values, strict=True):
-            data = from_numpy(value, name=r.path, device=None if r.target is not None
-                              else r.device)
+        nonlocal held
+        values = read_locals(ckpt, [(r.path, lm, out) for _, r, lm, out in pending])
+        for (i, r, _, out), value in zip(pending, values, strict=True):
             if r.target is None:
-                tensors[i] = data
+                tensors[i] = from_numpy(value, name=r.path, device=r.device)
+                continue
+            tensors[i] = r.target
+            if out is not None:  # read into the target itself
+                continue
+            data = from_numpy(value, name=r.path)
+            if in_place:
+                result.written.append(r.path)
+                copy_into(r.target, data)
             else:
-                tensors[i] = r.target
                 result.staged.append((r.target, data))
         pending.clear()
-        moving = 0
+        held = 0
+
+    def flush_or_explain() -> None:
+        # in place, the targets of this batch read into directly may be partly written
+        direct = [r.path for _, r, _, out in pending if out is not None]
+        try:
+            flush()
+        except BaseException as exc:
+            written = result.written + direct
+            if written:
+                raise partly_changed(exc, written) from exc
+            raise
+        result.written.extend(direct)
 
     for i, read in rest:
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
-        pending.append((i, read, lm))
-        if read.target is None and read.device is not None and (
-            torch.device(read.device).type != "cpu"
-        ):
-            moving += math.prod(lm.local_shape) * meta.dtype.itemsize
-            if moving >= batch_bytes:
-                # only new tensors are in flight: a later failure changes nothing live
-                flush()
+        out = None
+        nbytes = math.prod(lm.local_shape) * meta.dtype.itemsize
+        if read.target is not None:
+            if in_place:
+                out = _direct_view(ckpt, read.path, read.target)
+                held += 0 if out is not None else nbytes
+        elif read.device is not None and torch.device(read.device).type != "cpu":
+            held += nbytes
+        pending.append((i, read, lm, out))
+        # staged, only new tensors are held per batch: every target waits for apply()
+        if held >= batch_bytes:
+            flush_or_explain()
     if pending:
-        flush()
+        flush_or_explain()
     for t in tensors:
         assert t is not None
     result.tensors = [t for t in tensors if t is not None]
     return result
 
 
+def _device_target(ckpt: Checkpoint, read: TensorRead) -> bool:
+    """A target the pinned pool can fill directly: contiguous, of the stored type."""
+    t = read.target
+    return t is not None and t.is_contiguous() and not t.is_conj() and not t.is_neg() \
+        and t.dtype == torch_dtype(ckpt.arrays[read.path].dtype.name, tensor=read.path)
+
+
 def _read_to_device(
-    ckpt: Checkpoint, reads: Sequence[TensorRead], how: DeviceStaging
+    ckpt: Checkpoint, reads: Sequence[TensorRead], how: DeviceStaging, written: list[str]
 ) -> list[torch.Tensor]:
-    """New tensors on their devices, read through the pinned pool: batch k + 1 is read
-    while batch k is copied to the device (a batch's buffers return to the pool once its
-    copies are complete); the caller's stream waits for every copy."""
+    """New tensors on their devices (or the given device targets, in place), read through
+    the pinned pool: batch k + 1 is read while batch k is copied to the device (a batch's
+    buffers return to the pool once its copies are complete; the paths of targets whose
+    copies were enqueued are added to ``written``); the caller's stream waits for every
+    copy."""
     pool = how.the_pool()
     copier: Copier = how.copier if how.copier is not None else DeviceCopier()
     record = how.recorder or (lambda event, key: None)
@@ -210,8 +302,8 @@ def _read_to_device(
     for read in reads:
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
-        dst = torch.empty(lm.local_shape, dtype=torch_dtype(meta.dtype, tensor=read.path),
-                          device=read.device)
+        dst = read.target.detach() if read.target is not None else torch.empty(
+            lm.local_shape, dtype=torch_dtype(meta.dtype, tensor=read.path), device=read.device)
         outs.append(dst)
         plans.append((read, lm, dst))
     copier.begin(outs)
@@ -258,6 +350,7 @@ def _read_to_device(
                 for buf in bufs:
                     pool.release(buf)
                 raise
+            written.extend(read.path for read, _, _ in batch if read.target is not None)
             done = [copier.copy(dst, typed_view(buf, dst))
                     for (_, _, dst), buf in zip(batch, bufs, strict=True)]
             in_flight.append((index, done, bufs))
@@ -273,6 +366,9 @@ __all__ = [
     "DeviceStaging",
     "StagedReads",
     "TensorRead",
+    "copy_into",
+    "named",
+    "partly_changed",
     "read_tensors",
     "whole",
 ]

@@ -26,6 +26,7 @@ it is stored under.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,8 +34,22 @@ from typing import Any, Protocol
 import torch
 
 from ucpformat import names
-from ucpformat.errors import InvalidValueError, TensorNotFoundError
+from ucpformat.errors import (
+    FormatError,
+    InvalidValueError,
+    KeyMismatchError,
+    LoadError,
+    TensorNotFoundError,
+)
 from ucpformat.storage import Store
+from ucpformat.torch.assign import (
+    AssignGroup,
+    assign_groups,
+    assign_step,
+    assigned_state,
+    live_tensors,
+    still_on_meta,
+)
 from ucpformat.torch.convert import to_numpy
 from ucpformat.torch.planner import (
     Device,
@@ -42,17 +57,26 @@ from ucpformat.torch.planner import (
     PathOrCheckpoint,
     Step,
     apply_steps,
+    check_device,
     opened,
     plan_model,
     plan_optimizer,
     plan_scheduler,
+    refuse_optimizer_with_assign,
     scheduler_step,
     tree_to_torch,
 )
-from ucpformat.torch.reads import StagedReads, TensorRead, read_tensors
+from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
+from ucpformat.torch.rng import from_layout as rng_from_layout
+from ucpformat.torch.rng import rng_state, set_rng_state
+from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.torch.staging import Staging, deferred_of
 from ucpformat.writer import ArrayValue, Group, SaveResult
 from ucpformat.writer import save as _save
+
+
+class MetaTensorWarning(UserWarning):
+    """A load left some of the model's tensors on the meta device (:attr:`LoadResult.on_meta`)."""
 
 
 class Stateful(Protocol):
@@ -76,12 +100,23 @@ class LoadResult:
     missing_keys: list[str] = field(default_factory=list)
     #: Checkpoint model tensors the model lacks (only with ``strict=False``).
     unexpected_keys: list[str] = field(default_factory=list)
+    #: Checkpoint model tensors stored for the model's non-persistent buffers (such as a
+    #: Hugging Face model's ``embeddings.position_ids``): not loaded, as the module never
+    #: loads those, and not unexpected either.
+    ignored_keys: list[str] = field(default_factory=list)
     #: Optimizer parameters (FQNs) the checkpoint has no param group for.
     missing_optimizer_params: list[str] = field(default_factory=list)
     #: Parameters (FQNs) in the checkpoint's param groups that the optimizer lacks.
     unexpected_optimizer_params: list[str] = field(default_factory=list)
     #: Bytes of stored objects read (metadata excluded).
     bytes_read: int = 0
+    #: The random-number generators' state stored in ``training/rng`` (the form of
+    #: :func:`ucpformat.torch.rng_state`), or None; ``load(..., rng=True)`` restored it.
+    rng: dict[str, Any] | None = None
+    #: The model's parameters and buffers still on the meta device after the load (the
+    #: checkpoint has nothing for them: non-persistent buffers, missing keys with
+    #: ``strict=False``); a warning names them too.
+    on_meta: list[str] = field(default_factory=list)
 
 
 def qualified_name(obj: object) -> str:
@@ -166,17 +201,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` under every one of its names."""
-    live: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    live.update(model.named_buffers(remove_duplicate=False))
-    return live
-
-
 def tied_aliases(model: torch.nn.Module, state_keys: Sequence[str]) -> dict[str, str]:
     """alias -> target for tied tensors: a state_dict name of a tensor that an earlier
     name (in state_dict order) already holds maps to that earlier name (UCP-1.0-R108)."""
-    live = _live_tensors(model)
+    live = live_tensors(model)
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for key in state_keys:
@@ -194,26 +222,52 @@ def _describe(param: torch.Tensor) -> str:
     return f"a {param.dtype} tensor of shape {list(param.shape)}"
 
 
+def shared_aliases(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """alias -> first name, for the names of a mapping that hold the same tensor: the same
+    memory viewed the same way (a tied weight in ``model.state_dict()``, or one tensor
+    given twice). Such a tensor is stored once (UCP-1.0-R108); overlapping but different
+    views are separate tensors."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided \
+                or value.is_meta or value.numel() == 0:
+            continue
+        view = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(),
+                tuple(value.shape), value.stride(), value.dtype)
+        if view in first:
+            aliases[name] = first[view]
+        else:
+            first[view] = name
+    return aliases
+
+
 def optimizer_fqns(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | Mapping[str, Any] | None
 ) -> list[list[str]]:
     """The FQN of every parameter of every param group, in the optimizer's order.
 
-    Names come from ``model``; without a model, from the ``param_names`` torch keeps in
-    each group when the optimizer was built from ``named_parameters()``.
+    Names come from ``model`` (a module, or a mapping of names to the parameter objects,
+    such as ``dict(model.named_parameters())``); otherwise from the ``param_names`` torch
+    keeps in each group when the optimizer was built from ``named_parameters()``.
     """
-    by_id = parameter_names(unwrap(model)) if model is not None else {}
+    module = model if isinstance(model, torch.nn.Module) else None
+    if module is not None:
+        by_id = parameter_names(unwrap(module))
+    else:
+        mapping: Mapping[str, Any] = model if isinstance(model, Mapping) else {}
+        by_id = {id(t): k for k, t in reversed(list(mapping.items()))}
     out: list[list[str]] = []
     for gi, group in enumerate(optimizer.param_groups):
         group_names = group.get("param_names")
         fqns: list[str] = []
         for pi, param in enumerate(group["params"]):
             fqn = by_id.get(id(param))
-            if fqn is None and model is None and isinstance(group_names, list | tuple):
+            if fqn is None and module is None and isinstance(group_names, list | tuple):
                 fqn = str(group_names[pi])
             if fqn is None:
                 where = f"optimizer param_groups[{gi}].params[{pi}]"
-                if model is None:
+                if module is None:
                     raise InvalidValueError(
                         f"{where} ({_describe(param)}) has no name: pass model= to name "
                         "the optimizer's parameters",
@@ -260,30 +314,44 @@ def _tree_to_numpy(value: Any, *, where: str, convert: ArrayOf = numpy_of) -> An
 
 def state_of(
     *,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | Mapping[str, Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Stateful | None = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = False,
     convert: ArrayOf = numpy_of,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The mapping ``ucpformat.save`` writes, and the role of each array path; each
     tensor becomes ``convert(tensor, where)``."""
     state: dict[str, Any] = {}
     roles: dict[str, str] = {}
-    if model is not None:
+    if isinstance(model, torch.nn.Module):
         model = unwrap(model)
-        sd = model.state_dict()
-        params = {fqn for fqn, _ in model.named_parameters(remove_duplicate=False)}
+        sd: Mapping[str, Any] = model.state_dict()
+        params: set[str] | None = {
+            fqn for fqn, _ in model.named_parameters(remove_duplicate=False)}
         aliases = tied_aliases(model, list(sd))
+    elif isinstance(model, Mapping):  # a state dict: which tensors are parameters is unknown
+        sd, params, aliases = model, None, shared_aliases(model)
+    elif model is not None:
+        raise InvalidValueError(
+            f"model is a {type(model).__name__}: pass an nn.Module, or a mapping of names to "
+            "tensors (a state dict)", path="model",
+        )
+    if model is not None:
         group = Group(ucp={"aliases": aliases} if aliases else None)
         for fqn, value in sd.items():
             where = f"model/{fqn}"
+            if not isinstance(fqn, str):
+                raise InvalidValueError(f"tensor names are strings, got {fqn!r}", path="model")
             if fqn in aliases:  # tied: stored once, under its first name
                 continue
             if isinstance(value, torch.Tensor):
                 group[fqn] = convert(value, where)
-                roles[names.path_of("model", fqn)] = "parameter" if fqn in params else "buffer"
+                if params is not None:
+                    roles[names.path_of("model", fqn)] = \
+                        "parameter" if fqn in params else "buffer"
             else:
                 group[fqn] = to_json(value, where=where)
         state["model"] = group
@@ -294,6 +362,8 @@ def state_of(
         training["step"] = int(step)
     if scheduler is not None:
         training["scheduler"] = to_json(scheduler.state_dict(), where="training/scheduler")
+    if rng is not False:
+        training["rng"] = rng_layout(rng_state() if rng is True else rng)
     for key, value in (extra or {}).items():
         if key in training:
             raise InvalidValueError(f"extra[{key!r}] would replace training/{key}",
@@ -305,7 +375,7 @@ def state_of(
 
 
 def _optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | Mapping[str, Any] | None,
     convert: ArrayOf = numpy_of,
 ) -> dict[str, Any]:
     osd = optimizer.state_dict()
@@ -366,20 +436,26 @@ def _holds_tensor(value: Any) -> bool:
 def save(
     path: str | os.PathLike[str] | Store,
     *,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | Mapping[str, Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Stateful | None = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = False,
     staging: Staging | None = None,
     **save_kwargs: Any,
 ) -> SaveResult:
     """Save a model, optimizer, LR scheduler, step and extra training state.
 
-    ``extra`` entries go into ``training/`` (tensors as arrays, e.g. an RNG state; other
-    values as JSON). ``save_kwargs`` go to ``ucpformat.save`` (``overwrite``,
-    ``compression``, ...).
+    ``rng=True`` stores the random-number generators' state (:func:`rng_state`: Python's
+    ``random``, NumPy's, torch's CPU and CUDA ones) in ``training/rng`` (spec R085); a
+    mapping of that form (``rng_state(generators={...})``) stores that state instead.
+
+    ``model`` is an ``nn.Module`` (its ``state_dict()``, parameters and buffers told
+    apart by role) or a mapping of names to tensors, a state dict (stored as it is, with
+    no role). ``extra`` entries go into ``training/`` (tensors as arrays; other values as
+    JSON). ``save_kwargs`` go to ``ucpformat.save`` (``overwrite``, ``compression``, ...).
 
     Tensors on other devices (a GPU) are copied to host memory through a bounded pool of
     (pinned) buffers, the next one while the previous one is written
@@ -399,7 +475,7 @@ def save(
         return deferred_of(where, tensor)
 
     state, roles = state_of(
-        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra,
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra, rng=rng,
         convert=convert,
     )
     user_hook = save_kwargs.pop("array_attributes", None)
@@ -407,10 +483,11 @@ def save(
     def attributes(node_path: str, array: ArrayValue) -> Mapping[str, Any]:
         top = node_path.partition("/")[0]
         role = roles.get(node_path) or {
-            "optimizer": "optimizer_state", "training": "training_state"
-        }.get(top, "other")
+            "optimizer": "optimizer_state", "training": "training_state", "model": None
+        }.get(top, "other")  # a state dict's tensor: parameter or buffer, unknown
         attrs: dict[str, Any] = dict(user_hook(node_path, array) or {}) if user_hook else {}
-        attrs["ucp"] = {"role": role, **dict(attrs.get("ucp", {}))}
+        if role is not None:
+            attrs["ucp"] = {"role": role, **dict(attrs.get("ucp", {}))}
         return attrs
 
     feed = how.stager(staged) if staged else None
@@ -446,29 +523,52 @@ def load(
     scheduler: Stateful | None = None,
     strict: bool = True,
     map_location: Device = "cpu",
+    rng: bool = False,
+    assign: bool = False,
+    in_place: bool = False,
 ) -> LoadResult:
-    """Load a checkpoint in place into the given objects; read nothing else.
+    """Load a checkpoint into the given objects; read nothing else.
 
-    The model's parameters and buffers are copied into (dtype and device kept). The
-    optimizer's state is matched by parameter FQN and handed to
-    ``optimizer.load_state_dict`` with the optimizer's current integer ids. The
-    scheduler is restored from ``training/scheduler``. Every name, shape and stored
-    value is checked (``KeyMismatchError``, ``ShapeMismatchError``, ``LoadError``) and
-    every tensor read, each chunk's checksum checked, before anything is modified: a
-    load that fails changes nothing. ``strict=False`` loads what matches and lists the
-    rest in the result. Tensors of ``training/`` come back on ``map_location``.
+    The model's parameters and buffers are copied into (dtype and device kept); with
+    ``assign``, replaced by new tensors of the checkpoint's dtype on ``map_location``
+    (:mod:`ucpformat.torch.assign`: how a model built on the meta device is loaded; a
+    meta tensor is refused without it). The optimizer's state is matched by parameter
+    FQN and handed to ``optimizer.load_state_dict`` with the optimizer's current integer
+    ids. The scheduler is restored from ``training/scheduler``. Every name, shape and
+    stored value is checked (``KeyMismatchError``, ``ShapeMismatchError``, ``LoadError``)
+    and every tensor read, each chunk's checksum checked, before anything is modified: a
+    load that fails changes nothing. ``in_place`` reads straight into the model's tensors
+    instead (no staging copy): faster and lighter, but a damaged or missing chunk then
+    leaves the model partly changed, and the error says so and names the tensors.
+    ``strict=False`` loads what matches and lists the rest in the result. Tensors of
+    ``training/`` come back on ``map_location``.
+
+    ``rng=True`` restores the random-number generators from ``training/rng`` (what
+    ``save(..., rng=True)`` stored; :func:`set_rng_state`, strict as the load); the
+    result's ``rng`` holds the stored state either way, for generators of your own.
     """
+    check_device(map_location)
+    refuse_optimizer_with_assign(assign, optimizer)
     if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise LoadError(f"model is a {type(model).__name__}, not an nn.Module to load "
+                            "into; for a new mapping of tensors use load_file or "
+                            "load_state_dict", path="model")
         model = unwrap(model)
     with opened(path) as ckpt:
         start = ckpt.stats.bytes_read
         model_plan = None
         copies: list[tuple[str, torch.Tensor]] = []
         hooked: dict[str, str] = {}
+        groups: list[AssignGroup] = []
         if model is not None:
             sd = model.state_dict()
-            model_plan = plan_model(ckpt, sd, strict=strict, owner="model.state_dict()")
-            copies, hooked = _model_targets(model, sd, model_plan.tensors)
+            model_plan = plan_model(ckpt, sd, strict=strict, owner="model.state_dict()",
+                                    skip=non_persistent_buffers(model, sd), assign=assign)
+            if assign:
+                groups = assign_groups(live_tensors(model), model_plan.tensors)
+            else:
+                copies, hooked = _model_targets(model, sd, model_plan.tensors)
         opt_plan = previous = None
         if optimizer is not None:
             view, previous = _optimizer_view(optimizer, model)
@@ -477,40 +577,106 @@ def load(
             plan_scheduler(ckpt, scheduler.state_dict(), strict=strict)
             if scheduler is not None else (False, None)
         )
+        if rng and strict and "training/rng" not in ckpt.groups:
+            raise KeyMismatchError("the checkpoint holds no random-number generator state "
+                                   "(training/rng); pass strict=False to load the rest "
+                                   "anyway", path=ckpt.location)
         # Everything is checked: read it all as one batch, into staging for the model's
-        # own tensors (copied last) and into new tensors for the rest.
+        # own tensors (copied last; in place: into them) and into new tensors for the rest.
         arrays = opt_plan.stored_arrays() if opt_plan else []
         hooked_keys = list(hooked)
-        read = read_tensors(ckpt, [TensorRead(p, target) for p, target in copies]
-                            + [TensorRead(hooked[k]) for k in hooked_keys]
-                            + [TensorRead(a.path) for *_, a in arrays])
-        new = read.tensors[len(copies):]
+        model_reads = (
+            [TensorRead(g.path, device=map_location) for g in groups]
+            + [TensorRead(p, target) for p, target in copies]
+            + [TensorRead(hooked[k]) for k in hooked_keys]
+        )
+        read = read_tensors(ckpt, model_reads + [TensorRead(a.path) for *_, a in arrays],
+                            in_place=in_place)
+        new = read.tensors[len(groups) + len(copies):]
         hooked_values: dict[str, Any] = dict(zip(hooked_keys, new, strict=False))
         for (_, entry, name, _), tensor in zip(arrays, new[len(hooked_keys):], strict=True):
             entry[name] = tensor
         training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
         step = training.get("step")
-        result = LoadResult(
-            step=int(step) if isinstance(step, int) else None,
-            training=tree_to_torch(training, map_location, "training"),
-            metadata=ckpt.metadata,
-            missing_keys=model_plan.missing if model_plan else [],
-            unexpected_keys=model_plan.unexpected if model_plan else [],
-            missing_optimizer_params=opt_plan.missing if opt_plan else [],
-            unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
-            bytes_read=ckpt.stats.bytes_read - start,
-        )
-        # Everything is read and checked: now modify, what can be undone first.
+        stored_rng = _stored_rng(training, required=rng)
+        training = tree_to_torch(training, map_location, "training")
+        # Everything is read and checked: now modify, what can be undone first (in place,
+        # the model's tensors already are: a later failure says so).
         steps: list[Step] = []
+        if read.written:
+            steps.append(Step("the model (read in place)", "model", lambda: None))
         if optimizer is not None and opt_plan is not None and opt_plan.state_dict is not None:
             steps.append(_optimizer_step(optimizer, opt_plan.state_dict, previous))
         if scheduler is not None and load_scheduler:
             steps.append(scheduler_step(scheduler, scheduler_state))
+        if rng and stored_rng is not None:
+            steps.append(_rng_step(stored_rng, strict=strict))
         if model is not None and model_plan is not None:
-            hooked_values.update(model_plan.values)
-            steps.append(_model_step(model, hooked_values, read))
+            if assign:
+                state = assigned_state(groups, read.tensors[:len(groups)])
+                steps.append(assign_step(model, {**state, **model_plan.values}))
+            else:
+                hooked_values.update(model_plan.values)
+                steps.append(_model_step(model, hooked_values, read))
         apply_steps(steps)
-        return result
+        return LoadResult(
+            step=int(step) if isinstance(step, int) else None,
+            training=training,
+            metadata=ckpt.metadata,
+            missing_keys=model_plan.missing if model_plan else [],
+            unexpected_keys=model_plan.unexpected if model_plan else [],
+            ignored_keys=model_plan.ignored if model_plan else [],
+            missing_optimizer_params=opt_plan.missing if opt_plan else [],
+            unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
+            bytes_read=ckpt.stats.bytes_read - start,
+            rng=stored_rng,
+            on_meta=meta_left(model),
+        )
+
+
+def meta_left(model: torch.nn.Module | None) -> list[str]:
+    """The model's tensors still on the meta device after a load, with a warning naming
+    them (:attr:`LoadResult.on_meta`)."""
+    if model is None:
+        return []
+    left = still_on_meta(model)
+    if left:
+        warnings.warn(
+            f"{len(left)} parameter(s) or buffer(s) of the model are still on the meta "
+            f"device after the load, the checkpoint having nothing for them: {named(left)} "
+            "(non-persistent buffers are never saved: make them as the model's own "
+            "initialisation does)", MetaTensorWarning, stacklevel=3,
+        )
+    return left
+
+
+def _stored_rng(training: Mapping[str, Any], *, required: bool) -> dict[str, Any] | None:
+    """The state in ``training/rng`` (R085), or None if there is none; a group that breaks
+    the convention is a ``FormatError`` where it is to be restored (``required``), else
+    None (its arrays and values are still in ``LoadResult.training``)."""
+    tree = training.get("rng")
+    if not isinstance(tree, Mapping):
+        return None
+    try:
+        return rng_from_layout(tree)
+    except FormatError:
+        if required:
+            raise
+        return None
+
+
+def _rng_step(state: Mapping[str, Any], *, strict: bool) -> Step:
+    """Restoring the generators; undone by restoring the ones they had."""
+    current = rng_state()
+    return Step("the random-number generators", "training/rng",
+                lambda: set_rng_state(state, strict=strict),
+                lambda: set_rng_state(current, strict=False))
+
+
+def non_persistent_buffers(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> set[str]:
+    """Names of the model's buffers that its state dict leaves out (``persistent=False``):
+    a module never loads them, so a checkpoint that stores one is not refused for it."""
+    return {n for n, _ in model.named_buffers(remove_duplicate=False)} - set(state_dict)
 
 
 def _model_targets(
@@ -519,7 +685,7 @@ def _model_targets(
     """(node path, live tensor) for the entries of ``sd`` that are the model's own
     parameters and buffers (a tied tensor once), and FQN -> node path of the entries a
     state-dict hook made (they are loaded through ``model.load_state_dict``)."""
-    live = _live_tensors(model)
+    live = live_tensors(model)
     copies: list[tuple[str, torch.Tensor]] = []
     hooked: dict[str, str] = {}
     seen: set[tuple[str, int]] = set()
@@ -567,24 +733,12 @@ def load_state_dict(
 
     Keys are the logical names relative to ``prefix`` (FQNs for ``model``), joined with
     ``/`` below it; a tied tensor's aliases map to the same tensor object, as in
-    ``model.state_dict()``. Non-tensor values (extra state) are not included.
+    ``model.state_dict()``. Non-tensor values (extra state) are not included. The same as
+    ``load_file(path, map_location, prefix=prefix)``.
     """
-    with opened(path) as ckpt:
-        group = prefix.strip("/")
-        if group and group not in ckpt.groups:
-            raise TensorNotFoundError(f"no group {group!r}", path=ckpt.location)
-        start = group + "/" if group else ""
-        nodes = [node for node in ckpt if node.startswith(start)]
-        out: dict[str, torch.Tensor] = {}
-        tensors = read_tensors(ckpt, [TensorRead(n, device=map_location) for n in nodes]).tensors
-        for node, tensor in zip(nodes, tensors, strict=True):
-            out["/".join(names.split_path(node[len(start):]))] = tensor
-        meta = ckpt.groups.get(group)
-        aliases = meta.ucp.get("aliases", {}) if meta is not None else {}
-        for alias, target in aliases.items():  # tied: one tensor under both names
-            if isinstance(target, str) and target in out:
-                out[str(alias)] = out[target]
-        return out
+    from ucpformat.torch.flat import load_file
+
+    return load_file(path, map_location, prefix=prefix)
 
 
 def read_optimizer_state(
@@ -595,6 +749,7 @@ def read_optimizer_state(
     Unlike ``optimizer.state_dict()``, ``param_groups[i]["params"]`` and the keys of
     ``state`` are parameter FQNs; tuples come back as lists.
     """
+    check_device(map_location)
     with opened(path) as ckpt:
         if "optimizer" not in ckpt.groups:
             raise TensorNotFoundError("the checkpoint has no optimizer group",
