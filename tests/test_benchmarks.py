@@ -168,3 +168,15 @@ def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
     assert operations[0].startswith("`save_file`") and len(operations) == 4
     assert any("get_slice" in op for op in operations)
     assert set(table.data["flat"]) == set(operations)
+
+
+def test_staging_and_gpu_benchmarks_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_gpu, bench_staging
+
+    (table,) = bench_staging.run(quick=True, size_mib=2, repeats=1, directory=tmp_path)
+    assert [row[0].split(" (")[0] for row in table.rows] == [
+        "unstaged", "default", "through the pool"]
+    if not bench_gpu.cuda_available():  # measured only where CUDA exists
+        assert bench_gpu.run(quick=True) == []
+        assert bench_gpu.main([]) == 0
+        assert "no CUDA device" in capsys.readouterr().out
