@@ -456,3 +456,45 @@ def test_reads_for_a_device_overlap_copies_within_the_pool(tmp_path: Path) -> No
         assert events.index("read", str(k + 1)) < events.index("copied", str(k))
     assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
     assert pool.stats.in_use_bytes == 0 and pool.stats.reuses > 0
+
+
+def _dcp_checkpoint(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    model = _model(width=128, layers=4)
+    dcp.save({"model": model.state_dict()}, storage_writer=UCPWriter(tmp_path / "ckpt",
+                                                                     durable=False))
+    return model, tmp_path / "ckpt"
+
+
+def test_dcp_load_reads_straight_into_cpu_targets(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import ucpformat.torch.dcp as plugin
+    from ucpformat.torch.dcp import UCPReader
+
+    model, path = _dcp_checkpoint(tmp_path)
+    targets = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    pointers = {k: v.data_ptr() for k, v in targets.items()}
+
+    def no_copies(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a tensor was read into new memory and copied")
+
+    monkeypatch.setattr(plugin, "from_numpy", no_copies)
+    dcp.load({"model": targets}, storage_reader=UCPReader(path))
+    for k, v in model.state_dict().items():
+        assert targets[k].data_ptr() == pointers[k] and _raw(targets[k]) == _raw(v), k
+
+
+def test_dcp_load_to_a_device_goes_through_the_pool(tmp_path: Path) -> None:
+    from ucpformat.torch.dcp import UCPReader
+    from ucpformat.torch.reads import DeviceStaging
+
+    model, path = _dcp_checkpoint(tmp_path)
+    targets = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    pool = HostBufferPool(2 * 64 * 1024 + 2 * ALIGN_BYTES, pin=False)
+    events = Events()
+    dcp.load({"model": targets}, storage_reader=UCPReader(
+        path, workers=1, staging=DeviceStaging(pool=pool, cpu=True, recorder=events)))
+    for k, v in model.state_dict().items():
+        assert _raw(targets[k]) == _raw(v), k
+    assert pool.stats.allocations > 0 and pool.stats.in_use_bytes == 0
+    assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
+    assert events.keys("copied")  # batches retired once copied

@@ -42,6 +42,7 @@ the inner chunks that overlap them.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -117,7 +118,8 @@ from ucpformat.torch.dcp_keys import (
     record_to_json,
 )
 from ucpformat.torch.planner import like
-from ucpformat.torch.staging import Staging
+from ucpformat.torch.reads import DeviceStaging
+from ucpformat.torch.staging import DeviceUploads, Staging, host_array
 from ucpformat.torch.state import qualified_name, unwrap
 from ucpformat.writer import commit, default_workers, zero_bits
 
@@ -651,6 +653,14 @@ class _ItemFragments:
         self._stager.stop()
 
 
+def _item_bounds(item: ReadItem) -> tuple[list[int], list[int]]:
+    """The box of the stored tensor a read item asks for: ``[lo, hi)``."""
+    base = item.storage_index.offset or ()
+    lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
+        if base else [int(o) for o in item.storage_offsets]
+    return lo, [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
+
+
 def _item_box(item: WriteItem) -> Box:
     td = item.tensor_data
     assert td is not None
@@ -712,6 +722,12 @@ class UCPReader(StorageReader):
     ``training`` at the top level; :meth:`KeyMap.torchtitan` for torchtitan's keys).
     Each tensor is one DCP chunk; each rank reads only the inner chunks that overlap the
     regions its state dict needs.
+
+    A target that is a contiguous CPU tensor of the stored type is itself the read
+    buffer; a contiguous GPU target of the stored type is filled from pinned host
+    buffers, copied while the next reads run (``staging``, a
+    :class:`ucpformat.torch.reads.DeviceStaging`; see docs/gpu.md); other targets get a
+    copy of what was read.
     """
 
     def __init__(
@@ -721,8 +737,10 @@ class UCPReader(StorageReader):
         key_map: KeyMap | None = None,
         workers: int | None = None,
         max_read_bytes: int | None = None,
+        staging: DeviceStaging | None = None,
     ) -> None:
         super().__init__()
+        self.staging = staging if staging is not None else DeviceStaging()
         self.path: CheckpointId | None = path
         self.key_map = key_map or KeyMap()
         self.workers = workers
@@ -813,12 +831,9 @@ class UCPReader(StorageReader):
             else:
                 tensor_items.append(item)
 
-        def read(item: ReadItem) -> np.ndarray[Any, Any]:
+        def read(item: ReadItem, out: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
             entry = self._entry(item.storage_index.fqn)
-            base = item.storage_index.offset or ()
-            lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
-                if base else [int(o) for o in item.storage_offsets]
-            hi = [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
+            lo, hi = _item_bounds(item)
             if entry.tensor is not None:
                 assert entry.group is not None
                 value = lookup(ckpt.values(entry.group), entry.pointer, where=entry.key)
@@ -829,22 +844,70 @@ class UCPReader(StorageReader):
                                       f"says {list(dims)}", path=entry.key)
                 return full[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
             assert entry.array is not None
-            return ckpt[entry.array].read_region(lo, hi)
+            return ckpt[entry.array].read_region(lo, hi, out=out)
 
+        def direct(item: ReadItem, target: torch.Tensor) -> str | None:
+            """How the target is filled: "memory" (read into it), "device" (through the
+            pinned pool) or None (a copy of what was read)."""
+            entry = self._entry(item.storage_index.fqn)
+            if entry.array is None or tuple(target.shape) != tuple(
+                    int(n) for n in item.lengths):
+                return None
+            stored = torch_dtype(ckpt.arrays[entry.array].dtype, tensor=entry.array)
+            plain = target.layout == torch.strided and target.is_contiguous() and not (
+                target.is_conj() or target.is_neg())
+            if not plain or target.dtype != stored:
+                return None
+            if self.staging.stages(target.device):
+                return "device"
+            return "memory" if target.device.type == "cpu" else None
+
+        uploads: DeviceUploads | None = None
         window = 4 * (self.workers or default_workers())
         with ThreadPoolExecutor(self.workers or default_workers()) as pool:
-            for start in range(0, len(tensor_items), window):
-                batch = tensor_items[start:start + window]
-                for item, region in zip(batch, pool.map(read, batch), strict=True):
-                    target = planner.resolve_tensor(item).detach()
-                    source = from_numpy(region, name=item.storage_index.fqn)
-                    if tuple(target.shape) != tuple(source.shape):
-                        raise LoadError(
-                            f"read {tuple(source.shape)} for a target of {tuple(target.shape)}",
-                            tensor=item.dest_index.fqn,
-                        )
-                    target.copy_(source)
-                    planner.commit_tensor(item, target)
+            try:
+                for start in range(0, len(tensor_items), window):
+                    batch = tensor_items[start:start + window]
+                    targets = [planner.resolve_tensor(item).detach() for item in batch]
+                    ways = [direct(item, t) for item, t in zip(batch, targets, strict=True)]
+                    outs: list[np.ndarray[Any, Any] | None] = []
+                    hosts: list[torch.Tensor | None] = []
+                    for target, way in zip(targets, ways, strict=True):
+                        host = None
+                        if way == "device":
+                            if uploads is None:
+                                uploads = DeviceUploads(self.staging.the_pool(),
+                                                        self.staging.copier,
+                                                        self.staging.recorder)
+                            host = uploads.host_view(target)
+                        hosts.append(host)
+                        outs.append(to_numpy(target, name=None) if way == "memory" else
+                                    host_array(host, name="") if host is not None else None)
+                    regions = pool.map(read, batch, outs)
+                    for item, target, region, host, out in zip(batch, targets, regions, hosts,
+                                                               outs, strict=True):
+                        if host is not None:
+                            assert uploads is not None
+                            uploads.upload(target, host, functools.partial(
+                                planner.commit_tensor, item, target))
+                            continue
+                        if region is not out:
+                            source = from_numpy(region, name=item.storage_index.fqn)
+                            if tuple(target.shape) != tuple(source.shape):
+                                raise LoadError(
+                                    f"read {tuple(source.shape)} for a target of "
+                                    f"{tuple(target.shape)}", tensor=item.dest_index.fqn,
+                                )
+                            target.copy_(source)
+                        planner.commit_tensor(item, target)
+                    if uploads is not None:
+                        uploads.end_batch(str(start))
+                if uploads is not None:
+                    uploads.finish()
+            except BaseException:
+                if uploads is not None:
+                    uploads.abort()
+                raise
         return _done(None)
 
     # -- helpers ----------------------------------------------------------------------------

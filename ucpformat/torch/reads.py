@@ -29,7 +29,6 @@ already holds live state (a model's parameter, an optimizer's state), in one of 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,17 +37,16 @@ import numpy as np
 import torch
 
 from ucpformat.distributed import read_locals
-from ucpformat.errors import LoadError, ResourceLimitError, UCPError, restated
+from ucpformat.errors import LoadError, UCPError, restated
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
 from ucpformat.reader import Checkpoint
 from ucpformat.torch.convert import from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.staging import (
     Copier,
-    DeviceCopier,
+    DeviceUploads,
     HostBufferPool,
     Recorder,
     host_array,
-    typed_view,
 )
 
 #: Host bytes read per batch for new tensors on another device before they are moved
@@ -289,12 +287,11 @@ def _read_to_device(
     ckpt: Checkpoint, reads: Sequence[TensorRead], how: DeviceStaging, written: list[str]
 ) -> list[torch.Tensor]:
     """New tensors on their devices (or the given device targets, in place), read through
-    the pinned pool: batch k + 1 is read while batch k is copied to the device (a batch's
-    buffers return to the pool once its copies are complete; the paths of targets whose
-    copies were enqueued are added to ``written``); the caller's stream waits for every
-    copy."""
+    the pinned pool: batch k + 1 is read while batch k is copied to the device
+    (:class:`~ucpformat.torch.staging.DeviceUploads`; the paths of targets whose copies
+    were enqueued are added to ``written``); the caller's stream waits for every copy."""
     pool = how.the_pool()
-    copier: Copier = how.copier if how.copier is not None else DeviceCopier()
+    uploads = DeviceUploads(pool, how.copier, how.recorder)
     record = how.recorder or (lambda event, key: None)
     limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
     outs: list[torch.Tensor] = []
@@ -306,7 +303,6 @@ def _read_to_device(
             lm.local_shape, dtype=torch_dtype(meta.dtype, tensor=read.path), device=read.device)
         outs.append(dst)
         plans.append((read, lm, dst))
-    copier.begin(outs)
     batches: list[list[tuple[TensorRead, LocalMap, torch.Tensor]]] = [[]]
     size = 0
     for plan in plans:
@@ -316,47 +312,20 @@ def _read_to_device(
             size = 0
         batches[-1].append(plan)
         size += n
-    in_flight: deque[tuple[int, list[Any], list[torch.Tensor]]] = deque()
-
-    def retire() -> None:
-        index, done, bufs = in_flight.popleft()
-        for d in done:
-            copier.wait(d)
-            copier.guard(d)
-        for buf in bufs:
-            pool.release(buf)
-        record("copied", str(index))
-
     try:
         for index, batch in enumerate(batches):
-            bufs: list[torch.Tensor] = []
-            items = []
-            for read, lm, dst in batch:
-                n = dst.numel() * dst.element_size()
-                while True:
-                    try:
-                        buf = pool.acquire(n, wait=False)
-                        break
-                    except ResourceLimitError:
-                        if not in_flight:
-                            raise
-                        retire()  # wait for the oldest batch's copies, reuse its buffers
-                bufs.append(buf)
-                items.append((read.path, lm, host_array(typed_view(buf, dst), name=read.path)))
+            hosts = [uploads.host_view(dst) for _, _, dst in batch]
             record("read", str(index))
-            try:
-                read_locals(ckpt, items)
-            except BaseException:
-                for buf in bufs:
-                    pool.release(buf)
-                raise
+            read_locals(ckpt, [(read.path, lm, host_array(host, name=read.path))
+                               for (read, lm, _), host in zip(batch, hosts, strict=True)])
             written.extend(read.path for read, _, _ in batch if read.target is not None)
-            done = [copier.copy(dst, typed_view(buf, dst))
-                    for (_, _, dst), buf in zip(batch, bufs, strict=True)]
-            in_flight.append((index, done, bufs))
-    finally:
-        while in_flight:
-            retire()
+            for (_, _, dst), host in zip(batch, hosts, strict=True):
+                uploads.upload(dst, host)
+            uploads.end_batch(str(index))
+        uploads.finish()
+    except BaseException:
+        uploads.abort()
+        raise
     return outs
 
 

@@ -33,6 +33,7 @@ copy and the write busy; raise it for very fast storage), unbounded for snapshot
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -434,6 +435,82 @@ class Stager:
                 slot.buf = None
 
 
+# -- host-to-device uploads (loads) ------------------------------------------------------------
+
+
+class DeviceUploads:
+    """Host-to-device copies through a pool, in batches: :meth:`host_view` gives a host
+    buffer shaped like a device target (waiting, if the pool is full, for the oldest
+    batch in flight to finish), :meth:`upload` enqueues the copy into the target,
+    :meth:`end_batch` closes a batch. A batch's buffers return to the pool once all its
+    copies are complete; then its ``then`` callbacks run, on the caller's thread, after
+    the caller's stream was made to wait for the copies (:meth:`Copier.guard`). So the
+    next batch is read while the previous one is copied. :meth:`finish` retires every
+    batch; :meth:`abort` too, returning the buffers of the open batch unused.
+    """
+
+    def __init__(self, pool: HostBufferPool, copier: Copier | None = None,
+                 recorder: Recorder | None = None) -> None:
+        self.pool = pool
+        self.copier: Copier = copier if copier is not None else DeviceCopier()
+        self._record = recorder or (lambda event, key: None)
+        self._bufs: list[torch.Tensor] = []
+        self._done: list[tuple[Any, Callable[[], None] | None]] = []
+        self._in_flight: deque[tuple[str, list[tuple[Any, Callable[[], None] | None]],
+                                     list[torch.Tensor]]] = deque()
+
+    def host_view(self, target: torch.Tensor) -> torch.Tensor:
+        """A host tensor of ``target``'s shape and type, in a pool buffer."""
+        n = target.numel() * target.element_size()
+        while True:
+            try:
+                buf = self.pool.acquire(n, wait=False)
+                break
+            except ResourceLimitError:
+                if not self._in_flight:
+                    raise
+                self._retire()  # the oldest batch's copies done: its buffers are free
+        self._bufs.append(buf)
+        return typed_view(buf, target)
+
+    def upload(self, target: torch.Tensor, host: torch.Tensor,
+               then: Callable[[], None] | None = None) -> None:
+        """Enqueue the copy of ``host`` (from :meth:`host_view`) into ``target``."""
+        self.copier.begin([target])
+        self._done.append((self.copier.copy(target, host), then))
+
+    def end_batch(self, label: str) -> None:
+        self._in_flight.append((label, self._done, self._bufs))
+        self._done, self._bufs = [], []
+
+    def _retire(self) -> None:
+        label, done, bufs = self._in_flight.popleft()
+        try:
+            for d, _ in done:
+                self.copier.wait(d)
+                self.copier.guard(d)
+        finally:
+            for buf in bufs:
+                self.pool.release(buf)
+        self._record("copied", label)
+        for _, then in done:
+            if then is not None:
+                then()
+
+    def finish(self) -> None:
+        if self._done or self._bufs:
+            self.end_batch("last")
+        while self._in_flight:
+            self._retire()
+
+    def abort(self) -> None:
+        for buf in self._bufs:
+            self.pool.release(buf)
+        self._bufs, self._done = [], []
+        while self._in_flight:
+            self._retire()
+
+
 # -- what a save stages ------------------------------------------------------------------------
 
 _default_pool: HostBufferPool | None = None
@@ -525,6 +602,7 @@ __all__ = [
     "DEFAULT_POOL_BYTES",
     "Copier",
     "DeviceCopier",
+    "DeviceUploads",
     "HostBufferPool",
     "PoolStats",
     "Recorder",
