@@ -142,6 +142,45 @@ def test_ids_cited_by_code_and_schemas_are_defined() -> None:
         )
 
 
+#: Requirements that no code under ucpformat/ enforces or cites, each with the reason
+#: (text for people, say, or a rule the reference implementation leaves to others).
+INFORMATIVE: dict[str, str] = {}
+PACKAGE = sh.REPO / "ucpformat"
+#: A requirement number not spelled as the literal id (``R034``, ``"R" + "211"``, ``R{n}``).
+LOOSE_ID = re.compile(r"(?<![-\w])R\d{3}|R\{|[\"']R[\"']\s*\+")
+
+
+def _package_text() -> dict[Path, str]:
+    return {p: p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*"))
+            if p.suffix in (".py", ".json")}
+
+
+def test_every_requirement_is_enforced_or_cited_or_informative() -> None:
+    """``grep UCP-1.0-R211 ucpformat`` finds the places that enforce R211: every
+    requirement of the spec is cited under ucpformat/ or listed as informative above."""
+    text = "\n".join(_package_text().values())
+    defined = {r.id for r in sh.all_requirements()}
+    uncited = sorted(i for i in defined if i not in text and i not in INFORMATIVE)
+    assert not uncited, "requirements the package neither enforces nor cites:\n" + "\n".join(
+        uncited)
+    stale = sorted(i for i in INFORMATIVE if i not in defined or i in text)
+    assert not stale, f"listed as informative but undefined or cited: {stale}"
+
+
+def test_the_package_spells_requirement_ids_one_way() -> None:
+    loose = [f"{p.relative_to(sh.REPO)}:{n}: {line.strip()}"
+             for p, text in _package_text().items()
+             for n, line in enumerate(text.splitlines(), 1) if LOOSE_ID.search(line)]
+    assert not loose, "requirement ids not written as UCP-1.0-Rnnn:\n" + "\n".join(loose)
+
+
+def test_the_loose_spellings_are_found() -> None:
+    for line in ('rule="R034"', "see R211.", 'f"UCP-1.0-R{n:03d}"', 'rule = "R" + "211"'):
+        assert LOOSE_ID.search(line), line
+    for line in ('rule="UCP-1.0-R034"', "the CRC32C", "R2D2", "XR0345"):
+        assert not LOOSE_ID.search(line), line
+
+
 def test_ids_cited_by_the_spec_are_defined() -> None:
     defined = {r.id for r in sh.all_requirements()}
     written = {_block(i) for i in defined}

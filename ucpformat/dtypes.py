@@ -108,8 +108,8 @@ def from_numpy(dtype: np.dtype[Any], *, tensor: str | None = None) -> DataType:
 # -- fill values ------------------------------------------------------------------------
 #
 # zarr v3 fill values: booleans for bool; integers for ints; for floating types a JSON
-# number (UCP-1.0-R036), "NaN" (R037), "Infinity", "-Infinity", or a hex string "0x..."
-# that gives the raw bits (exactly 2 * itemsize hex digits of either case, R038). Complex
+# number (UCP-1.0-R036), "NaN" (UCP-1.0-R037), "Infinity", "-Infinity", or a hex string "0x..."
+# that gives the raw bits (exactly 2 * itemsize hex digits of either case, UCP-1.0-R038). Complex
 # values are a two-element list of those.
 
 #: The bits "NaN" stands for, per type (UCP-1.0-R037): zarr v3's quiet NaN (sign 0, the top

@@ -112,7 +112,7 @@ def decode(value: Any, *, where: str, depth: int = 0) -> Any:
     return value
 
 
-#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, R070,
+#: Deepest nesting of a metadata document (JSON values nest at most 64 levels, UCP-1.0-R070,
 #: below at most 8 levels of document structure); deeper documents are refused before
 #: anything walks them recursively (UCP-1.0-R096).
 MAX_DOCUMENT_DEPTH: Final = 80

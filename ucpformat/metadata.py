@@ -530,7 +530,7 @@ def parse_group(path: str, doc: Any, *, root: bool = False) -> GroupMeta:
         raise _fail("group metadata must be a JSON object", "UCP-1.0-R001", where)
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise _fail("not a zarr v3 group", "UCP-1.0-R001", where)
-    if not root:  # the root's members are R057's
+    if not root:  # the root's members are UCP-1.0-R057's
         check_node_members(doc, GROUP_MEMBERS, where)
     attributes = doc.get("attributes", {})
     if not _is_map(attributes):
@@ -726,7 +726,7 @@ def check_depth(doc: Any, *, what: str) -> None:
 
     Validators call it before any recursive walk (schemas, comparisons); ``open`` does
     not walk JSON values recursively before decoding them, which bounds its own depth
-    (R070), so it skips this walk over every node of the consolidated metadata.
+    (UCP-1.0-R070), so it skips this walk over every node of the consolidated metadata.
     """
     if json_depth(doc) > MAX_DOCUMENT_DEPTH:
         raise FormatError(
@@ -803,7 +803,7 @@ def check_root_digest(raw: bytes, doc: Any, *, where: str) -> None:
 
     A root that is no UCP root at all (no ``attributes.ucp`` object) is left to the
     structural checks, which name what it lacks; a version other than 1.x is refused as
-    such (R003, R060) before the digest is looked at.
+    such (UCP-1.0-R003, UCP-1.0-R060) before the digest is looked at.
     """
     attributes = doc.get("attributes") if _is_map(doc) else None
     ucp = attributes.get("ucp") if _is_map(attributes) else None

@@ -56,7 +56,7 @@ How does a distributed save fail?
 * **A failure on any rank means no commit.** Only the coordinator commits, after an
   agreement that every rank wrote what it owns, and only if every planned stored object
   was written (UCP-1.0-R132). An uncommitted location keeps its in-progress marker, so
-  every reader refuses it (R051), and the same save can be retried into it.
+  every reader refuses it (UCP-1.0-R051), and the same save can be retried into it.
 * **The previous checkpoint survives every failure before the un-commit.** Until step
   5 nothing is written but the in-progress marker, and a checkpoint being replaced
   (``overwrite=True``) stays committed: a failure while describing, planning, reading a
@@ -319,7 +319,7 @@ def _unpack(tasks: RankTasks, received: Mapping[int, memoryview]) -> Inbox:
 
 def mark(store: Store, *, overwrite: bool) -> bool:
     """End of step 2 (the coordinator): refuse a destination that must not be written,
-    else write the in-progress marker (R056), which leaves a checkpoint being replaced
+    else write the in-progress marker (UCP-1.0-R056), which leaves a checkpoint being replaced
     committed. True if it holds one (``overwrite=True``)."""
     return mark_destination(store, overwrite=overwrite)
 

@@ -521,7 +521,7 @@ def read_metadata(
 
 
 def read_root(store: Store, *, limit: int) -> bytes:
-    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (R051)."""
+    """The root zarr.json's bytes; an incomplete or absent checkpoint is refused (UCP-1.0-R051)."""
     raw = read_metadata(store, ZARR_JSON, limit=limit, what="the root zarr.json")
     if raw is not None:
         return raw
@@ -560,6 +560,8 @@ def parse_root(
             rule="UCP-1.0-R002",
             path=where,
         )
+    # members of ucp (and of attributes) that this reader does not know are ignored,
+    # never refused (UCP-1.0-R062): only must_understand names what must be understood
     parse_version(ucp.get("version"), where=where)
     check_root_digest_member(ucp, where=where)
     must = ucp.get("must_understand", [])
@@ -619,7 +621,7 @@ CONSOLIDATED_MEMBERS = frozenset({"kind", "must_understand", "metadata"})
 
 def check_root_members(doc: Any, *, where: str) -> None:
     """UCP-1.0-R057: the root and its consolidated metadata have only the members UCP
-    defines, so that no byte of the root can change unnoticed (R045, R055)."""
+    defines, so that no byte of the root can change unnoticed (UCP-1.0-R045, UCP-1.0-R055)."""
     if not isinstance(doc, Mapping):
         return  # parse_group reports it
     extra = sorted(set(doc) - ROOT_MEMBERS)

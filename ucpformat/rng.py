@@ -14,7 +14,7 @@ integers) and ``gauss_next``. A ``numpy`` group's values are the numbers of NumP
 ``bit_generator.state`` mapping, the members of its ``state`` mapping named
 ``state.<member>``; its array members (MT19937's ``key``, Philox's ``counter``...) are
 child arrays of the group under the same names. Integers beyond ±(2^53 − 1) (PCG64's
-128-bit ``state`` and ``inc``) are written as strings of decimal digits (R071). The
+128-bit ``state`` and ``inc``) are written as strings of decimal digits (UCP-1.0-R071). The
 values of both kinds are described by ``schemas/1.0/rng.schema.json``.
 
 In Python, a state is a mapping with the same names: ``python`` a tuple as
@@ -23,7 +23,7 @@ In Python, a state is a mapping with the same names: ``python`` a tuple as
 ``torch_cpu`` a uint8 array, ``torch_cuda`` a list of them, ``generators`` a mapping of
 names to any of these. :func:`encode` makes the group that ``ucpformat.save`` writes,
 :func:`decode` reads it back type for type (tuples as tuples); :func:`problems` lists what
-breaks R085, for the validator and for :func:`decode`. PyTorch's side is
+breaks UCP-1.0-R085, for the validator and for :func:`decode`. PyTorch's side is
 :mod:`ucpformat.torch.rng`.
 """
 
@@ -45,7 +45,7 @@ RULE = "UCP-1.0-R085"
 PYTHON, NUMPY, TORCH_CPU, TORCH_CUDA, GENERATORS = (
     "python", "numpy", "torch_cpu", "torch_cuda", "generators")
 NAMES = (PYTHON, NUMPY, TORCH_CPU, TORCH_CUDA, GENERATORS)
-#: Largest integer a JSON value holds exactly (R071).
+#: Largest integer a JSON value holds exactly (UCP-1.0-R071).
 MAX_SAFE_INTEGER = 2**53 - 1
 _INDEX = re.compile(r"^(0|[1-9][0-9]*)$")
 
@@ -150,7 +150,7 @@ def _numpy_member(value: Any, where: str) -> Any:
         raise InvalidValueError(f"a {type(value).__name__}; expected a number or an array",
                                 path=where, rule=RULE)
     if isinstance(value, int) and abs(value) > MAX_SAFE_INTEGER:
-        return str(value)  # exact, where a JSON number would be rounded (R071)
+        return str(value)  # exact, where a JSON number would be rounded (UCP-1.0-R071)
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidValueError(f"{value} is no generator state", path=where, rule=RULE)
     return value
@@ -161,7 +161,7 @@ def _numpy_member(value: Any, where: str) -> Any:
 
 def problems(values: Mapping[str, Any], arrays: Mapping[str, tuple[str, int]],
              *, torch_state: bool = False) -> list[str]:
-    """What breaks R085 in one generator node: ``values`` its group's values, ``arrays``
+    """What breaks UCP-1.0-R085 in one generator node: ``values`` its group's values, ``arrays``
     name -> (data type name, rank) of its child arrays; ``torch_state``: the node is an
     array (a torch generator), given as ``arrays[""]``."""
     if torch_state:
@@ -185,7 +185,7 @@ def problems(values: Mapping[str, Any], arrays: Mapping[str, tuple[str, int]],
 def decode(tree: Mapping[str, Any], *, where: str = "training/rng") -> dict[str, Any]:
     """A state from ``Checkpoint.to_dict("training/rng")``: the inverse of :func:`encode`.
 
-    Raises ``FormatError`` (R085) naming the node that breaks the convention. Nodes the
+    Raises ``FormatError`` (UCP-1.0-R085) naming the node that breaks the convention. Nodes the
     convention does not name are left out.
     """
     out: dict[str, Any] = {}

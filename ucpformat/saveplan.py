@@ -9,8 +9,10 @@ every rank that computes it gets the same one:
 1. coverage: every element of every tensor is held by at least one rank, and ranks
    holding the same element hold replicas (spec UCP-1.0-R131);
 2. a shard grid per tensor, aligned with every fragment boundary when that gives
-   shards of reasonable size, so each shard lies inside one rank's fragment;
-3. one owner per shard, balancing bytes across the ranks that hold replicas; where no
+   shards of reasonable size, so each shard lies inside one rank's fragment
+   (UCP-1.0-R134);
+3. one owner per shard, balancing bytes across the ranks that hold replicas
+   (UCP-1.0-R133); where no
    single rank holds a whole shard (flat ZeRO partitions cutting through rows), the
    owner receives the missing cells from the ranks that hold them before writing —
    never two writers per shard (UCP-1.0-R130).

@@ -180,7 +180,7 @@ def _validate(
         report.add("UCP-1.0-R051", "/", f"not a committed checkpoint: {why}")
         return
     doc = loads(raw, what=ZARR_JSON)
-    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (R096)
+    check_depth(doc, what=ZARR_JSON)  # before any recursive walk (UCP-1.0-R096)
     for v in root_violations(doc):
         report.add(v.rule, _node_of_pointer(v.pointer), f"{v.message} (at {v.pointer or '/'})")
     if not isinstance(doc, Mapping):
@@ -334,11 +334,11 @@ def _check_node_files(
     limit: int,
     keep: dict[str, bytes] | None = None,
 ) -> None:
-    """R055: every node's own zarr.json equals its entry in the consolidated metadata.
+    """UCP-1.0-R055: every node's own zarr.json equals its entry in the consolidated metadata.
 
     A node document is read only up to the metadata limit (UCP-1.0-R098), and not at all
     when the manifest check found it missing or of another size than the manifest says
-    (``damaged``: reported there, R043). ``listed``: the sizes the manifest check's
+    (``damaged``: reported there, UCP-1.0-R043). ``listed``: the sizes the manifest check's
     listing gave (not asked again); ``parsed``: the nodes whose paths were checked already.
     ``keep`` receives the documents read (key -> bytes), so that a deep validation does
     not read them again.
@@ -395,7 +395,7 @@ def _check_root_seal(doc: Mapping[str, Any], manifest: Mapping[str, Any], report
     """UCP-1.0-R045: the root's attributes equal the copy in the (digest-sealed) manifest."""
     attrs = doc.get("attributes")
     if not isinstance(attrs, Mapping) or not isinstance(attrs.get("ucp"), Mapping):
-        return  # reported already (R002)
+        return  # reported already (UCP-1.0-R002)
     actual = {**attrs, "ucp": {k: v for k, v in attrs["ucp"].items()
                                if k not in ("manifest", ROOT_DIGEST)}}
     sealed = manifest.get("root_attributes")
@@ -493,7 +493,7 @@ def _check_optimizer(
 def _check_rng(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """R085: the generators of ``training/rng`` (when it is a group), each in its form."""
+    """UCP-1.0-R085: the generators of ``training/rng`` (when it is a group), each in its form."""
     base = "training/rng"
     if base not in groups:
         return
@@ -544,7 +544,8 @@ def _check_rng(
 def _check_layouts(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """Layout semantics against each array's shape; aliases; optimizer states (R100-R109)."""
+    """Layout semantics against each array's shape; aliases; optimizer states
+    (UCP-1.0-R100 to UCP-1.0-R109)."""
     from ucpformat.layout.semantics import TensorLayout
 
     for path, meta in arrays.items():
@@ -612,11 +613,12 @@ def _check_manifest(
     *,
     limit: int,
 ) -> tuple[dict[str, Any] | None, set[str], dict[str, int | None]]:
-    """The manifest checks (R042, R043, R030, R031, R044): the manifest, if it could be
+    """The manifest checks (UCP-1.0-R042, UCP-1.0-R043, UCP-1.0-R030, UCP-1.0-R031, UCP-1.0-R044):
+    the manifest, if it could be
     checked, the listed files found of another size or unreadable (``damaged``), and the
     files of the checkpoint with the sizes its listing gave (empty if not listed).
 
-    The manifest is read only if its size is the one the root gives (R043) and within the
+    The manifest is read only if its size is the one the root gives (UCP-1.0-R043) and within the
     metadata limit (UCP-1.0-R098).
     """
     damaged: set[str] = set()
@@ -802,7 +804,7 @@ def _deep(
 
     tasks: list[tuple[Tensor, list[int], list[int], str]] = []
     # Never enumerate more objects than the manifest lists (a hostile shape can describe
-    # 2**60): a non-sparse array that needs more is already reported (R030).
+    # 2**60): a non-sparse array that needs more is already reported (UCP-1.0-R030).
     bound = len(files) if manifest is not None else DEEP_OBJECTS_WITHOUT_MANIFEST
     for meta in ckpt.arrays.values():
         tensor = ckpt[meta.path]
@@ -823,7 +825,7 @@ def _deep(
         listed = int(files[key].get("nbytes", 0)) if key in files else None
         try:
             if listed is not None and listed <= ckpt.max_read_bytes:
-                data = store.hold(key)  # a missing object: the read below names it (R031)
+                data = store.hold(key)  # a missing object: the read below names it (UCP-1.0-R031)
                 nbytes = len(data) if data is not None else 0
                 if data is not None and digest is not None and (
                         hashlib.sha256(data).hexdigest() != digest):
@@ -869,7 +871,8 @@ def sha256_matches(
     store: Store, key: str, nbytes: int, digest: str, block: int
 ) -> tuple[int, Issue | None]:
     """Bytes read, and an issue if the SHA-256 of the ``nbytes`` bytes of ``key``, read
-    ``block`` bytes at a time, is not ``digest`` (R043) or the file is shorter (R031)."""
+    ``block`` bytes at a time, is not ``digest`` (UCP-1.0-R043) or the file is shorter
+    (UCP-1.0-R031)."""
     h = hashlib.sha256()
     buffer = bytearray(max(1, min(block, nbytes)))
     offset = 0
@@ -889,7 +892,7 @@ def sha256_matches(
 def _check_model_group(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """R080: model/ holds its tensors directly."""
+    """UCP-1.0-R080: model/ holds its tensors directly."""
     for path in [*arrays, *groups]:
         parts = path.split("/")
         if parts[0] == "model" and len(parts) > 2:
@@ -906,10 +909,11 @@ def _check_foreign_files(
     nodes: set[str],
     report: Report,
 ) -> None:
-    """R072: every file of the checkpoint (the manifest lists them, R042) is a metadata
+    """UCP-1.0-R072: every file of the checkpoint (the manifest lists them, UCP-1.0-R042) is a
+    metadata
     document, the manifest, the marker or a stored object of an array.
 
-    Files the manifest does not list are not part of the checkpoint: R044 warns about
+    Files the manifest does not list are not part of the checkpoint: UCP-1.0-R044 warns about
     them. ``nodes`` are the node paths of the consolidated metadata, parsed or not: the
     files of an array whose metadata is broken are not judged again here.
     """

@@ -73,7 +73,7 @@ def prepare_destination(store: Store, *, overwrite: bool) -> None:
 
 def mark_destination(store: Store, *, overwrite: bool) -> bool:
     """The first half of :func:`prepare_destination`: refuse as it does, else write the
-    in-progress marker (R056), which leaves a committed checkpoint committed (R053).
+    in-progress marker (UCP-1.0-R056), which leaves a committed checkpoint committed (UCP-1.0-R053).
     True if a committed checkpoint is here, to be replaced."""
     committed = store.exists(ZARR_JSON)
     in_progress = store.exists(IN_PROGRESS_KEY)
@@ -191,7 +191,7 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    store.put(ZARR_JSON, [encode_root(root)], atomic=True)  # sealed by its digest (R058)
+    store.put(ZARR_JSON, [encode_root(root)], atomic=True)  # sealed by its digest (UCP-1.0-R058)
     store.delete(IN_PROGRESS_KEY)
     return root
 
@@ -378,7 +378,8 @@ def _array_meta(
 
 
 def zero_bits(dt: dtypes.DataType) -> Any:
-    """The value whose bits are all zero: the fill value ucpformat writes for every type."""
+    """The value whose bits are all zero: the fill value ucpformat writes for every type
+    (UCP-1.0-R033)."""
     return np.frombuffer(bytes(dt.itemsize), dtype=dt.numpy)[0]
 
 

@@ -4,17 +4,20 @@
 It does not import ucpformat (a test checks that): tensorstore reads the zarr arrays;
 this file adds what a generic zarr reader lacks and spec/ucp-1.0.md requires:
 
-* the root ``zarr.json`` as strict JSON (R001), checked against the JSON Schemas of
+* the root ``zarr.json`` as strict JSON (UCP-1.0-R001), checked against the JSON Schemas of
   ``schemas/1.0`` (found next to this repository, or in ``$UCP_SCHEMAS``), then the rules
-  the schemas cannot express: version (R060), ``must_understand`` (R061), canonical node
-  names (R010, R012), parent groups (R005), endianness (R023), fill values (R026, R036 to
-  R038: tensorstore is handed them as bits, since it rounds some numbers otherwise), sizes
-  (R027), shard shapes (R028);
+  the schemas cannot express: version (UCP-1.0-R060), ``must_understand`` (UCP-1.0-R061), canonical
+  node
+  names (UCP-1.0-R010, UCP-1.0-R012), parent groups (UCP-1.0-R005), endianness (UCP-1.0-R023), fill
+  values (UCP-1.0-R026, UCP-1.0-R036 to
+  UCP-1.0-R038: tensorstore is handed them as bits, since it rounds some numbers otherwise), sizes
+  (UCP-1.0-R027), shard shapes (UCP-1.0-R028);
 * before reading, every stored object the selection needs exists, and no shard index
-  entry it needs is empty (R031) -- tensorstore would return fill values instead --
-  unless the array is sparse (R032); no entry reaches into its shard's index (R048); every
-  zstd chunk is one frame that declares its size and no larger window (R047), which
-  tensorstore does not check; no file is a link out of the checkpoint (R091);
+  entry it needs is empty (UCP-1.0-R031) -- tensorstore would return fill values instead --
+  unless the array is sparse (UCP-1.0-R032); no entry reaches into its shard's index
+  (UCP-1.0-R048); every
+  zstd chunk is one frame that declares its size and no larger window (UCP-1.0-R047), which
+  tensorstore does not check; no file is a link out of the checkpoint (UCP-1.0-R091);
 * layout-aware reading of target layouts (spec/ucp-1.0-layout.md, section 2).
 
 Usage (the adapter contract of spec/ucp-1.0-conformance.md)::
@@ -65,7 +68,7 @@ TYPES: dict[str, tuple[int, str, float, bool]] = {
 
 
 #: Data types to leave out, to try the suite's handling of readers that lack some
-#: (comma-separated names in $UCP_TS_WITHOUT); they are refused by name (R092).
+#: (comma-separated names in $UCP_TS_WITHOUT); they are refused by name (UCP-1.0-R092).
 WITHOUT = {t for t in os.environ.get("UCP_TS_WITHOUT", "").split(",") if t}
 
 
@@ -144,7 +147,7 @@ def strict_json(data: bytes, what: str) -> Any:
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Refused(R + "001", f"{what} is not valid JSON: {exc}") from None
-    try:  # R006: every string Unicode text; a lone \ud800 escape has no UTF-8 encoding
+    try:  # UCP-1.0-R006: every string Unicode text; a lone \ud800 escape has no UTF-8 encoding
         json.dumps(doc, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise Refused(R + "006", f"{what} holds an unpaired surrogate escape") from None
@@ -152,7 +155,7 @@ def strict_json(data: bytes, what: str) -> Any:
 
 
 def check_root_digest(data: bytes, root: Any) -> None:
-    """R058: the root's SHA-256, with its own 64 digits written as 0, is root_sha256."""
+    """UCP-1.0-R058: the root's SHA-256, with its own 64 digits written as 0, is root_sha256."""
     ucp = (root.get("attributes") or {}).get("ucp") if isinstance(root, dict) else None
     digest = ucp.get("root_sha256") if isinstance(ucp, dict) else None
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
@@ -234,7 +237,7 @@ FLOATS: dict[str, tuple[int, int, int, str]] = {
     "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
     "float8_e8m0fnu": (8, 0, 127, "e8m0"),
 }
-# The bits of "NaN" (R037)
+# The bits of "NaN" (UCP-1.0-R037)
 NAN = {"float16": 0x7E00, "float32": 0x7FC00000, "float64": 0x7FF8000000000000,
        "bfloat16": 0x7FC0, "float8_e5m2": 0x7E, "float8_e4m3fn": 0x7F,
        "float8_e4m3fnuz": 0x80, "float8_e5m2fnuz": 0x80, "float8_e8m0fnu": 0xFF}
@@ -253,7 +256,7 @@ def largest_finite(dtype: str) -> Fraction:
 
 
 def number_bits(dtype: str, number: float) -> int | None:
-    """R036: the bits of the type's value nearest to ``number`` (a binary64 already), ties
+    """UCP-1.0-R036: the bits of the type's value nearest to ``number`` (a binary64 already), ties
     to even; None when that is beyond the type's finite range (or, for e8m0, not 2**k)."""
     ebits, mbits, bias, flavour = FLOATS[dtype]
     sign = 1 if math.copysign(1.0, number) < 0 else 0
@@ -281,7 +284,8 @@ def number_bits(dtype: str, number: float) -> int | None:
 
 
 def fill_json(dtype: str, value: Any, where: str) -> Any:
-    """The fill value checked (R026, R036 to R038), as tensorstore is handed it: hexadecimal
+    """The fill value checked (UCP-1.0-R026, UCP-1.0-R036 to UCP-1.0-R038), as tensorstore is
+    handed it: hexadecimal
     bits for floating-point types, since tensorstore rounds some JSON numbers otherwise (it
     reads 465 as the NaN of float8_e4m3fn, 3.0 as 2**-62 for float8_e8m0fnu)."""
     size, kind, largest, has_inf = TYPES[dtype]
@@ -368,7 +372,7 @@ def check_array(path: str, doc: Mapping[str, Any]) -> Any:
 
 
 def check_zstd(data: bytes, nbytes: int, where: str) -> None:
-    """R047: a zstd chunk is one frame (RFC 8878) without a dictionary, declaring a content
+    """UCP-1.0-R047: a zstd chunk is one frame (RFC 8878) without a dictionary, declaring a content
     size of ``nbytes`` and a window no larger; tensorstore decodes other frames too."""
     def refuse(why: str) -> Refused:
         return Refused(R + "047", f"{where}: {why}")
@@ -458,7 +462,7 @@ class Checkpoint:
             }).result()
         return self._open[path]
 
-    # -- chunk presence (R031) and safe files (R091) -------------------------------------------
+    # -- chunk presence (UCP-1.0-R031) and safe files (UCP-1.0-R091)
 
     def _file(self, key: str) -> Path | None:
         path = self.root_dir / key
@@ -472,9 +476,9 @@ class Checkpoint:
         return path
 
     def check_present(self, path: str, lo: Sequence[int], hi: Sequence[int]) -> None:
-        """Every stored object and inner chunk the box [lo, hi) needs exists (R031), lies
-        before its shard's index (R048), and, zstd-compressed, is one frame that declares
-        its size (R047): tensorstore checks none of these."""
+        """Every stored object and inner chunk the box [lo, hi) needs exists (UCP-1.0-R031), lies
+        before its shard's index (UCP-1.0-R048), and, zstd-compressed, is one frame that declares
+        its size (UCP-1.0-R047): tensorstore checks none of these."""
         node = self.nodes[path]
         shape = node["shape"]
         if any(b <= a for a, b in zip(lo, hi, strict=True)):
@@ -628,12 +632,12 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
     dims: list[tuple[int, list[Segment]]] = [(n, [(0, 0, n)] if n else []) for n in shape]
     experts, expert = layout.get("experts"), layout.get("expert")
     num_experts = cfg.get("num_experts")
-    if experts is not None:  # a stacked tensor holds every expert of the model (R117)
+    if experts is not None:  # a stacked tensor holds every expert of the model (UCP-1.0-R117)
         d, count = experts["dim"], shape[experts["dim"]]
         if count % ep or (num_experts is not None and num_experts != count):
             raise Refused(R + "111", f"ep={ep}, num_experts={num_experts}: {count} experts")
         dims[d] = _restrict(*dims[d], epr * count // ep, (epr + 1) * count // ep)
-    if expert is not None:  # rank floor(e / (E / ep)), E from the configuration (R117)
+    if expert is not None:  # rank floor(e / (E / ep)), E from the configuration (UCP-1.0-R117)
         num = num_experts if num_experts is not None else (expert + 1 if ep == 1 else None)
         if num is None or num % ep or expert >= num:
             raise Refused(R + "111", f"ep={ep} and num_experts={num} cannot place expert "
@@ -643,14 +647,14 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
     pp_layers = cfg.get("pp_layers")
     if pp_layers is not None and len(pp_layers) != pp:
         raise Refused(R + "112", f"pp_layers {pp_layers} is not one count per stage")
-    num_layers = cfg.get("num_layers")  # (R116)
+    num_layers = cfg.get("num_layers")  # (UCP-1.0-R116)
     if num_layers is None and pp_layers is not None:
         num_layers = sum(pp_layers)
     if num_layers is None and layers is not None:
         num_layers = shape[layers["dim"]]  # a stacked tensor holds every layer
     if layers is not None and num_layers != shape[layers["dim"]]:
         raise Refused(R + "112", f"num_layers={num_layers}, {shape[layers['dim']]} stacked")
-    if layer is None and layers is None:  # placed by the stage convention (R115)
+    if layer is None and layers is None:  # placed by the stage convention (UCP-1.0-R115)
         stage = cfg.get("stage", "all")
         if not (stage == "all" or (stage == "first" and ppr == 0)
                 or (stage == "last" and ppr == pp - 1)
@@ -715,7 +719,7 @@ def local_map(shape: Sequence[int], layout: Mapping[str, Any], cfg: Mapping[str,
                 segs.append((local, o + g * gsize, gsize))
                 local += gsize
             dims[tp_dim] = (local, segs)
-    elif vocab_dim is not None:  # not split, padded as the model's vocabulary (R118)
+    elif vocab_dim is not None:  # not split, padded as the model's vocabulary (UCP-1.0-R118)
         n = shape[vocab_dim]
         padded = -(-n // (multiple * tp)) * (multiple * tp)
         dims[vocab_dim] = (padded, [(0, 0, n)] if n else [])

@@ -2,17 +2,19 @@
 """An independent UCP 1.0 exporter built on zarr-python, numpy and json, from the spec's text.
 
 It does not import ucpformat (a test checks that). zarr-python writes each array (every
-chunk, even all-zero ones: ``write_empty_chunks``, spec R030), with the ``bytes`` and
-``crc32c`` codecs (R022, R023, R040); this file adds what zarr-python does not do:
+chunk, even all-zero ones: ``write_empty_chunks``, spec UCP-1.0-R030), with the ``bytes`` and
+``crc32c`` codecs (UCP-1.0-R022, UCP-1.0-R023, UCP-1.0-R040); this file adds what zarr-python does
+not do:
 
-* node names escaped as spec section 6 says (R010);
+* node names escaped as spec section 6 says (UCP-1.0-R010);
 * per-rank local tensors of a Megatron-style tensor-parallel layout or of DTensor
   placements consolidated into full, unpadded tensors (spec/ucp-1.0-layout.md): split
   dimensions, fused parts in part-major or group-major order, vocabulary padding dropped
-  (R113); a tensor the ranks do not cover is refused before anything is written (R131);
-* the group documents, the manifest with SHA-256 digests (R042) and, last, the root
-  ``zarr.json`` with the consolidated metadata, written atomically (R050 to R055); a
-  committed checkpoint at the destination is never touched (R053).
+  (UCP-1.0-R113); a tensor the ranks do not cover is refused before anything is written
+  (UCP-1.0-R131);
+* the group documents, the manifest with SHA-256 digests (UCP-1.0-R042) and, last, the root
+  ``zarr.json`` with the consolidated metadata, written atomically (UCP-1.0-R050 to UCP-1.0-R055); a
+  committed checkpoint at the destination is never touched (UCP-1.0-R053).
 
 Data types: those zarr-python 3.1 knows without plugins (no bfloat16, no float8), which
 the capabilities say, so the suite leaves the others out.
@@ -58,7 +60,7 @@ class Refused(Exception):
 
 
 def escape(name: str) -> str:
-    """The node name of a logical name (spec section 6, R010)."""
+    """The node name of a logical name (spec section 6, UCP-1.0-R010)."""
     raw = name.encode("utf-8")
     if name and set(name) == {"."}:
         return "%2E" * len(name)
@@ -74,7 +76,7 @@ def escape(name: str) -> str:
 
 def splitmix64(seed: int, shape: Sequence[int], dtype: np.dtype[Any], is_bool: bool
                ) -> np.ndarray[Any, Any]:
-    """The spec's deterministic contents (R240): a stream of splitmix64(seed + k) words."""
+    """The spec's deterministic contents (UCP-1.0-R240): a stream of splitmix64(seed + k) words."""
     n = math.prod(shape)
     nbytes = n * dtype.itemsize
     k = np.arange(-(-nbytes // 8), dtype=np.uint64)
@@ -366,7 +368,7 @@ def write(scenario_path: Path, out: Path) -> None:
         ucp_root["metadata"] = scenario["metadata"]
     if root_values:
         ucp_root["values"] = root_values
-    # R045: the manifest seals a copy of the root's attributes (without the manifest
+    # UCP-1.0-R045: the manifest seals a copy of the root's attributes (without the manifest
     # reference, which cannot hold its own digest)
     manifest = _dump({"hash_algorithm": "sha256", "files": dict(sorted(files.items())),
                       "root_attributes": {"ucp": dict(ucp_root)}})

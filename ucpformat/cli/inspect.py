@@ -114,7 +114,7 @@ def document(ckpt: Checkpoint, files: int | None) -> dict[str, Any]:
 
 def aliases(ckpt: Checkpoint) -> list[tuple[str, str, str]]:
     """(group path, alias, stored name) of every tied tensor: a logical name that a
-    group's ``attributes.ucp.aliases`` maps onto a tensor stored once (spec R108)."""
+    group's ``attributes.ucp.aliases`` maps onto a tensor stored once (spec UCP-1.0-R108)."""
     out: list[tuple[str, str, str]] = []
     for path in sorted(ckpt.groups):
         table = ckpt.groups[path].ucp.get("aliases")

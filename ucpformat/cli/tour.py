@@ -96,7 +96,7 @@ def training_state(seed: int = 0) -> dict[str, Any]:
                           "base_lr": 3e-4, "last_epoch": STEP},
             "data": {"epoch": 0, "samples_seen": STEP * 64, "shard": "train-00003"},
             "best_val_loss": float("inf"),
-            # the data generator's state, as spec R085 lays it out (PCG64: 128-bit integers)
+            # the data generator's state, as spec UCP-1.0-R085 lays it out (PCG64: 128-bit integers)
             "rng": generator_states.encode({"generators": {"data": rng.bit_generator.state}}),
         },
     }

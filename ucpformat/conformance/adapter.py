@@ -4,11 +4,11 @@ An adapter is a command (``CMD``, any language) that the suite runs with one of 
 argument lists; it prints one JSON document on stdout and reports through its exit status:
 
 * ``CMD capabilities`` -> capabilities (UCP-1.0-R230);
-* ``CMD read CHECKPOINT REQUEST_JSON`` -> a response; exit 0 read, 1 refused (R231);
-* ``CMD read-batch BATCH_JSON`` -> ``{"results": {id: response}}`` (R232, optional);
-* ``CMD write SCENARIO_JSON OUT_DIR`` -> exit 0 once committed, non-zero otherwise (R233);
-* ``CMD validate CHECKPOINT`` -> a validation result; exit 0 valid, 1 invalid (R234);
-* ``CMD validate-rules RULES_JSON APPLY_JSON`` -> a validation result (R234, optional).
+* ``CMD read CHECKPOINT REQUEST_JSON`` -> a response; exit 0 read, 1 refused (UCP-1.0-R231);
+* ``CMD read-batch BATCH_JSON`` -> ``{"results": {id: response}}`` (UCP-1.0-R232, optional);
+* ``CMD write SCENARIO_JSON OUT_DIR`` -> exit 0 once committed, non-zero otherwise (UCP-1.0-R233);
+* ``CMD validate CHECKPOINT`` -> a validation result; exit 0 valid, 1 invalid (UCP-1.0-R234);
+* ``CMD validate-rules RULES_JSON APPLY_JSON`` -> a validation result (UCP-1.0-R234, optional).
 
 Exit status 2 (or any other) means the adapter itself failed.
 """

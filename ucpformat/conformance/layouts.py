@@ -37,7 +37,8 @@ TARGET_DEFAULTS: Mapping[str, Any] = {
 
 @dataclass(frozen=True)
 class Target:
-    """One rank of a target parallel layout (tensor, pipeline and expert parallelism)."""
+    """One rank of a target parallel layout (tensor, pipeline and expert parallelism; no
+    data-parallel degree: ``ep`` stands for it, UCP-1.0-R216)."""
 
     tp: int = 1
     tp_rank: int = 0
@@ -49,8 +50,8 @@ class Target:
     num_experts: int | None = None
     fused_order: str = "part-major"
     vocab_multiple: int = 1
-    stage: str = "all"  # the stages that hold tensors without a layer index (R115)
-    pp_layers: tuple[int, ...] | None = None  # layers of each stage (default: even, R116)
+    stage: str = "all"  # the stages that hold tensors without a layer index (UCP-1.0-R115)
+    pp_layers: tuple[int, ...] | None = None  # layers of each stage (default: even, UCP-1.0-R116)
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> Target:
@@ -72,7 +73,8 @@ class Target:
                   ) -> LocalMap | None:
         """The rank's local tensor as pieces of the consolidated one; None if not held.
 
-        Raises LayoutError (with UCP-1.0-R110, R111 or R112) for a target that cannot
+        Raises LayoutError (with UCP-1.0-R110, UCP-1.0-R111 or UCP-1.0-R112) for a target that
+        cannot
         hold the tensor exactly.
         """
         for name in ("tp", "pp", "ep"):

@@ -149,13 +149,13 @@ def decompress(compression: Compression, codec: Any, payload: memoryview, nbytes
     ``nbytes`` (plus one, to tell "too long"): a hostile chunk of a few KB that expands to
     gigabytes (a decompression bomb) is refused before it is expanded (spec UCP-1.0-R090,
     UCP-1.0-R093). Raises :class:`SizeMismatch` for data of another size, and
-    :class:`FrameRefused` for zstd data that is not one frame declaring its size (R047)."""
+    :class:`FrameRefused` for zstd data that is not one frame declaring its size (UCP-1.0-R047)."""
     name = compression.name
     if name == "gzip":
         return memoryview(_gunzip(payload, nbytes))
     declared = _blosc_nbytes(payload) if name == "blosc" else _zstd_frame_size(payload, nbytes)
     if name == "blosc" and _blosc_cbytes(payload) != len(payload):
-        # c-blosc trusts this header field and would read past the buffer (R093)
+        # c-blosc trusts this header field and would read past the buffer (UCP-1.0-R093)
         raise SizeMismatch(
             f"its blosc header says {_blosc_cbytes(payload)} compressed bytes, it holds "
             f"{len(payload)}"

@@ -36,7 +36,7 @@ ENCODING_SLACK = 1 << 16
 
 
 def max_encoded_nbytes(decoded: int) -> int:
-    """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), R098."""
+    """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), UCP-1.0-R098."""
     return 2 * decoded + ENCODING_SLACK
 
 
@@ -240,7 +240,8 @@ class ArrayReader:
             if shard_size is None:
                 shard_size = self.store.size(key)
             if shard_size is not None and offset + nbytes > shard_size - isize:
-                # inner chunks lie before the index (UCP-1.0-R048), and inside the shard (R094)
+                # inner chunks lie before the index (UCP-1.0-R048), and inside the shard
+                # (UCP-1.0-R094)
                 beyond = offset + nbytes > shard_size
                 raise CorruptDataError(
                     f"inner chunk {self._chunk_label(gchunk, key)} has the index entry (offset "
@@ -329,7 +330,7 @@ class ArrayReader:
             raise self._missing(f"chunk {label}")
         expected = payload + CRC_BYTES
         if got != expected:
-            # a shard whose index points past its end (R094), or a chunk of the wrong size
+            # a shard whose index points past its end (UCP-1.0-R094), or a chunk of the wrong size
             beyond = read.nbytes is not None and got < expected
             raise CorruptDataError(
                 f"chunk {label} holds {got - CRC_BYTES if got >= CRC_BYTES else got} bytes"

@@ -59,7 +59,7 @@ def encode_object(
     """Buffers of the stored object at ``coords``, given ``data`` = that object's region.
 
     ``pad`` makes a whole chunk of an edge chunk's block (default: the fill value beyond
-    the array, R034).
+    the array, UCP-1.0-R034).
     """
     if pad is None:
         def pad(block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -269,7 +269,7 @@ class ModelLayout:
     def _parameter_layout(
         self, ckpt: Checkpoint, prefix: str, name: str, shape: Sequence[int]
     ) -> TensorLayout | None:
-        """The layout of parameter ``name``, which a same-shaped state follows (R109)."""
+        """The layout of parameter ``name``, which a same-shaped state follows (UCP-1.0-R109)."""
         path = f"{prefix}/{names.escape(name)}"
         if path not in ckpt or ckpt[path].shape != tuple(shape):
             return None

@@ -146,7 +146,8 @@ class TensorLayout:
     # -- consistency with the array ------------------------------------------------------
 
     def check(self, shape: Sequence[int], *, tensor: str | None = None) -> None:
-        """Refuse layout semantics that contradict the array's shape (R101-R107)."""
+        """Refuse layout semantics that contradict the array's shape (UCP-1.0-R101 to
+        UCP-1.0-R107)."""
         ndim = len(shape)
 
         def in_range(d: int | None, what: str, rule: str) -> None:

@@ -268,6 +268,7 @@ def tp_dim_map(
     mine = range(tp_rank * groups // tp, (tp_rank + 1) * groups // tp)
     pieces: list[DimMap] = []
     offsets = layout.part_offsets()
+    # the fused order applies at every degree, tp=1 included (UCP-1.0-R119)
     if conventions.fused_order == GROUP_MAJOR:
         order = [(g, p, off) for g in mine for p, off in offsets]
     else:

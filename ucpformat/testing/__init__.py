@@ -3,11 +3,12 @@
 - :mod:`~ucpformat.testing.conformance`: run the conformance suite (reader, writer,
   checker) from a project's own tests, pytest or otherwise;
 - :mod:`~ucpformat.testing.faults`: writers killed at every step of a save (crash
-  consistency of the commit protocol, UCP-1.0-R050 to R056, R132);
+  consistency of the commit protocol, UCP-1.0-R050 to UCP-1.0-R056, UCP-1.0-R132);
 - :mod:`~ucpformat.testing.corruption`: bytes, chunks, shard indexes and metadata files
-  damaged at random (R041 to R043, R055);
+  damaged at random (UCP-1.0-R041 to UCP-1.0-R043, UCP-1.0-R055);
 - :mod:`~ucpformat.testing.hostile`: malformed and hostile metadata and data against the
-  readers (R090 to R099); :mod:`~ucpformat.testing.fuzz_atheris` is its coverage-guided
+  readers (UCP-1.0-R090 to UCP-1.0-R099); :mod:`~ucpformat.testing.fuzz_atheris` is its
+  coverage-guided
   counterpart;
 - :mod:`~ucpformat.testing.s3`: a local S3-compatible server (moto) on loopback.
 

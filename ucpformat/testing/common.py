@@ -28,7 +28,7 @@ def small_state(seed: int = 0) -> dict[str, Any]:
     return {
         "model": {
             "fc.weight": w,
-            "fc.bias": np.zeros(40, np.float32),  # all zeros: still written (R030)
+            "fc.bias": np.zeros(40, np.float32),  # all zeros: still written (UCP-1.0-R030)
             "emb.weight": rng.standard_normal((33, 24)).astype(ml_dtypes.bfloat16),
             "norm.scale": rng.integers(0, 255, size=(7,), dtype=np.uint8),
         },

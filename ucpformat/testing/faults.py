@@ -462,12 +462,12 @@ def check_after_crash(
         trial.outcome = "refused"
         if not rule:
             trial.problems.append(f"refused without a requirement id: {message}")
-        if "R051" not in rule:
+        if "UCP-1.0-R051" not in rule:
             trial.problems.append(f"refused, but not as an incomplete checkpoint: {message}")
         if report.valid:
             trial.problems.append("open refuses it but validate finds it valid")
         elif "UCP-1.0-R051" not in report.rules():
-            trial.problems.append(f"validate refuses it without R051: {report.errors[:2]}")
+            trial.problems.append(f"validate refuses it without UCP-1.0-R051: {report.errors[:2]}")
 
 
 def cli_available() -> bool:
@@ -478,14 +478,14 @@ def cli_available() -> bool:
 
 def check_cli(trial: Trial, target: Path) -> None:
     """``ucp validate`` (when the CLI exists) agrees: exit 0 for a committed checkpoint,
-    1 (invalid, naming R051) or 2 (nothing there) for an interrupted one."""
+    1 (invalid, naming UCP-1.0-R051) or 2 (nothing there) for an interrupted one."""
     proc = subprocess.run(
         [sys.executable, "-m", "ucpformat.cli", "validate", "--json", str(target)],
         capture_output=True, text=True, timeout=120,
     )
     if trial.outcome == "refused":
         if proc.returncode == 1 and "UCP-1.0-R051" not in proc.stdout:
-            trial.problems.append(f"ucp validate refuses without R051: {proc.stdout[:200]}")
+            trial.problems.append(f"ucp validate refuses without UCP-1.0-R051: {proc.stdout[:200]}")
         elif proc.returncode not in (1, 2):
             trial.problems.append(f"ucp validate exits {proc.returncode} on an interrupted save")
     elif proc.returncode != 0:
@@ -522,11 +522,12 @@ def retry_and_check(trial: Trial, target: Path, seed_b: int, *, durable: bool) -
         if not committed:
             trial.problems.append(f"the retried save failed: {exc}")
     except UCPError as exc:
-        if not (committed and "R053" in str(exc)):
+        if not (committed and "UCP-1.0-R053" in str(exc)):
             trial.problems.append(f"the retried save failed: {exc}")
     else:
         if committed and trial.scenario != "overwrite":
-            trial.problems.append("a save onto a committed checkpoint did not refuse (R053)")
+            trial.problems.append(
+                "a save onto a committed checkpoint did not refuse (UCP-1.0-R053)")
     diffs = _diffs(target, expected_state(trial.scenario, seed_b))
     if diffs:
         trial.problems.append(f"the retried save does not load back: {diffs[:3]}")

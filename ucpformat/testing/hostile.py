@@ -12,8 +12,9 @@ checkpoint - then runs the readers: ``open``, a read of every tensor, ``validate
 The only outcome allowed (UCP-1.0-R097) is success or a :class:`~ucpformat.errors.UCPError`
 with a message; :class:`Guard` fails the example on any other exception, on a run longer
 than its time limit, on a traced allocation beyond ``max_read_bytes`` plus a margin
-(R090, R093, R094), and on any file opened outside the checkpoint and the library's own
-files (R091), recorded with a ``sys.addaudithook`` hook.
+(UCP-1.0-R090, UCP-1.0-R093, UCP-1.0-R094), and on any file opened outside the checkpoint and the
+library's own
+files (UCP-1.0-R091), recorded with a ``sys.addaudithook`` hook.
 
 Run ``python -m ucpformat.testing.hostile --examples 2000`` (``make stress``) for the
 figures; the test suite runs each target with fewer examples.
@@ -161,7 +162,7 @@ class Guard:
         elapsed = time.monotonic() - start
         if peak > self.limit + MARGIN:
             self.violations.append(
-                f"allocated {peak} bytes at peak, over {self.limit} + {MARGIN} (R090)"
+                f"allocated {peak} bytes at peak, over {self.limit} + {MARGIN} (UCP-1.0-R090)"
             )
         if elapsed > self.time_limit:
             self.violations.append(f"took {elapsed:.1f} s")
@@ -211,7 +212,7 @@ def exercise(root: Path, *, limit: int = LIMIT, store: Store | None = None,
 
 def _run_cli(root: Path) -> None:
     """``ucp inspect --json`` and ``ucp validate --json``, as a pipe would take their output
-    (strict UTF-8): exit 0, 1 or 2, and never an internal error (R006, R097)."""
+    (strict UTF-8): exit 0, 1 or 2, and never an internal error (UCP-1.0-R006, UCP-1.0-R097)."""
     from ucpformat.cli import main as ucp
 
     for argv in (["inspect", "--json", str(root)], ["validate", "--json", str(root)]):
@@ -443,7 +444,7 @@ def make_fixture(directory: Path, *, compression: str | None = "zstd") -> Fixtur
 
 
 def _with_node(fx: Fixture, path: str, node: Any) -> dict[str, bytes | None]:
-    """The root and the node's own zarr.json, both holding ``node`` (so R055 holds)."""
+    """The root and the node's own zarr.json, both holding ``node`` (so UCP-1.0-R055 holds)."""
     root = fx.doc(ZARR_JSON)
     root["consolidated_metadata"]["metadata"][path] = node
     return {ZARR_JSON: dump_root(root), f"{path}/{ZARR_JSON}": dump(node)}
@@ -669,7 +670,7 @@ def _symlinks(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]
 
 @target("root-edited")
 def _root_edited(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
-    """The root edited and left unsealed: ``open`` must refuse every change (R058)."""
+    """The root edited and left unsealed: ``open`` must refuse every change (UCP-1.0-R058)."""
     def put(doc: Any) -> dict[str, bytes | None]:
         body = dump(doc)
         return {ZARR_JSON: body, "__must_refuse__": b"" if body != fx.files[ZARR_JSON] else None}
@@ -713,7 +714,7 @@ class FailingStore(LocalStore):
 
 @target("os-errors")
 def _os_errors(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
-    """A read the operating system refuses (R099): only UCPError, validate never raises."""
+    """A read the operating system refuses (UCP-1.0-R099): only UCPError, validate never raises."""
     keys = st.one_of(st.none(), st.sampled_from(sorted(fx.files)))
     return st.tuples(keys, st.sampled_from(_READS), st.sampled_from(OS_ERRORS)), lambda arg: {
         "__store__": json.dumps([arg[0], arg[1], OS_ERRORS.index(arg[2])]).encode()}
@@ -727,7 +728,7 @@ def _nested(depth: int, leaf: str) -> str:
 def _large_root(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
     """Roots of up to 4 MiB of the structures that cost the most memory to parse (nested
     one-element lists, empty objects, short strings, many keys): refused unread beyond
-    the metadata limit, parsed within 48 times their size below it (R098)."""
+    the metadata limit, parsed within 48 times their size below it (UCP-1.0-R098)."""
     shapes: dict[str, Callable[[int], str]] = {
         "nested lists": lambda n: "[" + ",".join([_nested(40, "{}")] * (n // 84)) + "]",
         "empty objects": lambda n: "[" + "{}," * (n // 3) + "{}]",
@@ -750,7 +751,7 @@ def _large_root(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | Non
 
 @target("gzip-members")
 def _gzip_members(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
-    """A gzip chunk of up to 400,000 concatenated members, empty or not (R098: decoded in
+    """A gzip chunk of up to 400,000 concatenated members, empty or not (UCP-1.0-R098: decoded in
     one pass, not once per member over the rest of the chunk)."""
     path = "model/norm.scale"
     node = fx.doc(ZARR_JSON)["consolidated_metadata"]["metadata"][path]
@@ -806,7 +807,7 @@ def fuzz_target(name: str, fx: Fixture, examples: int, figures: Figures,
         else:
             return  # the target ran its own check (rule files)
         if must_refuse and opened:
-            raise HostileInputFailure("open accepted a root edited after its commit (R058)")
+            raise HostileInputFailure("open accepted a root edited after its commit (UCP-1.0-R058)")
         if outcomes:
             figures.refused += 1
 

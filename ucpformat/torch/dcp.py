@@ -679,7 +679,8 @@ def _bytes_meta(
 
 
 def _check_optimizer_values(values: Mapping[str, Any], arrays: Mapping[str, ArrayMeta]) -> None:
-    """Refuse param groups the spec refuses (R081, R082), before anything is committed."""
+    """Refuse param groups the spec refuses (UCP-1.0-R081, UCP-1.0-R082), before anything is
+    committed."""
     if not values:
         return
     hint = ("save the optimizer state of torch.distributed.checkpoint.state_dict."

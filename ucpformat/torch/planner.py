@@ -113,7 +113,7 @@ def saved_param_groups(
     ckpt: Checkpoint, optimizer_type: str, *, strict: bool
 ) -> list[Mapping[str, Any]]:
     """The param groups of a checkpoint's optimizer, checked; with ``strict``, its type,
-    if it names one (R081: optional; DCP and the importers do not know it), must be
+    if it names one (UCP-1.0-R081: optional; DCP and the importers do not know it), must be
     ``optimizer_type`` (a qualified class name)."""
     saved: dict[str, Any] = ckpt.values("optimizer")
     saved_type = saved.get("type")
@@ -334,7 +334,7 @@ def plan_model(
     group = ckpt.groups.get("model")
     for alias, target in (group.ucp.get("aliases", {}) if group else {}).items():
         if isinstance(target, str) and target in stored and alias not in stored:
-            stored[str(alias)] = stored[target]  # a tied tensor stored once (R108)
+            stored[str(alias)] = stored[target]  # a tied tensor stored once (UCP-1.0-R108)
     values = group_values(ckpt, "model")
     skipped = {k for k in skip if k not in state_dict}
     plan = ModelPlan(

@@ -1,6 +1,6 @@
 """Save and load single-process PyTorch training state as a UCP checkpoint.
 
-Layout (spec ucp-1.0.md section 14, R080-R084; tied tensors R108):
+Layout (spec ucp-1.0.md section 14, UCP-1.0-R080 to UCP-1.0-R084; tied tensors UCP-1.0-R108):
 
 * ``model/<fqn>``: one array per tensor of ``model.state_dict()`` (parameters and
   buffers), ``attributes.ucp.role`` ``"parameter"`` or ``"buffer"``. A tensor held under
@@ -14,7 +14,8 @@ Layout (spec ucp-1.0.md section 14, R080-R084; tied tensors R108):
   integer ids). ``optimizer/state/<fqn>/<name>`` holds every tensor of the per-parameter
   state (role ``"optimizer_state"``; any name); other per-parameter values are JSON
   values of the ``optimizer/state/<fqn>`` group.
-* ``training``: values ``step`` and ``scheduler`` (``scheduler.state_dict()``), plus the
+* ``training`` (what a resumed run needs besides model and optimizer, UCP-1.0-R083):
+  values ``step`` and ``scheduler`` (``scheduler.state_dict()``), plus the
   entries of ``extra`` (tensors become arrays of role ``"training_state"``).
 
 Naming optimizer parameters: torch numbers them in ``param_groups`` order; each number
@@ -449,7 +450,7 @@ def save(
     """Save a model, optimizer, LR scheduler, step and extra training state.
 
     ``rng=True`` stores the random-number generators' state (:func:`rng_state`: Python's
-    ``random``, NumPy's, torch's CPU and CUDA ones) in ``training/rng`` (spec R085); a
+    ``random``, NumPy's, torch's CPU and CUDA ones) in ``training/rng`` (spec UCP-1.0-R085); a
     mapping of that form (``rng_state(generators={...})``) stores that state instead.
 
     ``model`` is an ``nn.Module`` (its ``state_dict()``, parameters and buffers told
@@ -651,7 +652,7 @@ def meta_left(model: torch.nn.Module | None) -> list[str]:
 
 
 def _stored_rng(training: Mapping[str, Any], *, required: bool) -> dict[str, Any] | None:
-    """The state in ``training/rng`` (R085), or None if there is none; a group that breaks
+    """The state in ``training/rng`` (UCP-1.0-R085), or None if there is none; a group that breaks
     the convention is a ``FormatError`` where it is to be restored (``required``), else
     None (its arrays and values are still in ``LoadResult.training``)."""
     tree = training.get("rng")

@@ -214,7 +214,8 @@ def validate(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def validate_rules(rules_path: str | Path, apply_path: str | Path | None) -> dict[str, Any]:
-    """Validate a rule file (R120), its expressions (R121) and its coverage of names (R122).
+    """Validate a rule file (UCP-1.0-R120), its expressions (UCP-1.0-R121) and its coverage of
+    names (UCP-1.0-R122).
 
     ``apply_path`` (parameters and names to resolve) is optional: without it, only the
     file itself is checked.

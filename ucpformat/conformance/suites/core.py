@@ -1,7 +1,7 @@
 """What the reader, writer and validator suites share.
 
-The adapter's capabilities (R230), the selection of cases by ``--only``, timing,
-schema checks of what an adapter prints, and the words of a claim (R201).
+The adapter's capabilities (UCP-1.0-R230), the selection of cases by ``--only``, timing,
+schema checks of what an adapter prints, and the words of a claim (UCP-1.0-R201).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def schema_errors(kind: str, doc: Any) -> list[str]:
 
 
 def read_capabilities(adapter: Adapter, role: str, report: SuiteReport) -> dict[str, Any]:
-    """Ask the adapter for its capabilities (R230) and judge them in a result of ``report``."""
+    """Ask the adapter for its capabilities (UCP-1.0-R230) and judge them in a result of
+    ``report``."""
     check = f"{role}.capabilities"
     result = report.add(Result(check, str(adapter), requirements_of(check)))
     with timed(result):
@@ -87,13 +88,13 @@ def read_capabilities(adapter: Adapter, role: str, report: SuiteReport) -> dict[
 
 
 def types_of(caps: Mapping[str, Any]) -> set[str]:
-    """The data types of Table 1 an adapter implements (R203; all when it lists none)."""
+    """The data types of Table 1 an adapter implements (UCP-1.0-R203; all when it lists none)."""
     listed = caps.get("data_types")
     return set(ALL_TYPES) if listed is None else set(listed) & set(ALL_TYPES)
 
 
 def features_of(caps: Mapping[str, Any]) -> set[str]:
-    """The features an adapter declares (R230)."""
+    """The features an adapter declares (UCP-1.0-R230)."""
     return set(caps.get("features", []))
 
 

@@ -1,8 +1,8 @@
-"""The reader suite: run a reader adapter over every case (UCP-1.0-R210 to R215).
+"""The reader suite: run a reader adapter over every case (UCP-1.0-R210 to UCP-1.0-R215).
 
 Valid cases are read bit for bit (digests of tensors and selections, values, metadata,
 local tensors of target layouts); invalid cases of stage ``open`` or ``read`` are refused;
-tensors of undeclared data types are refused, never misread (R092, R203).
+tensors of undeclared data types are refused, never misread (UCP-1.0-R092, UCP-1.0-R203).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def reader_suite(
     timeout: float = 300.0,
     single: bool = True,
 ) -> SuiteReport:
-    """Run a reader adapter over every case (UCP-1.0-R210 to R215).
+    """Run a reader adapter over every case (UCP-1.0-R210 to UCP-1.0-R215).
 
     ``command`` is the adapter's command line, or an :class:`Adapter` (such as a
     :class:`~ucpformat.conformance.adapter.CallableAdapter` for code tested in process).
@@ -282,7 +282,8 @@ def _judge_invalid(report: SuiteReport, case: Case, run: Run | None, response: A
 
 def _judge_unsupported(report: SuiteReport, supported: set[str],
                        seen: Mapping[str, Mapping[str, list[str]]]) -> None:
-    """R092 and R203: tensors of undeclared data types are refused, never misread."""
+    """UCP-1.0-R092 and UCP-1.0-R203: tensors of undeclared data types are refused, never
+    misread."""
     unsupported = sorted(set(ALL_TYPES) - supported)
     result = report.add(Result("reader.unsupported-types", ", ".join(unsupported) or "none",
                                requirements_of("reader.unsupported-types")))
@@ -299,7 +300,8 @@ def _judge_unsupported(report: SuiteReport, supported: set[str],
 
 def _single_mode(report: SuiteReport, adapter: Adapter, cases: Sequence[Case], work: Path,
                  supported: set[str]) -> None:
-    """The single-case command line on one valid and one invalid case (R231 exit statuses)."""
+    """The single-case command line on one valid and one invalid case (UCP-1.0-R231 exit
+    statuses)."""
     result = report.add(Result("reader.contract", "read CHECKPOINT REQUEST",
                                requirements_of("reader.contract")))
     by_name = {c.name: c for c in cases}

@@ -1,4 +1,4 @@
-"""The validator suite: judge a validator by every case (UCP-1.0-R250, R251).
+"""The validator suite: judge a validator by every case (UCP-1.0-R250, UCP-1.0-R251).
 
 Without an adapter command the reference validator is judged, in process.
 """

@@ -1,8 +1,10 @@
-"""The writer suite: hand a writer adapter every scenario, check what it wrote (R220 to R222).
+"""The writer suite: hand a writer adapter every scenario, check what it wrote (UCP-1.0-R220 to
+UCP-1.0-R222).
 
 Each checkpoint is validated deep and compared with the scenario's contents; layout
 scenarios are loaded into other layouts; fault checks limit the size of the files the
-adapter may write, and put a committed checkpoint where it writes (R050, R053, R054).
+adapter may write, and put a committed checkpoint where it writes (UCP-1.0-R050, UCP-1.0-R053,
+UCP-1.0-R054).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def writer_suite(
     faults: bool = True,
     keep: Path | None = None,
 ) -> SuiteReport:
-    """Hand a writer adapter every scenario and check what it wrote (UCP-1.0-R220 to R222).
+    """Hand a writer adapter every scenario and check what it wrote (UCP-1.0-R220 to UCP-1.0-R222).
 
     The fault-injection checks limit the size of the files the adapter's process may
     write, so they need a command; an in-process adapter skips them.
@@ -143,7 +145,7 @@ def _run_scenario(report: SuiteReport, adapter: Adapter, scenario: Scenario,
     out = work / scenario.name / "out"
     if out.exists():
         shutil.rmtree(out)
-    out.mkdir(parents=True)  # OUT_DIR is an empty folder (R233)
+    out.mkdir(parents=True)  # OUT_DIR is an empty folder (UCP-1.0-R233)
     with timed(result), WriteCounter(out) as counter:
         run = adapter.write(scenario_file, out)
     if scenario.refuse:
@@ -278,7 +280,7 @@ def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) 
 
 
 def _judge_loading(result: Result, out: Path, expected: Mapping[str, Any]) -> None:
-    """Load the written checkpoint into other layouts with ucpformat (R222)."""
+    """Load the written checkpoint into other layouts with ucpformat (UCP-1.0-R222)."""
     from ucpformat.layout.semantics import layout_of
     from ucpformat.reader import open_checkpoint
 
