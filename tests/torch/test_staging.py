@@ -498,3 +498,42 @@ def test_dcp_load_to_a_device_goes_through_the_pool(tmp_path: Path) -> None:
     assert pool.stats.allocations > 0 and pool.stats.in_use_bytes == 0
     assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
     assert events.keys("copied")  # batches retired once copied
+
+
+def test_the_pipeline_exchange_and_write_of_staged_ranks(tmp_path: Path) -> None:
+    """Two ranks (threads) hold rows 0-3 and 3-8 of one tensor; shards coarser than that
+    make rank 1 send its cells to the owner: the exchange takes them from the staging
+    area (copied when asked, released after packing), the write step from the scheduled
+    copies; every buffer returns."""
+    from ucpformat.comm import run_threads
+    from ucpformat.distributed import TensorSpec
+    from ucpformat.distributed import save_distributed as core_save
+    from ucpformat.layout.boxes import Piece
+    from ucpformat.torch.distributed import StagedFragments
+
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    rows = [(0, 3), (3, 8)]
+    pools = [HostBufferPool(1 << 20, pin=False) for _ in rows]
+    logs = [Events() for _ in rows]
+
+    def rank(comm: Any) -> Any:
+        a, b = rows[comm.rank]
+        local = full[a:b].clone()
+        piece = Piece(((0, b - a), (0, 6)), ((a, b), (0, 6)))
+        source = StagedFragments([("model/w", local, (piece,))],
+                                 Staging(pool=pools[comm.rank], cpu=True,
+                                         recorder=logs[comm.rank]))
+        try:
+            return core_save(tmp_path / "ckpt", comm,
+                             specs=[TensorSpec("model/w", (8, 6), "float32")],
+                             fragments=source, min_shard_bytes=1 << 20)
+        finally:
+            source.stop()
+
+    results = run_threads(2, rank, timeout=WAIT_S)
+    assert sum(r.bytes_received_here for r in results) > 0  # cells were exchanged
+    got = ucpformat.open_checkpoint(tmp_path / "ckpt").tensor("model", "w").read()
+    assert got.tobytes() == _raw(full)
+    for pool, log in zip(pools, logs, strict=True):
+        assert pool.stats.in_use_bytes == 0
+        assert len(log.keys("release")) == len(log.keys("copy-start")) >= 1
