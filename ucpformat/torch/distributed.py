@@ -808,10 +808,12 @@ def load_distributed(
 
 
 __all__ = [
+    "StagedFragments",
     "collect_state",
     "fragments_of",
     "load_distributed",
     "local_map_of",
+    "local_tensors",
     "placements_of",
     "save_distributed",
 ]
