@@ -431,37 +431,10 @@ def save(
 
     ``feed`` gives the values of the :class:`ucpformat.feed.Deferred` arrays of
     ``state``, which are written in the order given, each as soon as the feed has it
-    (:mod:`ucpformat.torch.staging` copies tensors from a GPU this way).
+    (:mod:`ucpformat.torch.staging` copies tensors from a GPU this way); the feed is
+    started when the writes start and stopped when they end (a save that fails before
+    never starts it).
     """
-    try:
-        return _save(path, state, metadata=metadata, compression=compression,
-                     hash_algorithm=hash_algorithm, overwrite=overwrite,
-                     chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, workers=workers,
-                     durable=durable, progress=progress, array_attributes=array_attributes,
-                     created=created, producer=producer, feed=feed)
-    finally:
-        if feed is not None:
-            feed.stop()
-
-
-def _save(
-    path: str | os.PathLike[str] | Store,
-    state: Mapping[str, Any],
-    *,
-    metadata: Mapping[str, Any] | None,
-    compression: str | Mapping[str, Any] | None,
-    hash_algorithm: str | None,
-    overwrite: bool,
-    chunk_bytes: int,
-    shard_bytes: int,
-    workers: int | None,
-    durable: bool,
-    progress: bool | ProgressCallback,
-    array_attributes: ArrayAttributes | None,
-    created: str | None,
-    producer: Mapping[str, Any] | None,
-    feed: feeds.Feed | None,
-) -> SaveResult:
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
     the_plan = plan(
