@@ -331,7 +331,7 @@ class Stager:
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def __contains__(self, key: object) -> bool:
         return key in self._tensors
@@ -385,8 +385,9 @@ class Stager:
                     slot.error = StagingStopped("staging was stopped", tensor=key)
                 slot.ready.set()
 
-        self._thread = threading.Thread(target=run, name="ucp-staging", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=run, name="ucp-staging", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def get(self, key: str) -> np.ndarray[Any, Any]:
         with self._lock:
@@ -423,9 +424,9 @@ class Stager:
 
     def stop(self) -> None:
         self._stopped.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        for thread in self._threads:  # every copy thread ends before buffers are returned
+            if thread is not threading.current_thread():
+                thread.join()
         with self._lock:
             slots, self._slots = list(self._slots.values()), {}
         for slot in slots:
