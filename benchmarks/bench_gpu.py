@@ -49,6 +49,8 @@ from benchmarks import Table, common
 from benchmarks import state as synthetic
 
 SIZES_GIB = (8, 32)
+#: Where the state lives. Only tests change it (to "cpu": a dry run of every step).
+DEVICE = "cuda"
 
 
 def cuda_available() -> bool:
@@ -77,22 +79,32 @@ def device_line() -> str:
 
 
 def make_state(gib: float) -> dict[str, Any]:
-    """The synthetic state, made on the GPU (no host copy)."""
+    """The synthetic state, made on the device (no host copy)."""
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     out: dict[str, Any] = {}
     for d in synthetic.tensors(gib * 1024):
         dtype = torch.bfloat16 if d.dtype == "bfloat16" else torch.float32
-        out[d.name] = torch.empty(d.shape, dtype=dtype, device="cuda").normal_(generator=gen)
-    torch.cuda.synchronize()
+        out[d.name] = torch.empty(d.shape, dtype=dtype, device=DEVICE).normal_(generator=gen)
+    _sync()
     return out
 
 
 def _sync() -> None:
+    """Wait for the device (every stream)."""
     import torch
 
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _stream_free() -> None:
+    """Wait until the caller's stream has run what is queued on it (training's view)."""
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.current_stream().synchronize()
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -140,7 +152,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
     raw = root / "raw.bin"
 
     def limits() -> None:
-        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=DEVICE == "cuda")
                   for k, t in state.items()}
         secs["d2h_pinned"], _ = _timed(lambda: [pinned[k].copy_(t, non_blocking=True)
                                                 for k, t in state.items()])
@@ -191,7 +203,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
 
     def ucp_load() -> float:
         common.evict(ucp)
-        t, loaded = _timed(lambda: ucpt.load_state_dict(ucp, map_location="cuda"))
+        t, loaded = _timed(lambda: ucpt.load_state_dict(ucp, map_location=DEVICE))
         del loaded
         return t
 
@@ -215,7 +227,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 future = saver.save(path, model=module)
                 returned = time.perf_counter() - t0
-                torch.cuda.current_stream().synchronize()  # training's stream is free
+                _stream_free()
                 blocked = time.perf_counter() - t0
                 future.result()
                 total = time.perf_counter() - t0
@@ -240,7 +252,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
             upload = getattr(response, "upload_completion", response)
             if staging is not None:
                 staging.result()
-            torch.cuda.current_stream().synchronize()
+            _stream_free()
             blocked = time.perf_counter() - t0
             upload.result()
             total = time.perf_counter() - t0
@@ -280,7 +292,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
 
     def torch_load() -> float:
         common.evict(pt)
-        t, loaded = _timed(lambda: torch.load(pt, map_location="cuda", weights_only=True))
+        t, loaded = _timed(lambda: torch.load(pt, map_location=DEVICE, weights_only=True))
         del loaded
         return t
 

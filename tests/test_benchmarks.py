@@ -180,3 +180,20 @@ def test_staging_and_gpu_benchmarks_run(tmp_path: Path, capsys: pytest.CaptureFi
         assert bench_gpu.run(quick=True) == []
         assert bench_gpu.main([]) == 0
         assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_steps_dry_run_on_the_cpu(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step of bench_gpu on a tiny CPU state: the calls to ucpformat, DCP and torch
+    work and every figure is produced (the GPU machine then only measures)."""
+    from benchmarks import bench_gpu
+
+    monkeypatch.setattr(bench_gpu, "DEVICE", "cpu")
+    m = bench_gpu.measure(0.004, tmp_path)
+    assert m["errors"] == {}
+    assert {key for key, _ in bench_gpu.LABELS} <= set(m["seconds"])
+    assert set(bench_gpu.ratios(m)) == {
+        "async_blocked_over_d2h", "async_blocked_over_dcp_async", "sync_save_over_limit",
+        "load_over_limit", "sync_save_speed_over_dcp", "load_speed_over_dcp"}
+    assert len(bench_gpu.table(m, "cpu dry run").rows) == len(bench_gpu.LABELS)
+    assert list(tmp_path.iterdir()) == []  # every checkpoint removed once measured
