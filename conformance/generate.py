@@ -1466,6 +1466,7 @@ ALSO: dict[str, list[str]] = {
     "endian-big": ["022"],
     "index-codecs-without-crc32c": ["022"],
     "symlink-outside": ["041"],
+    "symlink-inside": ["041"],
     "chunk-is-directory": ["031", "041"],
     "layout-parts-without-tp": ["100"],
 }
@@ -2009,6 +2010,15 @@ def _(d: Damage) -> None:
     key = "training/rng/c/0"
     d.delete(key)
     os.symlink("../../../../expected.json", d.path(key))
+
+
+@invalid("symlink-inside", "read", ["089"],
+         "A chunk file that is a symbolic link to a file inside the checkpoint with the "
+         "same bytes: no link under a checkpoint is followed.")
+def _(d: Damage) -> None:
+    key = "training/rng/c/0"
+    os.replace(d.path(key), d.path("training/rng/c/0-target"))
+    os.symlink("0-target", d.path(key))
 
 
 @invalid("chunk-is-directory", "read", ["091"],

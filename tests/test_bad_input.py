@@ -524,11 +524,16 @@ def test_symlink_planted_after_a_read_is_refused_by_the_open_checkpoint(
     assert_refused(exc, errors.UnsafePathError, 91, "model/w/c/0/0")
 
 
-def test_symlink_inside_the_checkpoint_is_followed(sharded: Path) -> None:
+def test_symlink_inside_the_checkpoint_is_refused_too(sharded: Path) -> None:
+    """UCP-1.0-R089: no link is followed, even one that stays inside the checkpoint (a
+    reader cannot check where a link leads and then open it without a race)."""
     chunk = sharded / "model" / "b" / "c" / "0"
     os.replace(chunk, sharded / "model" / "b" / "elsewhere")
     chunk.symlink_to(sharded / "model" / "b" / "elsewhere")
-    assert_bits_equal(ucpformat.open(sharded)["model/b"].read(), np.arange(5, dtype=np.int32))
+    with pytest.raises(errors.UnsafePathError) as exc:
+        ucpformat.open(sharded)["model/b"].read()
+    assert_refused(exc, errors.UnsafePathError, 89, "model/b/c/0", "symbolic link")
+    assert rule(89) in ucpformat.validate(sharded).rules()
 
 
 # -- what the writer refuses ------------------------------------------------------------------
@@ -643,6 +648,11 @@ class Slow(LocalStore):
         time.sleep(0.01)
         return n
 
+    def create(self, key, buffers, *, atomic=False):
+        n = super().create(key, buffers, atomic=atomic)
+        time.sleep(0.01)
+        return n
+
     def delete(self, key):
         if key == "zarr.json":
             time.sleep(0.5)  # widen the window between the marker and the un-commit
@@ -733,7 +743,8 @@ def test_killed_overwrite_leaves_the_old_checkpoint_intact_or_refused(
 
 
 class FailingStore(LocalStore):
-    """A store whose ``fail_at``-th put raises OSError (as a full disk would)."""
+    """A store whose ``fail_at``-th write (put or create) raises OSError (as a full disk
+    would)."""
 
     def __init__(self, root: Path, fail_at: int | None) -> None:
         super().__init__(root, durable=False)
@@ -741,13 +752,20 @@ class FailingStore(LocalStore):
         self.puts = 0
         self._count_lock = threading.Lock()
 
-    def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+    def _fail(self, key: str) -> None:
         with self._count_lock:
             self.puts += 1
             fail = self.puts == self.fail_at
         if fail:
             raise OSError(28, "No space left on device", key)
+
+    def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+        self._fail(key)
         return super().put(key, buffers, atomic=atomic)
+
+    def create(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+        self._fail(key)
+        return super().create(key, buffers, atomic=atomic)
 
 
 def _count_puts(tmp_path: Path, state: dict[str, Any]) -> int:
@@ -781,14 +799,18 @@ def test_injected_failures_during_overwrite_never_half_load(
     total = _count_puts(tmp_path, new)
     for n in range(1, total + 1):
         path = saved(name=f"old{n}")
-        with pytest.raises(errors.WriteError):
+        with pytest.raises(errors.WriteError) as exc:
             ucpformat.save(FailingStore(path, n), new, overwrite=True)
         try:
             ckpt = ucpformat.open(path)
-        except errors.IncompleteCheckpointError:
-            pass
+        except (errors.IncompleteCheckpointError, errors.CheckpointNotFoundError):
+            # the message says the old checkpoint is gone, and the partial files are
+            assert "the checkpoint that was here is gone" in str(exc.value), exc.value
+            assert "files it had written were removed" in str(exc.value), exc.value
+            assert not [p for p in path.rglob("*") if not p.is_dir()]
         else:
             assert n == 1  # only a failure before anything changed leaves the old one
+            assert "is gone" not in str(exc.value)
             assert_same_state(ckpt.to_dict(), small_state)
         ucpformat.save(path, new, overwrite=True, durable=False)
         assert_same_state(ucpformat.open(path).to_dict(), new)

@@ -170,6 +170,25 @@ def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
     assert set(table.data["flat"]) == set(operations)
 
 
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_benchmark_runs(tmp_path: Path) -> None:
+    """Both paths run on 4 ranks and ZeRO-2/3; DeepSpeed's path writes more (per-rank
+    files, the universal copy and its temporary slices) than the consolidated save."""
+    pytest.importorskip("deepspeed")
+    from benchmarks import bench_deepspeed
+
+    (table,) = bench_deepspeed.run(hidden=32, layers=2, repeats=1, workdir=tmp_path / "work")
+    assert [row[0].split(":")[0] for row in table.rows] == ["ZeRO-2"] * 2 + ["ZeRO-3"] * 2
+    for stage in ("zero2", "zero3"):
+        figures = table.data[stage]
+        assert figures["ucpformat"]["seconds"] > 0 and figures["deepspeed"]["seconds"] > 0
+        assert 0 < figures["ucpformat"]["written"] < figures["deepspeed"]["written"]
+        assert figures["held"] > figures["largest"] > 0
+    assert not any((tmp_path / "work").iterdir())  # every checkpoint removed
+
+
 def test_staging_and_gpu_benchmarks_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_gpu, bench_staging
 

@@ -211,12 +211,13 @@ def test_list_sizes_is_list_with_the_sizes_size_gives(tmp_path: Path) -> None:
     listed = list(store.list_sizes())
     assert [k for k, _ in listed] == list(store.list())
     sizes = dict(listed)
+    # every entry is listed, a link to a directory too (an entry, never walked: R089)
     assert sizes == {"a/b/f": 5, "a/g": 0, "z": 1, "caf\u00e9.txt": None, "link": None,
-                     "escape": None, "broken": None, "a/fifo": None}  # dirlink: not walked
+                     "escape": None, "broken": None, "a/fifo": None, "dirlink": None}
     for key, size in listed:
         if size is not None:
             assert store.size(key) == size
-    assert list(store.list_sizes("a")) == [("a/fifo", None), ("a/g", 0), ("a/b/f", 5)]
+    assert list(store.list_sizes("a")) == [("a/b/f", 5), ("a/fifo", None), ("a/g", 0)]
     assert dict(LocalStore(root / "dirlink", durable=False).list_sizes()) == {"secret": 6}
 
 
@@ -233,9 +234,10 @@ def test_list_sizes_leaves_an_overridden_size_to_be_asked(tmp_path: Path) -> Non
     assert list(LocalStore(root, durable=False).list_sizes()) == [("d/f", 3)]
     linked = tmp_path / "linked"
     linked.symlink_to(root / "d")
-    # a prefix through a link: listed, but its sizes are left to size() (which refuses)
+    # a prefix that is a link: the link itself is the entry, never followed (R089), and
+    # its size is left to size() (which refuses it)
     store = LocalStore(tmp_path, durable=False)
-    assert list(store.list_sizes("linked")) == [("linked/f", None)]
+    assert list(store.list_sizes("linked")) == [("linked", None)]
 
 
 def test_node_documents_compared_by_text_as_json_equal_would(tmp_path: Path) -> None:

@@ -63,9 +63,10 @@ def save_distributed(
 
     ``group_attributes`` (group path -> ``attributes.ucp``, e.g. optimizer ``values`` or
     model ``aliases``) are merged over all ranks; ``root_values`` and ``metadata`` are
-    taken from rank 0. Raises on every rank if any rank fails; then nothing is
-    committed, and a checkpoint being replaced (``overwrite=True``) is left intact
-    unless the failure came while writing (see :mod:`ucpformat.pipeline`).
+    taken from rank 0. Rank 0 holds the location for the whole save (UCP-1.0-R059).
+    Raises on every rank if any rank fails; then nothing is committed, what the ranks
+    wrote is removed (UCP-1.0-R049), and a checkpoint being replaced (``overwrite=True``) is
+    left intact unless the failure came while writing (see :mod:`ucpformat.pipeline`).
 
     ``fragments`` are the values in memory, or a :class:`~ucpformat.pipeline.FragmentSource`
     that gives them when asked (a staging area copying them from a device).

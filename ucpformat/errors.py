@@ -25,6 +25,11 @@ class UCPError(Exception):
         self.tensor = tensor
         super().__init__(self._render())
 
+    def extend(self, text: str) -> None:
+        """Add a sentence to the message: what a failure left behind, say."""
+        self.message = f"{self.message}; {text}"
+        self.args = (self._render(),)
+
     def _render(self) -> str:
         where = self.tensor or self.path
         parts = []
@@ -110,7 +115,8 @@ class TensorNotFoundError(UCPError, KeyError):
 
 
 class WriteError(UCPError):
-    """A save could not be carried out; the previous state on disk is untouched."""
+    """A save could not be carried out; the message says what it left behind (with
+    ``overwrite=True``, the checkpoint it replaced may be gone)."""
 
 
 class InvalidNameError(WriteError, ValueError):
@@ -123,6 +129,10 @@ class UnsupportedDtypeError(WriteError, TypeError):
 
 class CheckpointExistsError(WriteError, FileExistsError):
     """The destination already holds a committed checkpoint or foreign files."""
+
+
+class ConcurrentWriteError(WriteError):
+    """Another writer holds the location, or took it over during this save."""
 
 
 class InvalidValueError(WriteError, ValueError):

@@ -24,6 +24,13 @@ per save, so readers of older ones are never disturbed: spec section 11.3). The 
 - a checkpoint is deleted by first removing its root ``zarr.json`` (UCP-1.0-R053), so that
   a crash half-way through a deletion leaves something every reader refuses, never a
   committed checkpoint with missing files;
+- only what is a checkpoint, or the remains of a save, is deleted (``writer.delete_checkpoint``):
+  a ``step-*`` entry that is a symbolic link, or a directory of other files, is left as it
+  is with a :class:`CheckpointWarning`; nothing is ever read, written or deleted through a
+  link;
+- a save that fails removes what it wrote, and so do the remains of earlier interrupted
+  saves then (every committed checkpoint stays), so that a full disk that frees up again
+  finds nothing of the failed saves;
 - :meth:`latest_valid` walks from the newest step down and skips, with a
   :class:`CheckpointWarning`, every location that is incomplete or fails validation
   (``deep=True`` also reads every chunk).
@@ -34,9 +41,9 @@ Works on local directories and on object stores (``s3://bucket/runs/exp1`` with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -47,7 +54,7 @@ from ucpformat.metadata import ZARR_JSON
 from ucpformat.reader import Checkpoint, open_checkpoint
 from ucpformat.storage import LocalStore, Store, open_store
 from ucpformat.validation import validate
-from ucpformat.writer import save
+from ucpformat.writer import delete_checkpoint, save
 
 _NAME = re.compile(r"^step-([0-9]{10,})$")
 
@@ -107,8 +114,13 @@ class CheckpointManager:
         return f"{self.root}/step-{step:010d}"
 
     def store(self, location: str) -> Store:
+        """The store of a location; on a file system, one that never follows the location if
+        it is a symbolic link (the manager writes only real directories under its root)."""
         if self._store_factory is not None:
             return self._store_factory(location)
+        if not self.is_url:
+            local = location[len("file://") :] if location.startswith("file://") else location
+            return LocalStore(local, follow_link=False)
         return open_store(location, storage_options=self.storage_options)
 
     def checkpoints(self) -> list[Entry]:
@@ -190,24 +202,44 @@ class CheckpointManager:
             warnings.warn(f"step {step} is already saved at {location}; kept as it is",
                           CheckpointWarning, stacklevel=2)
             return Entry(step, location)
-        if _takes_location(state_or_callback):
-            if not store.is_empty():
-                self._delete(location)  # the remains of an interrupted save
-            cast(Callable[[str], Any], state_or_callback)(location)
-        else:
-            state = (
-                cast(Callable[[], Mapping[str, Any]], state_or_callback)()
-                if callable(state_or_callback)
-                else state_or_callback
-            )
-            # overwrite=True only replaces what is not a committed checkpoint here
-            save(store, state, overwrite=True, **self.save_kwargs)
+        try:
+            if _takes_location(state_or_callback):
+                if not store.is_empty():
+                    delete_checkpoint(store)  # the remains of an interrupted save
+                cast(Callable[[str], Any], state_or_callback)(location)
+            else:
+                state = (
+                    cast(Callable[[], Mapping[str, Any]], state_or_callback)()
+                    if callable(state_or_callback)
+                    else state_or_callback
+                )
+                # overwrite=True only replaces what is not a committed checkpoint here
+                save(store, state, overwrite=True, **self.save_kwargs)
+        except BaseException:
+            self.remove_partial()  # this save's remains, and those of earlier ones
+            raise
         why = self.problem(location)
         if why is not None:
             raise UCPError(f"the checkpoint just saved at {location} is not valid: {why}; "
                            "nothing was deleted")
         self.prune(newest=step)
         return Entry(step, location)
+
+    def remove_partial(self) -> list[Entry]:
+        """Delete every location that holds no committed checkpoint: the remains of saves
+        that failed or were interrupted (every committed checkpoint stays, valid or not).
+        Returns the deleted locations; one that cannot be deleted gives a warning."""
+        deleted = []
+        for entry in self.checkpoints():
+            try:
+                committed = self.store(entry.location).exists(ZARR_JSON)
+            except (OSError, UCPError) as exc:
+                warnings.warn(f"left {entry.location} as it is: {exc}", CheckpointWarning,
+                              stacklevel=2)
+                continue
+            if not committed and self._delete(entry.location):
+                deleted.append(entry)
+        return deleted
 
     def prune(self, *, newest: int | None = None) -> list[Entry]:
         """Delete what rotation allows; returns the deleted locations.
@@ -226,23 +258,23 @@ class CheckpointManager:
         for entry in entries:
             if entry.step >= newest_valid or entry.step in keep:
                 continue
-            try:
-                self._delete(entry.location)
+            if self._delete(entry.location):
                 deleted.append(entry)
-            except (OSError, UCPError) as exc:
-                warnings.warn(f"could not delete {entry.location}: {exc}", CheckpointWarning,
-                              stacklevel=2)
         return deleted
 
-    def _delete(self, location: str) -> None:
-        """Un-commit first (UCP-1.0-R053), then remove everything."""
-        store = self.store(location)
-        store.delete(ZARR_JSON)
-        store.flush()
-        store.delete_all()
-        inner = getattr(store, "inner", store)
-        if isinstance(inner, LocalStore):
-            shutil.rmtree(inner.location, ignore_errors=True)
+    def _delete(self, location: str) -> bool:
+        """Delete a checkpoint or the remains of a save (un-committing first, UCP-1.0-R053);
+        anything else is left as it is, with a warning. True if it was deleted."""
+        try:
+            delete_checkpoint(self.store(location))
+        except (OSError, UCPError) as exc:
+            warnings.warn(f"left {location} as it is: {exc}", CheckpointWarning, stacklevel=3)
+            return False
+        if not self.is_url:  # the emptied directory (rmdir never follows a link)
+            with contextlib.suppress(OSError):
+                os.rmdir(location[len("file://") :] if location.startswith("file://")
+                         else location)
+        return True
 
 
 def _takes_location(fn: Any) -> bool:

@@ -20,8 +20,8 @@ step  name        who                           what
                   coordinator alone, which      the same plan everywhere; each rank takes
                   hands each rank its share)    its :class:`~ucpformat.saveplan.RankTasks`.
                                                 Then the coordinator marks the destination
-                                                (:func:`mark`: refuse it, or write the
-                                                in-progress marker; a checkpoint being
+                                                (:func:`mark`: refuse it, or hold it with
+                                                its in-progress marker; a checkpoint being
                                                 replaced stays committed).
 3     exchange    collective                    :func:`exchange`: each rank sends owners the
                                                 cells of their objects that it holds, and
@@ -55,8 +55,11 @@ How does a distributed save fail?
   communicator's to detect: torch.distributed's timeout or its closed connection.)
 * **A failure on any rank means no commit.** Only the coordinator commits, after an
   agreement that every rank wrote what it owns, and only if every planned stored object
-  was written (UCP-1.0-R132). An uncommitted location keeps its in-progress marker, so
-  every reader refuses it (UCP-1.0-R051), and the same save can be retried into it.
+  was written (UCP-1.0-R132), and only while it still holds the location (UCP-1.0-R059).
+* **One writer per location.** The coordinator's marker is its claim on the location
+  (:func:`ucpformat.writer.mark_destination`, UCP-1.0-R059): a second save there is
+  refused before it changes anything, every stored object is created (never replaces
+  another writer's), and the commit checks the claim's token first.
 * **The previous checkpoint survives every failure before the un-commit.** Until step
   5 nothing is written but the in-progress marker, and a checkpoint being replaced
   (``overwrite=True``) stays committed: a failure while describing, planning, reading a
@@ -64,6 +67,13 @@ How does a distributed save fail?
   withdraws its marker), loadable. From step 5 on, the location holds either the old
   checkpoint or an uncommitted one (refused), never a mix: a failure while writing
   loses the old checkpoint but commits nothing.
+* **A failed save cleans up (UCP-1.0-R049).** Once every rank has stopped (the
+  agreement that found the failure), the coordinator abandons the save
+  (:func:`ucpformat.writer.abandon`): before the un-commit it withdraws its marker,
+  after it removes what every rank wrote, the marker last, and its error says what the
+  location holds now. (The DCP plugin's coordinator learns of a failure in another
+  rank's ``write_data`` only from DCP's exception: its writer's next ``reset`` removes
+  the remains, and so does the next save to that location.)
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ import os
 import struct
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -99,10 +109,12 @@ from ucpformat.saveplan import (
 )
 from ucpformat.storage import Store, open_store
 from ucpformat.writer import (
+    WriteClaim,
     clear_destination,
+    create_owned,
     default_workers,
+    explain_failure,
     mark_destination,
-    unmark_destination,
 )
 from ucpformat.writer import commit as commit_root
 
@@ -317,38 +329,47 @@ def _unpack(tasks: RankTasks, received: Mapping[int, memoryview]) -> Inbox:
 # -- the destination: marked after step 2, un-committed in step 5 ---------------------------
 
 
-def mark(store: Store, *, overwrite: bool) -> bool:
-    """End of step 2 (the coordinator): refuse a destination that must not be written,
-    else write the in-progress marker (UCP-1.0-R056), which leaves a checkpoint being replaced
-    committed. True if it holds one (``overwrite=True``)."""
+def mark(store: Store, *, overwrite: bool) -> WriteClaim:
+    """End of step 2 (the coordinator): refuse a destination that must not be written
+    (before changing anything, UCP-1.0-R049), else hold it with the in-progress marker
+    (UCP-1.0-R056, UCP-1.0-R059), which leaves a checkpoint being replaced committed
+    (``claim.replacing``: ``overwrite=True`` found one)."""
     return mark_destination(store, overwrite=overwrite)
 
 
-def _unmark(store: Store) -> None:
-    with contextlib.suppress(Exception):  # at worst a marker left beside the old root
-        unmark_destination(store)
+@contextlib.contextmanager
+def given_up(store: Store, claim: WriteClaim | None) -> Iterator[None]:
+    """The coordinator (``claim``: its hold on the location; None elsewhere): a failure
+    inside abandons the save (:func:`ucpformat.writer.explain_failure`: the marker
+    withdrawn before the un-commit, everything the save wrote removed after it) and the
+    error says what the location holds now. Only around steps that end in an
+    agreement: no rank writes any more when it fails."""
+    if claim is None:
+        yield
+        return
+    with explain_failure(store, claim):
+        yield
 
 
 def uncommit(
     comm: Communicator,
     store: Store,
+    claim: WriteClaim | None,
     *,
-    coordinator: bool,
-    replacing: bool,
     error: BaseException | None = None,
 ) -> None:
     """Step 5 (the coordinator, then collective): un-commit the checkpoint being replaced
-    (``replacing``, as :func:`mark` said) and clear the location; no rank goes on to
-    write before this succeeded. ``error``: this rank's failure since the agreement."""
-    if coordinator:
-        if error is None:
+    (``claim.replacing``, as :func:`mark` said) and clear the location; no rank goes on
+    to write before this succeeded. ``claim``: the coordinator's (None on the other
+    ranks); ``error``: this rank's failure since the agreement. On a failure anywhere the
+    coordinator abandons the save."""
+    with given_up(store, claim):
+        if claim is not None and error is None:
             try:
-                clear_destination(store, committed=replacing)
+                clear_destination(store, claim)
             except BaseException as exc:
                 error = exc
-        elif replacing:
-            _unmark(store)
-    agree(comm, error, "preparing the destination")
+        agree(comm, error, "preparing the destination")
 
 
 def exchange_and_prepare(
@@ -358,25 +379,20 @@ def exchange_and_prepare(
     source: FragmentSource,
     *,
     error: BaseException | None = None,
-    coordinator: bool,
-    replacing: bool,
+    claim: WriteClaim | None,
 ) -> Exchanged:
     """Steps 3 to 5 (collective): everything between the plan and the first write.
 
-    ``error``: this rank's failure so far (it still takes part); ``replacing``: the
-    coordinator marked a committed checkpoint to replace (:func:`mark`). Raises on every
-    rank if any failed, and then the coordinator withdraws its marker from the
-    checkpoint it was to replace, which is as it was. Otherwise the destination is ready
-    and the cells are here.
+    ``error``: this rank's failure so far (it still takes part); ``claim``: the
+    coordinator's hold on the destination (:func:`mark`; None on the other ranks, and
+    where marking failed). Raises on every rank if any failed, and then the coordinator
+    withdraws its marker: a checkpoint it was to replace is as it was. Otherwise the
+    destination is ready and the cells are here.
     """
     received = exchange(comm, tasks, source, error)
-    try:
+    with given_up(store, claim):
         raise_if_failed(received.failed, "exchanging boundary cells", received.error)
-    except BaseException:
-        if coordinator and replacing:
-            _unmark(store)
-        raise
-    uncommit(comm, store, coordinator=coordinator, replacing=replacing, error=received.error)
+    uncommit(comm, store, claim, error=received.error)
     return received
 
 
@@ -457,15 +473,21 @@ def write(
     workers: int | None = None,
     hash_algorithm: str | None = None,
     progress: bool | ProgressCallback = False,
+    claim: WriteClaim | None = None,
 ) -> list[StoredObject]:
     """Step 6 (every rank, no collective): assemble and write each stored object this
     rank owns, whole (one writer per shard, UCP-1.0-R130), on ``workers`` threads.
+
+    Every object is created, never replacing one that is there (UCP-1.0-R059): one that
+    is there was written by another writer during this save, which fails, unless this
+    is the coordinator (``claim``) still holding the location (then that writer was
+    displaced and its object is replaced, :func:`ucpformat.writer.create_owned`).
 
     A prefetching source (:class:`ucpformat.feed.Prefetching`) learns the order in which
     tensors are needed first, and is stopped at the end, whatever happens."""
     try:
         return _write(store, tasks, source, inbox, workers=workers,
-                      hash_algorithm=hash_algorithm, progress=progress)
+                      hash_algorithm=hash_algorithm, progress=progress, claim=claim)
     finally:
         feeds.stop(source)
 
@@ -479,21 +501,23 @@ def _write(
     workers: int | None,
     hash_algorithm: str | None,
     progress: bool | ProgressCallback,
+    claim: WriteClaim | None,
 ) -> list[StoredObject]:
     feeds.schedule(source, list(dict.fromkeys(o.path for o in tasks.objects)))
     resolved = _Resolved(source, tasks.objects)
     total = sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize for o in tasks.objects)
-    with (
-        byte_progress(progress, total, f"rank {tasks.rank} saving") as advance,
-        ThreadPoolExecutor(workers or default_workers()) as pool,
-    ):
+    with byte_progress(progress, total, f"rank {tasks.rank} saving") as advance:
 
         def run(obj: ObjectPlan) -> StoredObject:
             meta = tasks.arrays[obj.path]
             local = resolved.get(obj.path)
             data = assemble(meta, obj, local, inbox).astype(meta.dtype.numpy, copy=False)
             try:
-                stored = write_object(store, meta, obj.coords, data, hash_algorithm=hash_algorithm)
+                stored = create_owned(
+                    store, claim, meta.object_key(obj.coords),
+                    lambda: write_object(store, meta, obj.coords, data,
+                                         hash_algorithm=hash_algorithm),
+                )
             except OSError as exc:
                 raise WriteError(
                     f"writing {meta.object_key(obj.coords)} failed: {exc}", path=store.location
@@ -502,11 +526,17 @@ def _write(
             advance(data.nbytes)
             return stored
 
+        pool = ThreadPoolExecutor(workers or default_workers())
         try:
             objects = list(pool.map(run, tasks.objects))
         except BaseException:
             feeds.stop(source)  # threads waiting for a tensor's values raise at once
+            # the first failure ends this rank's share: the objects not yet started are
+            # not written (on a full disk, each would only fail in turn)
+            pool.shutdown(wait=True, cancel_futures=True)
             raise
+        finally:
+            pool.shutdown(wait=True)
     store.flush()
     return objects
 
@@ -530,15 +560,17 @@ def commit(
     plan: Plan,
     written: Iterable[StoredObject],
     *,
-    coordinator: bool,
+    claim: WriteClaim | None,
     root_ucp: Mapping[str, Any],
     hash_algorithm: str | None,
 ) -> None:
     """Step 7 (the coordinator, then collective): with what every rank ``written`` (read
-    by the coordinator only), the coordinator checks it against the plan and commits;
-    every rank learns the outcome."""
+    by the coordinator only), the coordinator (``claim``: its hold on the location; None
+    on the other ranks) checks it against the plan and commits if it still holds the
+    location (UCP-1.0-R059); every rank learns the outcome. On a failure the coordinator
+    abandons the save."""
     error: BaseException | None = None
-    if coordinator:
+    if claim is not None:
         try:
             objects = list(written)
             # every rank writes only the objects the plan gave it: as many distinct keys
@@ -552,10 +584,12 @@ def commit(
                 objects=objects,
                 root_ucp=root_ucp,
                 hash_algorithm=hash_algorithm,
+                claim=claim,
             )
         except BaseException as exc:
             error = exc
-    agree(comm, error, "committing")
+    with given_up(store, claim):
+        agree(comm, error, "committing")
 
 
 # -- all steps ---------------------------------------------------------------------------------
@@ -608,34 +642,35 @@ def save(
     # failure is carried to the agreement after the exchange (step 4).
     plan: Plan | None = None
     tasks: RankTasks | None = None
-    replacing = False
+    claim: WriteClaim | None = None  # the coordinator's hold on the location
     try:
         plan = plan_from_descriptions([g["description"] for g in gathered],
                                       options or PlanOptions())
         tasks = plan.tasks(comm.rank)
         if coordinator:
-            replacing = mark(store, overwrite=overwrite)
+            claim = mark(store, overwrite=overwrite)
     except BaseException as exc:
         error = exc
     # 3 to 5. exchange, agree, un-commit
-    received = exchange_and_prepare(comm, store, tasks, source, error=error,
-                                    coordinator=coordinator, replacing=replacing)
+    received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
     assert plan is not None and tasks is not None  # agreed: every rank planned
     # 6. write
     objects: list[StoredObject] = []
     error = None
     try:
         objects = write(store, tasks, source, received.inbox, workers=workers,
-                        hash_algorithm=hash_algorithm, progress=progress and coordinator)
+                        hash_algorithm=hash_algorithm, progress=progress and coordinator,
+                        claim=claim)
     except BaseException as exc:
         error = exc
     results = comm.allgather(
         {"error": error_report(error), "objects": [[o.key, o.nbytes, o.sha256] for o in objects]}
     )
-    raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", error)
+    with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
+        raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", error)
     # 7. commit
     every = (StoredObject(k, n, h) for r in results for k, n, h in r["objects"])  # lazy
-    commit(comm, store, plan, every, coordinator=coordinator, root_ucp=root_ucp,
+    commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
            hash_algorithm=hash_algorithm)
     return DistributedSaveResult(
         store.location,
@@ -660,6 +695,7 @@ __all__ = [
     "exchange",
     "exchange_and_prepare",
     "extract",
+    "given_up",
     "mark",
     "raise_if_failed",
     "save",

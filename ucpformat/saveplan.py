@@ -372,6 +372,35 @@ def _cap_edges(edges: list[int], itemsize: int, limit: int) -> list[int]:
     return edges
 
 
+def chunk_alignment(
+    shape: Sequence[int],
+    itemsize: int,
+    edges: Sequence[int],
+    cuts: Sequence[Sequence[int]],
+    min_bytes: int = chunking.DEFAULT_MIN_CHUNK_BYTES,
+) -> list[int | None]:
+    """Per dimension, the edge inner chunks must divide (None: free) under a coarse grid.
+
+    Inner chunks follow the fragments' boundaries along the dimensions the fragments
+    cut, unless the largest chunk that alignment allows is under ``min_bytes``: then the
+    alignment of the last such dimension is dropped, and so on. Flat ZeRO partitions end
+    anywhere inside a row: following their column cuts gave chunks of a few elements
+    (a 256 x 256 tensor cut at column 2: 32,768 chunks of 8 bytes, a shard index larger
+    than the data, every read of the tensor reading all of it), and more than the
+    2^24 inner chunks a shard may hold for large tensors (UCP-1.0-R028). The cells across such a
+    boundary are exchanged to the shard's writer like any other.
+    """
+    align: list[int | None] = [e if len(c) > 2 else None
+                               for e, c in zip(edges, cuts, strict=True)]
+    for d in reversed(range(len(shape))):
+        largest = math.prod(a if a is not None else n for a, n in zip(align, shape,
+                                                                       strict=True))
+        if largest * itemsize >= min_bytes:
+            break
+        align[d] = None
+    return align
+
+
 def choose_grid(
     spec: TensorSpec,
     itemsize: int,
@@ -399,8 +428,9 @@ def choose_grid(
     count = math.prod(-(-n // e) for n, e in zip(shape, edges, strict=True))
     if count > 1 and count > max(1, nbytes // min_shard_bytes):
         # Too fine for shards: a coarse shard grid, boundary cells exchanged; the inner
-        # chunks still follow the fragments along the dimensions they cut.
-        align = [e if len(c) > 2 else None for e, c in zip(edges, cuts, strict=True)]
+        # chunks still follow the fragments along the dimensions they cut, as long as
+        # that leaves them of a useful size (:func:`chunk_alignment`).
+        align = chunk_alignment(shape, itemsize, edges, cuts)
         chunk = chunking.tile_shape(
             shape, itemsize, chunk_bytes, align=align, split_dims=split_dims,
         )

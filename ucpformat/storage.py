@@ -1,22 +1,30 @@
 """Key-value storage under a checkpoint: the only code that touches files.
 
 Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
-Every key is checked before use, and on a local file system every file is resolved to
-its real path and must lie inside the checkpoint, so that neither a hostile name nor a
-symbolic link can reach outside it (spec requirements UCP-1.0-R010 and UCP-1.0-R091).
+Every key is checked before use (UCP-1.0-R091). On a file system, nothing under the
+location is ever reached through a symbolic link (UCP-1.0-R089): every directory and file
+is opened relative to the location's descriptor without following links (Linux's
+``openat2`` with ``RESOLVE_NO_SYMLINKS``, else one component at a time with
+``O_NOFOLLOW``), and a file read is checked on its descriptor (``fstat``), not on its
+path, so that a link planted between a check and an open is never followed. Writes create new files
+(a file already there is replaced, never written through: it may be a hard link).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import os
+import posixpath
 import re
 import shutil
 import stat
 import sys
 import threading
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +61,45 @@ def check_key(key: str) -> None:
                 "is 255",
                 rule="UCP-1.0-R012",
             )
+
+
+def is_safe_key(key: str) -> bool:
+    """True if :func:`check_key` accepts ``key``."""
+    try:
+        check_key(key)
+    except UnsafePathError:
+        return False
+    return True
+
+
+class StoreClaim:
+    """A writer's hold on a location, from :meth:`Store.claim` until :meth:`release`.
+
+    ``locked``: the store holds a lock that excludes every other claim of the location
+    until this one is released or its process ends (a local file system); otherwise only
+    the marker's content tells who holds the location (object stores). ``took_over``: the
+    marker of an earlier writer was there and was replaced (its writer had stopped, or,
+    without a lock, was taken to have stopped).
+    """
+
+    def __init__(self, key: str, *, lock_fd: int | None = None, took_over: bool = False) -> None:
+        self.key = key
+        self.locked = lock_fd is not None
+        self.took_over = took_over
+        self._close: Callable[[], None] | None = (
+            weakref.finalize(self, _close_quietly, lock_fd) if lock_fd is not None else None
+        )
+
+    def release(self) -> None:
+        """Give the location up (idempotent); the marker itself is left as it is."""
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 class Store(ABC):
@@ -101,6 +148,38 @@ class Store(ABC):
         ``atomic``: a concurrent reader sees the old object or the new one, never a part.
         """
 
+    #: True when :meth:`create` is atomic: of two writers creating the same key at the
+    #: same time, exactly one succeeds (the default implementation checks, then writes).
+    atomic_create: bool = False
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        """Write a new object, as :meth:`put`; FileExistsError if ``key`` already exists."""
+        if self.exists(key):
+            raise FileExistsError(errno.EEXIST, "the object already exists", key)
+        return self.put(key, buffers, atomic=atomic)
+
+    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
+              ) -> StoreClaim:
+        """Write the marker ``key`` (content ``body``) as a writer's claim on the location.
+
+        Created with :meth:`create`, so that of two writers only one gets it (where
+        :attr:`atomic_create` holds). A marker already there may belong to a writer that is
+        still running: it is taken over only if ``take_over`` (FileExistsError otherwise):
+        replaced by ``body``, or, if ``keep``, kept as it is (nothing is written: a
+        deletion can claim the remains of a save on a full disk). Stores that can lock
+        (:class:`LocalStore`) refuse a live writer with BlockingIOError, and take over the
+        marker of a stopped one whatever ``take_over`` says.
+        """
+        try:
+            self.create(key, [body], atomic=True)
+        except FileExistsError:
+            if not take_over:
+                raise
+            if not keep:
+                self.put(key, [body], atomic=True)
+            return StoreClaim(key, took_over=True)
+        return StoreClaim(key)
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete an object if it exists (durably, before returning)."""
@@ -116,7 +195,12 @@ class Store(ABC):
 
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
-        """All keys under ``prefix`` (recursively), in no particular order."""
+        """Every key under ``prefix`` (recursively), in no particular order.
+
+        Everything there is listed, also what no checkpoint holds: names that
+        :func:`check_key` refuses and, on file systems, links and other entries that are
+        not regular files (never followed), so that a writer sees all it would replace.
+        """
 
     def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
         """The keys :meth:`list` gives, in its order, each with the size :meth:`size`
@@ -148,73 +232,165 @@ class LocalStore(Store):
     (UCP-1.0-R050: everything durable before the root is written) holds because the
     writer calls :meth:`flush` before it writes the root. An atomic put (the commit
     marker, the root) is made durable before it returns, its directory too.
+
+    Nothing under the location is reached through a symbolic link (UCP-1.0-R089): each
+    path is opened component by component from the location's descriptor with
+    ``O_NOFOLLOW``, so a link met on the way is refused, whenever it was planted. The
+    location itself may be a link (it is the caller's path) unless ``follow_link=False``.
     """
 
     #: Files and directories fsynced at the same time by :meth:`flush`.
     SYNC_THREADS = 16
 
-    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+    atomic_create = True
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, durable: bool = True, follow_link: bool = True
+    ) -> None:
         self.root = Path(root).absolute()
         self.location = str(self.root)
         self.durable = durable
-        self._dirty_dirs: set[str] = set()
-        self._unsynced: list[str] = []
-        self._made_dirs: set[str] = set()
-        # key -> (path, device, inode) of the file its path check found (reads of a
-        # committed, immutable checkpoint repeat keys: one realpath per key, not one per
-        # chunk; a file replaced since, e.g. by a link, is checked again: see _open)
-        self._readable: dict[str, tuple[str, int, int]] = {}
+        self.follow_link = follow_link
+        self._dirty_dirs: set[str] = set()  # keys of directories ("" is the location)
+        self._unsynced: list[str] = []  # keys of files written since the last flush
         self._lock = threading.Lock()
 
     # -- paths ------------------------------------------------------------------------
 
-    def _path(self, key: str, *, for_read: bool) -> str:
-        check_key(key)
-        path = os.path.join(self.location, *key.split("/"))
-        if for_read and os.path.lexists(path):
-            real = os.path.realpath(path)
-            root_real = os.path.realpath(self.location)
-            if not (real == root_real or real.startswith(root_real + os.sep)):
-                raise UnsafePathError(
-                    f"{key!r} resolves to {real}, outside the checkpoint", rule="UCP-1.0-R091",
-                    path=self.location,
-                )
-            if not os.path.isfile(real):
-                raise UnsafePathError(
-                    f"{key!r} is not a regular file", rule="UCP-1.0-R091", path=self.location
-                )
-            try:
-                st = os.stat(real)
-            except FileNotFoundError:
-                return path
-            if len(self._readable) >= 1 << 16:
-                self._readable.clear()
-            self._readable[key] = (path, st.st_dev, st.st_ino)
-        return path
-
-    def _forget(self, key: str) -> None:
-        self._readable.pop(key, None)
-
-    def _open(self, key: str) -> int | None:
-        """A descriptor of the object's file, or None if it is absent. A key's path is
-        checked (UCP-1.0-R091) on its first read; later reads reuse the check while the
-        file opened is the one it found (same device and inode): a path whose file was
-        replaced since (by a link out of the checkpoint, say) is checked again."""
-        known = self._readable.get(key)
-        path = known[0] if known is not None else self._path(key, for_read=True)
+    def _open_location(self, *, create: bool) -> int:
+        """A descriptor of the location's directory (made, with its parents, if asked)."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        if not self.follow_link:
+            flags |= os.O_NOFOLLOW
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(self.location, flags)
         except FileNotFoundError:
-            return None
-        if known is not None:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != known[1:]:
+            if not create:
+                raise
+            os.makedirs(self.location, exist_ok=True)
+            return os.open(self.location, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or (
+                exc.errno == errno.ENOTDIR and not self.follow_link
+                and os.path.islink(self.location)
+            ):
+                raise UnsafePathError(
+                    "the checkpoint location is a symbolic link, which this store does not "
+                    "follow", rule="UCP-1.0-R089", path=self.location,
+                ) from exc
+            raise
+
+    @contextlib.contextmanager
+    def _directory(self, key: str, *, create: bool) -> Iterator[tuple[int, str]]:
+        """``(descriptor of the key's directory, the key's last component)``.
+
+        Every directory on the way is opened relative to its parent without following a
+        link (made if ``create``). Raises FileNotFoundError if one is missing (or is a
+        file), UnsafePathError if one is a link.
+        """
+        check_key(key)
+        parts = key.split("/")
+        fd = self._open_location(create=create)
+        if len(parts) > 1 and _OPENAT2 is not None:
+            # one system call for the whole directory path, refusing any link on it
+            # (openat2 RESOLVE_NO_SYMLINKS): the walk below only when it fails (a directory
+            # to make, or a link or a file on the way, each said precisely there)
+            try:
+                nxt = _OPENAT2(fd, "/".join(parts[:-1]), _DIR_FLAGS)
+            except OSError:
+                pass
+            else:
                 os.close(fd)
-                self._forget(key)
-                return self._open(key)
-        return fd
+                fd = nxt
+                parts = parts[-1:]
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o777, dir_fd=fd)
+                    nxt = self._open_dir(fd, parts, i)
+                except OSError as exc:
+                    nxt = self._refuse_dir(exc, fd, parts, i)
+                os.close(fd)
+                fd = nxt
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    def _open_dir(self, parent: int, parts: Sequence[str], i: int) -> int:
+        try:
+            return os.open(parts[i], _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            return self._refuse_dir(exc, parent, parts, i)
+
+    def _refuse_dir(self, exc: OSError, parent: int, parts: Sequence[str], i: int) -> int:
+        """Raise the right error for a directory component that could not be opened."""
+        if exc.errno == errno.ENOTDIR:
+            if _is_link(parent, parts[i]):
+                self._refuse_link(parent, parts[: i + 1], "/".join(parts))
+            raise exc  # a file where a directory is expected (a read error: UCP-1.0-R099)
+        if exc.errno == errno.ELOOP:
+            self._refuse_link(parent, parts[: i + 1], "/".join(parts))
+        raise exc
+
+    def _refuse_link(self, parent: int, parts: Sequence[str], key: str) -> None:
+        """Raise UnsafePathError for ``key``, whose part ``parts`` is a link (UCP-1.0-R091 if it
+        points outside the checkpoint, else UCP-1.0-R089)."""
+        link = "/".join(parts)
+        what = f"{key!r} is" if link == key else f"{key!r}: its directory {link!r} is"
+        try:
+            target = os.readlink(parts[-1], dir_fd=parent)
+        except OSError:
+            target = "?"
+        if target.startswith("/"):  # inside if it names a path under the location
+            bases = {self.location, os.path.realpath(self.location)}
+            target_in = posixpath.normpath(target)
+            inside = any(target_in.startswith(b.rstrip("/") + "/") for b in bases)
+        else:
+            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(link), target))
+            inside = not (resolved == ".." or resolved.startswith("../"))
+        if not inside:
+            raise UnsafePathError(
+                f"{what} a symbolic link to {target!r}, outside the checkpoint",
+                rule="UCP-1.0-R091", path=self.location,
+            )
+        raise UnsafePathError(
+            f"{what} a symbolic link (to {target!r}); a checkpoint holds no links, and none "
+            "is followed", rule="UCP-1.0-R089", path=self.location,
+        )
 
     # -- reads ------------------------------------------------------------------------
+
+    def _open(self, key: str) -> int | None:
+        """A descriptor of the object's regular file, or None if it is absent.
+
+        Opened without following a link at any component, and checked on the descriptor
+        (UCP-1.0-R089): what was opened is what is read, whatever replaced the path since.
+        """
+        try:
+            with self._directory(key, create=False) as (parent, leaf):
+                try:
+                    fd = os.open(leaf, _READ_FLAGS, dir_fd=parent)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        self._refuse_link(parent, key.split("/"), key)
+                    raise
+        except FileNotFoundError:
+            return None  # (a file where a directory is expected is an error: UCP-1.0-R099)
+        try:
+            mode = os.fstat(fd).st_mode
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise UnsafePathError(f"{key!r} is not a regular file", rule="UCP-1.0-R091",
+                                  path=self.location)
+        return fd
 
     def get(self, key: str) -> bytes | None:
         fd = self._open(key)
@@ -264,120 +440,217 @@ class LocalStore(Store):
             os.close(fd)
 
     def size(self, key: str) -> int | None:
-        known = self._readable.get(key)
-        path = known[0] if known is not None else self._path(key, for_read=True)
         try:
-            st = os.stat(path)
+            with self._directory(key, create=False) as (parent, leaf):
+                st = os.stat(leaf, dir_fd=parent, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    self._refuse_link(parent, key.split("/"), key)
         except FileNotFoundError:
             return None
-        if known is not None and (st.st_dev, st.st_ino) != known[1:]:
-            self._forget(key)  # replaced since its check: check it again
-            return self.size(key)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{key!r} is not a regular file", rule="UCP-1.0-R091",
+                                  path=self.location)
         return st.st_size
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
-        if not os.path.isdir(base):
-            return
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
-            rel = os.path.relpath(dirpath, self.location)
-            for name in sorted(filenames):
-                yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+        """Every entry that is not a directory, as a key: links (never followed) and
+        entries whose names :func:`check_key` refuses included."""
+        for key, _ in self._listing(prefix, sized=False):
+            yield key
 
     def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
-        """:meth:`list`'s walk, and the size of every regular file it reaches through
-        directories that are no links and whose key :func:`check_key` accepts: what
-        :meth:`size` returns for it (its real path lies inside the checkpoint), at the cost
-        of one ``lstat`` instead of a path resolution per key. Links and other files get
-        None, and so does every key of a subclass that overrides :meth:`size`."""
-        base = self.location if not prefix else os.path.join(self.location, *prefix.split("/"))
-        if not os.path.isdir(base):
+        """:meth:`list`'s walk, and the size of every regular file whose key
+        :func:`check_key` accepts: what :meth:`size` returns for it, from one ``lstat``
+        relative to its directory's descriptor instead of a walk from the location per
+        key. Links and other files get None, and so does every key of a subclass that
+        overrides :meth:`size`."""
+        return self._listing(prefix, sized=type(self).size is LocalStore.size)
+
+    def _listing(self, prefix: str, *, sized: bool) -> Iterator[tuple[str, int | None]]:
+        try:
+            fd = self._open_location(create=False)
+        except (FileNotFoundError, NotADirectoryError):
             return
-        rel = os.path.relpath(base, self.location)
-        root_real = os.path.realpath(self.location)
-        exact = type(self).size is LocalStore.size and os.path.realpath(base) == (
-            root_real if rel == "." else os.path.join(root_real, rel))
-        key_ok = exact and (rel == "." or all(_key_part_ok(p) for p in rel.split(os.sep)))
-        # os.walk(base)'s order and choices: top-down, directories sorted, links to
-        # directories not followed, a directory that cannot be read skipped
-        stack = [(base, "" if rel == "." else rel.replace(os.sep, "/") + "/", key_ok)]
-        while stack:
-            directory, key_prefix, dir_ok = stack.pop()
-            dirs: list[os.DirEntry[str]] = []
-            files: list[os.DirEntry[str]] = []
-            try:
-                with os.scandir(directory) as entries:
-                    for entry in entries:
-                        try:
-                            is_dir = entry.is_dir()
-                        except OSError:
-                            is_dir = False
-                        (dirs if is_dir else files).append(entry)
-            except OSError:
-                continue
-            for entry in sorted(files, key=lambda e: e.name):
-                size = None
-                if dir_ok and _key_part_ok(entry.name):
-                    with contextlib.suppress(OSError):
-                        st = entry.stat(follow_symlinks=False)
-                        size = st.st_size if stat.S_ISREG(st.st_mode) else None
-                yield key_prefix + entry.name, size
-            for entry in sorted(dirs, key=lambda e: e.name, reverse=True):
-                if not os.path.islink(entry.path):
-                    stack.append((entry.path, f"{key_prefix}{entry.name}/",
-                                  dir_ok and _key_part_ok(entry.name)))
+        try:
+            for part in prefix.split("/") if prefix else ():
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except (FileNotFoundError, NotADirectoryError, OSError) as exc:
+                    if exc.errno == errno.ELOOP or _is_link(fd, part):
+                        yield prefix, None  # the prefix itself is a link: not followed
+                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                        return
+                    raise
+                os.close(fd)
+                fd = nxt
+            ok = sized and all(_key_part_ok(p) for p in prefix.split("/")) if prefix else sized
+            yield from _walk(fd, f"{prefix}/" if prefix else "", ok)
+        finally:
+            os.close(fd)
 
     # -- writes -----------------------------------------------------------------------
 
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        path = self._path(key, for_read=False)
-        self._forget(key)
-        directory = os.path.dirname(path)
-        if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._made_dirs.add(directory)
-        target = f"{path}.tmp-{uuid.uuid4().hex}" if atomic else path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        try:
-            fd = os.open(target, flags, 0o644)
-        except FileNotFoundError:
-            # a directory made earlier was removed since (the location deleted and saved
-            # to again through this store): make it again
-            self._made_dirs.discard(directory)
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(target, flags, 0o644)
+        return self._write(key, buffers, atomic=atomic, exclusive=False)
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        return self._write(key, buffers, atomic=atomic, exclusive=True)
+
+    def _write(self, key: str, buffers: Sequence[Any], *, atomic: bool, exclusive: bool) -> int:
+        dir_key = key.rpartition("/")[0]
+        with self._directory(key, create=True) as (parent, leaf):
+            if atomic:
+                written = self._write_atomic(parent, leaf, buffers, exclusive=exclusive)
+                if self.durable:
+                    os.fsync(parent)
+                return written
+            try:
+                fd = os.open(leaf, _CREATE_FLAGS, 0o644, dir_fd=parent)
+            except FileExistsError:
+                if exclusive:
+                    raise
+                # replace the entry, never write through it: it may be a link (hard or
+                # symbolic) to a file outside the checkpoint
+                os.unlink(leaf, dir_fd=parent)
+                fd = os.open(leaf, _CREATE_FLAGS, 0o644, dir_fd=parent)
+            try:
+                try:
+                    written = _write_all(fd, buffers)
+                    if self.durable:
+                        start_writeback(fd)
+                finally:
+                    os.close(fd)
+            except BaseException:  # leave no partial file (a full disk stays full otherwise)
+                with contextlib.suppress(OSError):
+                    os.unlink(leaf, dir_fd=parent)
+                raise
+        with self._lock:
+            self._dirty_dirs.add(dir_key)
+            if self.durable:
+                self._unsynced.append(key)
+        return written
+
+    def _write_atomic(self, parent: int, leaf: str, buffers: Sequence[Any], *,
+                      exclusive: bool) -> int:
+        """A temporary file beside ``leaf``, made durable, then renamed (or, if
+        ``exclusive``, hard-linked: that fails if ``leaf`` exists) onto it."""
+        tmp = f"{leaf}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=parent)
         try:
             try:
                 written = _write_all(fd, buffers)
                 if self.durable:
-                    if atomic:
-                        os.fsync(fd)
-                    else:
-                        start_writeback(fd)
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-            if atomic:
-                os.replace(target, path)
-        except BaseException:
-            if atomic:  # leave no temporary file behind (it would be a foreign file)
-                with contextlib.suppress(OSError):
-                    os.unlink(target)
-            raise
-        if atomic:
-            if self.durable:
-                _fsync_dir(directory)
-        else:
-            with self._lock:
-                self._dirty_dirs.add(directory)
-                if self.durable:
-                    self._unsynced.append(path)
+            if exclusive:
+                os.link(tmp, leaf, src_dir_fd=parent, dst_dir_fd=parent,
+                        follow_symlinks=False)
+            else:
+                os.rename(tmp, leaf, src_dir_fd=parent, dst_dir_fd=parent)
+        finally:  # leave no temporary file behind (it would be a foreign file)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=parent)
         return written
+
+    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
+              ) -> StoreClaim:
+        """The marker ``key``, created and locked (``flock``) for as long as the claim is
+        held: a second writer finds it locked and gets BlockingIOError, even with
+        ``take_over``. The marker of a writer that stopped is unlocked: it is replaced by a
+        new, locked file renamed over it (never rewritten in place: it may be a link), or,
+        if ``keep``, locked as it is. Where the file system has no locks, the rules of
+        :meth:`Store.claim` apply."""
+        with self._directory(key, create=True) as (parent, leaf):
+            while True:
+                try:
+                    fd = os.open(leaf, _CLAIM_FLAGS, 0o644, dir_fd=parent)
+                except FileExistsError:
+                    pass
+                else:  # ours: lock it, unless another writer found it first (then theirs)
+                    locked = _try_lock(fd)
+                    if locked is False:
+                        os.close(fd)
+                        raise BlockingIOError(errno.EWOULDBLOCK, "another writer holds the "
+                                              "location", key) from None
+                    if locked and not _same_file(fd, parent, leaf):
+                        os.close(fd)
+                        continue
+                    try:
+                        _write_all(fd, [body])
+                        if self.durable:
+                            os.fsync(fd)
+                            os.fsync(parent)
+                    except BaseException:  # a full disk, say: leave no empty marker
+                        os.close(fd)
+                        with contextlib.suppress(OSError):
+                            os.unlink(leaf, dir_fd=parent)
+                        raise
+                    if locked:
+                        return StoreClaim(key, lock_fd=fd)
+                    os.close(fd)
+                    return StoreClaim(key)
+                try:  # a marker is there: is its writer still running (holding its lock)?
+                    fd = os.open(leaf, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                 dir_fd=parent)
+                except FileNotFoundError:
+                    continue  # removed meanwhile: create it
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link, a FIFO: nobody's lock
+                        return self._replace_marker(parent, leaf, key, body, take_over=True)
+                    if exc.errno == errno.EACCES:  # not ours to lock: cannot tell
+                        return self._replace_marker(parent, leaf, key, body,
+                                                    take_over=take_over)
+                    raise
+                try:
+                    locked = _try_lock(fd)
+                    if locked is False:
+                        raise BlockingIOError(errno.EWOULDBLOCK, "another writer holds the "
+                                              "location", key)
+                    if locked and not _same_file(fd, parent, leaf):
+                        continue  # replaced between our open and our lock: look again
+                    # its writer has stopped (the lock is free): take over; without locks,
+                    # only if asked to. The old lock is held until the new marker is in.
+                    if keep and (locked or take_over):
+                        claim = StoreClaim(key, lock_fd=fd if locked else None,
+                                           took_over=True)
+                        fd = -1 if locked else fd  # the claim holds it now
+                        return claim
+                    return self._replace_marker(parent, leaf, key, body,
+                                                take_over=take_over or bool(locked))
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+
+    def _replace_marker(self, parent: int, leaf: str, key: str, body: bytes, *,
+                        take_over: bool) -> StoreClaim:
+        """A new marker file, locked where locks exist, renamed over the old one."""
+        if not take_over:
+            raise FileExistsError(errno.EEXIST, "a marker is there", key)
+        tmp = f"{leaf}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, _CLAIM_FLAGS, 0o644, dir_fd=parent)
+        try:
+            locked = _try_lock(fd)
+            _write_all(fd, [body])
+            if self.durable:
+                os.fsync(fd)
+            os.rename(tmp, leaf, src_dir_fd=parent, dst_dir_fd=parent)
+            if self.durable:
+                os.fsync(parent)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=parent)
+            raise
+        if locked:
+            return StoreClaim(key, lock_fd=fd, took_over=True)
+        os.close(fd)
+        return StoreClaim(key, took_over=True)
 
     def delete(self, key: str) -> None:
         directory = self._unlink(key)
         if directory is not None and self.durable:
-            _fsync_dir(directory)
+            self._fsync_dir(directory)
 
     def delete_keys(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -387,28 +660,34 @@ class LocalStore(Store):
                     self._dirty_dirs.add(directory)
 
     def _unlink(self, key: str) -> str | None:
-        """Remove the file of ``key``; its directory, or None if there was no file."""
-        path = self._path(key, for_read=False)
-        self._forget(key)
+        """Remove the entry of ``key`` (a link is removed, never followed); the key of its
+        directory, or None if there was nothing."""
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            with self._directory(key, create=False) as (parent, leaf):
+                os.unlink(leaf, dir_fd=parent)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        return os.path.dirname(path)
+        return key.rpartition("/")[0]
 
     def delete_all(self) -> None:
-        self._readable.clear()
-        self._made_dirs.clear()
-        if not os.path.isdir(self.location):
+        """Remove everything under the location; the location's directory itself stays.
+        Nothing is followed: a link is removed. (Writers remove every other file first and
+        the in-progress marker last, with this.)"""
+        try:
+            fd = self._open_location(create=False)
+        except FileNotFoundError:
             return
-        for entry in os.listdir(self.location):
-            full = os.path.join(self.location, entry)
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full)
-            else:
-                os.unlink(full)
-        if self.durable:
-            _fsync_dir(self.location)
+        try:
+            for name in sorted(os.listdir(fd)):
+                if _is_dir(fd, name):
+                    shutil.rmtree(name, dir_fd=fd)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=fd)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def flush(self) -> None:
         """Make every file written and every entry added or removed so far durable."""
@@ -425,11 +704,118 @@ class LocalStore(Store):
         for directory in dirty:
             while directory not in dirs:
                 dirs.add(directory)
-                if directory == self.location or not directory.startswith(self.location):
+                if not directory:
                     break
-                directory = os.path.dirname(directory)
-        _parallel(_fsync_file, files, self.SYNC_THREADS)
-        _parallel(_fsync_dir, sorted(dirs), self.SYNC_THREADS)
+                directory = directory.rpartition("/")[0]
+        _parallel(self._fsync_file, files, self.SYNC_THREADS)
+        _parallel(self._fsync_dir, sorted(dirs), self.SYNC_THREADS)
+
+    def _fsync_file(self, key: str) -> None:
+        """fsync a file written earlier (through another descriptor: Linux flushes the
+        file's pages whichever descriptor wrote them); a file since deleted needs nothing."""
+        try:
+            with self._directory(key, create=False) as (parent, leaf):
+                fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fsync_dir(self, dir_key: str) -> None:
+        try:
+            if not dir_key:
+                fd = self._open_location(create=False)
+            else:
+                with self._directory(f"{dir_key}/x", create=False) as (parent, _):
+                    fd = os.dup(parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: O_NONBLOCK: a FIFO planted in a checkpoint must not block the open (it is refused after).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _is_link(parent: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _is_dir(parent: int, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _walk(fd: int, prefix: str, sized: bool = False) -> Iterator[tuple[str, int | None]]:
+    """(key, size) of every non-directory entry under the directory ``fd``, sorted, depth
+    first; directories are entered without following links (a link to one is an entry).
+    ``sized``: the size of each regular file whose key (``prefix`` included) :func:`check_key`
+    accepts, else None, as for links, other entries and every entry when not ``sized``."""
+    with os.scandir(fd) as it:
+        entries = sorted(((e.name, e.is_dir(follow_symlinks=False), e) for e in it),
+                         key=lambda t: t[0])
+    for name, is_dir, entry in entries:
+        ok = sized and _key_part_ok(name)
+        if not is_dir:
+            size = None
+            if ok:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    size = st.st_size if stat.S_ISREG(st.st_mode) else None
+            yield prefix + name, size
+            continue
+        try:
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                yield prefix + name, None  # replaced by a link or a file meanwhile: an entry
+                continue
+            raise
+        try:
+            yield from _walk(sub, f"{prefix}{name}/", ok)
+        finally:
+            os.close(sub)
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Lock ``fd`` exclusively without waiting: True, False if another holds it, None if
+    this file system has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF,
+                         errno.EINVAL):
+            return None
+        raise
+    return True
+
+
+def _same_file(fd: int, parent: int, leaf: str) -> bool:
+    """True if ``leaf`` in ``parent`` is still the file open as ``fd``."""
+    try:
+        st = os.stat(leaf, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _pread_all(fd: int, length: int, offset: int) -> bytes:
@@ -474,19 +860,6 @@ def _parallel(fn: Callable[[str], None], paths: Sequence[str], threads: int) -> 
             pass
 
 
-def _fsync_file(path: str) -> None:
-    """fsync a file written earlier (through another descriptor: Linux flushes the file's
-    pages whichever descriptor wrote them); a file since deleted needs nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _load_sync_file_range() -> Callable[[int], None] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -508,23 +881,54 @@ def _load_sync_file_range() -> Callable[[int], None] | None:
 _SYNC_FILE_RANGE = _load_sync_file_range()
 
 
+def _load_openat2() -> Callable[[int, str, int], int] | None:
+    """Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: a path
+    opened relative to a directory descriptor in one system call, refused (ELOOP, EXDEV)
+    if any component is a link or leads out. None where it is missing or not allowed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return None
+    syscall.restype = ctypes.c_long
+
+    class OpenHow(ctypes.Structure):
+        _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                    ("resolve", ctypes.c_uint64)]
+
+    sys_openat2 = 437  # the same number on every architecture (added in Linux 5.6)
+    resolve = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+
+    def openat2(dir_fd: int, path: str, flags: int) -> int:
+        how = OpenHow(flags, 0, resolve)
+        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
+                     ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return int(fd)
+
+    root = os.open("/", _DIR_FLAGS)
+    try:  # a probe: ENOSYS (old kernel) or EPERM (a seccomp filter) mean unavailable
+        os.close(openat2(root, ".", _DIR_FLAGS))
+    except OSError:
+        return None
+    finally:
+        os.close(root)
+    return openat2
+
+
+_OPENAT2 = _load_openat2()
+
+
 def start_writeback(fd: int) -> None:
     """Ask the kernel to start writing a file's dirty pages to the disk now, without
     waiting (Linux ``sync_file_range``; elsewhere nothing): the later fsync then has
     little left to do, and the disk works while the writer encodes the next file."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd)
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_store(
@@ -636,6 +1040,17 @@ class ReadGuard(Store):
 
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
         return self.inner.put(key, buffers, atomic=atomic)
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        return self.inner.atomic_create
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        return self.inner.create(key, buffers, atomic=atomic)
+
+    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
+              ) -> StoreClaim:
+        return self.inner.claim(key, body, take_over=take_over, keep=keep)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

@@ -10,13 +10,20 @@ suffix request, ``bytes=-n``).
 
 Keys are checked as for local files (UCP-1.0-R091): no key can name an object outside
 the checkpoint's prefix. Directory listings are never cached, so a reader never takes an
-old listing for the present.
+old listing for the present, and they give every object's key as it is (a stray key with
+``..`` is listed as such, never normalised into another object's key).
+
+Object stores have no locks: a writer's claim on a location is its in-progress marker,
+created with a conditional PUT where the store has one (S3's ``If-None-Match: *``, which
+refuses the second of two writers), and every stored object is created the same way, so
+that an object another writer put there first makes this writer's PUT fail instead of
+replacing it (spec section 11.4 says what this guarantees).
 """
 
 from __future__ import annotations
 
 import contextlib
-import posixpath
+import errno
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -115,8 +122,8 @@ class FsspecStore(Store):
         strip = self.fs._strip_protocol(self.root).rstrip("/") + "/"
         for path in sorted(found):
             path = self.fs._strip_protocol(path)
-            if path.startswith(strip):
-                yield posixpath.normpath(path[len(strip) :])
+            if path.startswith(strip) and path != strip:
+                yield path[len(strip) :]  # as it is: a key with ".." is refused, not resolved
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -124,6 +131,25 @@ class FsspecStore(Store):
         # One PUT whatever ``atomic`` says: an object appears whole or not at all.
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         self.fs.pipe_file(self._full(key), data)
+        return len(data)
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        """S3 refuses a conditional PUT (``If-None-Match: *``) onto an existing object."""
+        return _conditional_put(self.fs)
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        if not _conditional_put(self.fs):
+            return super().create(key, buffers, atomic=atomic)  # check, then put
+        data = b"".join(memoryview(b).cast("B") for b in buffers)
+        try:
+            self.fs.pipe_file(self._full(key), data, mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:  # 409: a conditional PUT of the same key is in flight
+            if "ConditionalRequestConflict" in str(exc) or "409" in str(exc):
+                raise FileExistsError(errno.EEXIST, str(exc), key) from exc
+            raise
         return len(data)
 
     def delete(self, key: str) -> None:
@@ -134,6 +160,12 @@ class FsspecStore(Store):
         keys = list(self.list())
         if keys:
             self.fs.rm([f"{self.root}/{k}" for k in keys])
+
+
+def _conditional_put(fs: Any) -> bool:
+    """True for file systems whose ``pipe_file(mode="create")`` is one conditional PUT."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("s3", "s3a")
 
 
 __all__ = ["FsspecStore"]

@@ -20,10 +20,12 @@ import json
 import os
 import socket
 import threading
+import uuid
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +38,7 @@ from ucpformat.engine.grid import object_coords, object_region, stored_object_co
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     CheckpointExistsError,
+    ConcurrentWriteError,
     InvalidValueError,
     MissingChunkError,
     UCPError,
@@ -58,7 +61,7 @@ from ucpformat.metadata import (
     parse_group,
     utc_now,
 )
-from ucpformat.storage import Store, open_store
+from ucpformat.storage import Store, StoreClaim, is_safe_key, open_store
 
 HASH_ALGORITHMS = ("sha256",)
 
@@ -66,65 +69,206 @@ HASH_ALGORITHMS = ("sha256",)
 # -- the commit protocol -----------------------------------------------------------------
 
 
-def prepare_destination(store: Store, *, overwrite: bool) -> None:
-    """Make ``store`` ready for a new checkpoint, or refuse (never damaging a committed one)."""
-    clear_destination(store, committed=mark_destination(store, overwrite=overwrite))
+@dataclass
+class WriteClaim:
+    """A save's hold on its location, from :func:`mark_destination` until :func:`commit`
+    or :func:`abandon` (UCP-1.0-R059): the token its in-progress marker carries, and the
+    store's lock where the store has locks."""
+
+    token: str
+    held: StoreClaim
+    #: A committed checkpoint is here, for this save to replace (``overwrite=True``); it
+    #: stays committed until :func:`clear_destination`.
+    replacing: bool = False
+    #: :func:`clear_destination` has begun: from then on a failure removes what is here
+    #: (:func:`abandon`); before, the location is as it was but for the marker.
+    clearing: bool = False
+    #: A committed checkpoint was here and this save un-committed it (``overwrite=True``).
+    replaced: bool = False
+    #: Committed, or abandoned: the location is no longer held.
+    done: bool = False
 
 
-def mark_destination(store: Store, *, overwrite: bool) -> bool:
-    """The first half of :func:`prepare_destination`: refuse as it does, else write the
-    in-progress marker (UCP-1.0-R056), which leaves a committed checkpoint committed (UCP-1.0-R053).
-    True if a committed checkpoint is here, to be replaced."""
-    committed = store.exists(ZARR_JSON)
-    in_progress = store.exists(IN_PROGRESS_KEY)
+#: The claim of the save in progress on each store of this process (so that commit and
+#: abandon find the claim mark_destination took, whoever calls them).
+_CLAIMS: weakref.WeakKeyDictionary[Store, WriteClaim] = weakref.WeakKeyDictionary()
+#: The bytes of a marker read to describe its writer.
+_MARKER_READ_LIMIT = 64 << 10
+
+
+def prepare_destination(store: Store, *, overwrite: bool) -> WriteClaim:
+    """Make ``store`` ready for a new checkpoint and hold it, or refuse (never damaging a
+    committed one): :func:`mark_destination`, then :func:`clear_destination`.
+
+    Returns the claim; :func:`commit` checks it before it writes the root and releases it,
+    and :func:`abandon` (called by every writer of this library when a save fails) removes
+    what the save wrote.
+    """
+    claim = mark_destination(store, overwrite=overwrite)
+    clear_destination(store, claim)
+    return claim
+
+
+def mark_destination(store: Store, *, overwrite: bool) -> WriteClaim:
+    """The first half of :func:`prepare_destination`: refuse, or hold the location.
+
+    Everything that can refuse the save is checked before anything changes (UCP-1.0-R049):
+    a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
+    the writer could not remove. Then the in-progress marker (UCP-1.0-R056) is written as this
+    save's claim (UCP-1.0-R059): a second writer is refused while the first runs (on a
+    local file system the marker is locked for the whole save; on an object store a marker
+    already there is taken over only with ``overwrite``). Then the checks are repeated. A
+    committed checkpoint being replaced stays committed (UCP-1.0-R053) until
+    :func:`clear_destination` (``claim.replacing`` says whether one is here); a save given
+    up before that withdraws its claim with :func:`unmark_destination` (or
+    :func:`abandon`), and the location is as it was.
+    """
+    _check_destination(store, overwrite=overwrite)  # refuse before touching anything
+    held = _hold(store, token := uuid.uuid4().hex, take_over=overwrite)
+    claim = WriteClaim(token, held)
+    try:  # again, now that no other writer can change the location
+        claim.replacing, _ = _check_destination(store, overwrite=overwrite)
+    except BaseException:
+        with contextlib.suppress(OSError, UCPError):
+            unmark_destination(store, claim)
+        raise
+    _CLAIMS[store] = claim
+    return claim
+
+
+def clear_destination(store: Store, claim: WriteClaim) -> None:
+    """The second half of :func:`prepare_destination`, after :func:`mark_destination`:
+    un-commit the checkpoint being replaced (its root deleted durably, UCP-1.0-R053), then remove
+    all but the marker. A failure abandons the save (:func:`explain_failure`)."""
+    with explain_failure(store, claim):
+        if not claim.held.locked:  # without a lock, only the marker says who holds it
+            _check_owner(store, claim)
+        # Marked first (mark_destination), then un-commit, then clear: a crash at any
+        # point leaves either the old committed checkpoint intact or something every
+        # reader refuses.
+        keys = list(store.list())
+        claim.clearing = True
+        if ZARR_JSON in keys:
+            store.delete(ZARR_JSON)
+            claim.replaced = True
+        store.delete_keys(
+            [k for k in keys if k not in (IN_PROGRESS_KEY, ZARR_JSON) and is_safe_key(k)]
+        )
+        store.flush()
+
+
+def unmark_destination(store: Store, claim: WriteClaim) -> None:
+    """Withdraw the claim of a save given up between :func:`mark_destination` and
+    :func:`clear_destination`: its marker is removed (unless it replaced the marker of an
+    earlier save, whose remains it still marks) and the location released. A checkpoint
+    it was to replace is then as it was."""
+    if claim.done:
+        return
+    try:
+        if not claim.held.took_over and (claim.held.locked or _owns(store, claim)):
+            store.delete(IN_PROGRESS_KEY)
+    finally:
+        claim.done = True
+        _release(store, claim)
+
+
+def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str]]:
+    """(whether a checkpoint is committed here, every key here), or the refusal."""
+    keys = list(store.list())
+    committed = ZARR_JSON in keys
     if committed and not overwrite:
         raise CheckpointExistsError(
             "a committed checkpoint is already here; pass overwrite=True to replace it",
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    if not in_progress and not store.is_empty() and not (committed and _holds_checkpoint(store)):
+    if keys and IN_PROGRESS_KEY not in keys and not (committed and _holds_checkpoint(store)):
         # overwrite=True replaces a checkpoint; it never deletes a directory of other files.
         raise CheckpointExistsError(
-            "the destination holds files that are not a UCP checkpoint; refusing to mix them "
-            "with a checkpoint or to delete them (even with overwrite=True)",
+            "the destination holds files that are not a UCP checkpoint (the first: "
+            f"{sorted(keys)[0]!r}); refusing to mix them with a checkpoint or to delete them "
+            "(even with overwrite=True)",
             rule="UCP-1.0-R053",
             path=store.location,
         )
-    # Mark first, then un-commit, then clear: a crash at any point leaves either the old
-    # committed checkpoint intact or something every reader refuses. The marker is not
-    # written atomically: a crash while writing it leaves a partial marker, which still
-    # marks the location as ours to retry into (an atomic write would leave a temporary
-    # file that a retry must refuse as foreign).
-    store.put(IN_PROGRESS_KEY, [_in_progress_marker()])
-    return committed
+    unsafe = sorted(k for k in keys if not is_safe_key(k))
+    if unsafe:
+        raise CheckpointExistsError(
+            f"{len(unsafe)} file(s) here have names that no checkpoint file has, so the writer "
+            f"will not remove them (the first: {unsafe[0]!r}); remove them and save again. "
+            "Nothing was changed",
+            rule="UCP-1.0-R049",
+            path=store.location,
+        )
+    return committed, keys
 
 
-def clear_destination(store: Store, *, committed: bool) -> None:
-    """The second half of :func:`prepare_destination`, after :func:`mark_destination`:
-    un-commit the checkpoint being replaced (``committed``), then remove all but the
-    marker."""
-    if committed:
-        store.delete(ZARR_JSON)
-    store.delete_keys([key for key in store.list() if key != IN_PROGRESS_KEY])
-    store.flush()
+def _hold(store: Store, token: str, *, take_over: bool, keep: bool = False) -> StoreClaim:
+    """The store's claim on the location, its marker carrying ``token`` (or, if ``keep``,
+    a marker already there kept as it is); refused with a ConcurrentWriteError naming the
+    writer that holds it."""
+    try:
+        return store.claim(IN_PROGRESS_KEY, _in_progress_marker(token), take_over=take_over,
+                           keep=keep)
+    except BlockingIOError:
+        raise ConcurrentWriteError(
+            f"another writer is saving here ({_describe_marker(store)}) and holds the "
+            "location until it ends; nothing was changed",
+            rule="UCP-1.0-R059", path=store.location,
+        ) from None
+    except FileExistsError:
+        raise ConcurrentWriteError(
+            f"a save is in progress here, or stopped before it ended "
+            f"({_describe_marker(store)}): this store cannot tell which. If no other writer "
+            "is saving here, pass overwrite=True to take the location over; nothing was "
+            "changed",
+            rule="UCP-1.0-R059", path=store.location,
+        ) from None
 
 
-def unmark_destination(store: Store) -> None:
-    """Withdraw the marker of a save abandoned between :func:`mark_destination` and
-    :func:`clear_destination`: a checkpoint it was to replace is then as it was."""
-    store.delete(IN_PROGRESS_KEY)
-
-
-def _in_progress_marker() -> bytes:
+def _in_progress_marker(token: str) -> bytes:
     return dumps(
         {
             "writer": f"ucpformat {__version__}",
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": utc_now(),
+            "token": token,
         }
     )
+
+
+def _marker(store: Store) -> Mapping[str, Any] | None:
+    """The in-progress marker's document, or None if it is absent or not one."""
+    try:
+        raw = store.get_range(IN_PROGRESS_KEY, 0, _MARKER_READ_LIMIT)
+        doc = json.loads(raw or b"")
+    except (ValueError, OSError, UCPError):
+        return None
+    return doc if isinstance(doc, Mapping) else None
+
+
+def _describe_marker(store: Store) -> str:
+    doc = _marker(store)
+    if doc is None:
+        return "its marker says nothing more"
+    said = [f"{k} {str(doc[k])[:80]}" for k in ("writer", "host", "pid", "started") if k in doc]
+    return ", ".join(said) or "its marker says nothing more"
+
+
+def _owns(store: Store, claim: WriteClaim) -> bool:
+    """True if the in-progress marker still carries this claim's token."""
+    doc = _marker(store)
+    return doc is not None and doc.get("token") == claim.token
+
+
+def _check_owner(store: Store, claim: WriteClaim) -> None:
+    if not _owns(store, claim):
+        raise ConcurrentWriteError(
+            f"another writer took this location over during this save (its marker: "
+            f"{_describe_marker(store)}); this save commits nothing",
+            rule="UCP-1.0-R059", path=store.location,
+        )
 
 
 def _holds_checkpoint(store: Store) -> bool:
@@ -147,11 +291,19 @@ def commit(
     root_ucp: Mapping[str, Any],
     root_attributes: Mapping[str, Any] | None = None,
     hash_algorithm: str | None = None,
+    claim: WriteClaim | None = None,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Write node metadata, the manifest and, last, the root: the checkpoint exists after this.
 
-    Returns the root ``zarr.json`` document.
+    ``claim`` (default: the one :func:`mark_destination` took on ``store``) is checked
+    before the root is written: a save whose location another writer took over commits
+    nothing (UCP-1.0-R059). Metadata documents are created, as stored objects are, unless
+    ``replace`` (:func:`adopt`: the node documents and a plain zarr root of the arrays'
+    writer are there, and are rewritten). Returns the root ``zarr.json`` document.
     """
+    if claim is None:
+        claim = _CLAIMS.get(store)
     files: dict[str, dict[str, Any]] = {o.key: o.to_json() for o in objects}
     consolidated: dict[str, Any] = {}
     nodes: list[ArrayMeta | GroupMeta] = [*groups, *arrays]
@@ -163,8 +315,14 @@ def commit(
         files[f"{node.path}/{ZARR_JSON}"] = _describe(body, hash_algorithm)
         consolidated[node.path] = doc
     # Creating files is system calls (the GIL is released): a few threads overlap them.
+    def write(key: str, body: bytes) -> None:
+        if replace:
+            store.put(key, [body])
+        else:
+            create_owned(store, claim, key, lambda: store.create(key, [body]))
+
     with ThreadPoolExecutor(min(8, max(1, len(bodies)))) as pool:
-        for _ in pool.map(lambda kb: store.put(kb[0], [kb[1]]), bodies):
+        for _ in pool.map(lambda kb: write(*kb), bodies):
             pass
     ucp = dict(root_ucp)
     ucp["version"] = FORMAT_VERSION
@@ -179,7 +337,7 @@ def commit(
         "files": dict(sorted(files.items())),
     }
     manifest_body = dumps(manifest)
-    store.put(MANIFEST_KEY, [manifest_body])
+    write(MANIFEST_KEY, manifest_body)
     store.flush()  # every byte before the commit is durable before the commit is written
     ucp = {**ucp, "manifest": {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}}
     attributes = {**attributes, "ucp": ucp}
@@ -191,9 +349,198 @@ def commit(
             "kind": "inline", "must_understand": False, "metadata": consolidated
         },
     }
-    store.put(ZARR_JSON, [encode_root(root)], atomic=True)  # sealed by its digest (UCP-1.0-R058)
-    store.delete(IN_PROGRESS_KEY)
+    body = encode_root(root)  # sealed by its digest (UCP-1.0-R058)
+    if claim is None:
+        store.put(ZARR_JSON, [body], atomic=True)
+    else:
+        _commit_root(store, claim, body, expected={*files, MANIFEST_KEY, IN_PROGRESS_KEY},
+                     replace=replace)
+    try:
+        if claim is None or claim.held.locked or _owns(store, claim):
+            store.delete(IN_PROGRESS_KEY)  # never another writer's marker (UCP-1.0-R059)
+    except OSError as exc:
+        raise WriteError(
+            f"the checkpoint is committed, but its in-progress marker could not be removed "
+            f"({exc}); readers accept the checkpoint, validators warn (UCP-1.0-R056)",
+            path=store.location,
+        ) from exc
+    finally:
+        _release(store, claim)
     return root
+
+
+def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str],
+                 replace: bool) -> None:
+    """Write the root if this save still holds the location (UCP-1.0-R059).
+
+    With a lock (a local file system), checking the marker's token suffices. Without one
+    (object stores), the location must also hold no object this save did not write, the
+    root is created conditionally, and the token is checked once more after it: a writer
+    that lost the location in between deletes the root it has just written, if it is
+    still its own.
+    """
+    _check_owner(store, claim)
+    if claim.held.locked:
+        store.put(ZARR_JSON, [body], atomic=True)
+        claim.done = True
+        return
+    foreign = sorted(k for k in store.list() if k not in expected)
+    if foreign and foreign != [ZARR_JSON]:
+        raise ConcurrentWriteError(
+            f"{len(foreign)} object(s) that this save did not write are in its location (the "
+            f"first: {foreign[0]!r}): another writer wrote there; this save commits nothing",
+            rule="UCP-1.0-R059", path=store.location,
+        )
+    if replace:
+        store.put(ZARR_JSON, [body], atomic=True)
+    else:
+        create_owned(store, claim, ZARR_JSON,
+                     lambda: store.create(ZARR_JSON, [body], atomic=True))
+    if not _owns(store, claim):
+        if store.get(ZARR_JSON) == body:  # ours, written just now: un-commit it
+            store.delete(ZARR_JSON)
+        _check_owner(store, claim)
+    claim.done = True
+
+
+_T = TypeVar("_T")
+
+
+def create_owned(store: Store, claim: WriteClaim | None, key: str, create: Callable[[], _T]
+                 ) -> _T:
+    """Run ``create`` (a create-only write of ``key``). If ``key`` is already there, it was
+    put there by another writer during this save: if this save still holds the location,
+    that writer was displaced by it and its object is removed and ``create`` run again;
+    otherwise ConcurrentWriteError (UCP-1.0-R059)."""
+    try:
+        return create()
+    except FileExistsError as exc:
+        if claim is None:
+            raise ConcurrentWriteError(
+                f"{key} was written by another writer during this save",
+                rule="UCP-1.0-R059", path=store.location,
+            ) from exc
+        if not _owns(store, claim):
+            raise ConcurrentWriteError(
+                f"another writer took this location over during this save ({key} is its; "
+                f"its marker: {_describe_marker(store)}); this save commits nothing",
+                rule="UCP-1.0-R059", path=store.location,
+            ) from exc
+    store.delete(key)
+    try:
+        return create()
+    except FileExistsError as exc:
+        raise ConcurrentWriteError(
+            f"{key} was written by another writer during this save, twice",
+            rule="UCP-1.0-R059", path=store.location,
+        ) from exc
+
+
+def _release(store: Store, claim: WriteClaim | None) -> None:
+    if claim is None:
+        return
+    claim.held.release()
+    if _CLAIMS.get(store) is claim:
+        del _CLAIMS[store]
+
+
+def abandon(store: Store, claim: WriteClaim | None = None) -> str:
+    """Undo a save that will not be committed: remove what it wrote and, last, its marker,
+    if the location is still its own, and release the location (UCP-1.0-R049).
+
+    ``claim`` defaults to the one :func:`mark_destination` took on ``store``. Returns
+    what became of the location, as a sentence for an error message. Removes nothing once
+    the save has committed, or if another writer has taken the location over; before
+    :func:`clear_destination` began, only withdraws the marker
+    (:func:`unmark_destination`): a checkpoint being replaced stays as it was (UCP-1.0-R053).
+    """
+    if claim is None:
+        claim = _CLAIMS.get(store)
+    if claim is None or claim.done:
+        return ""
+    if not claim.clearing:
+        try:
+            unmark_destination(store, claim)
+        except (OSError, UCPError) as exc:
+            return f"its in-progress marker {IN_PROGRESS_KEY} could not be removed ({exc})"
+        return "the checkpoint that was here is as it was" if claim.replacing else ""
+    try:
+        if not _owns(store, claim):
+            return "another writer has taken the location over, so nothing of it was removed"
+        store.delete_keys(
+            [k for k in store.list() if k != IN_PROGRESS_KEY and is_safe_key(k)]
+        )
+        store.flush()
+        store.delete_all()  # what is left: empty directories and, last, the marker
+    except (OSError, UCPError) as exc:
+        return (
+            f"its partial files could not all be removed ({exc}): they remain at "
+            f"{store.location}, with the marker {IN_PROGRESS_KEY} that every reader refuses; "
+            "the next save to that location removes them"
+        )
+    finally:
+        claim.done = True
+        _release(store, claim)
+    return "the files it had written were removed"
+
+
+@contextlib.contextmanager
+def explain_failure(store: Store, claim: WriteClaim) -> Iterator[None]:
+    """On any failure inside: :func:`abandon` the save, and say in the error what the
+    location holds now (nothing committed; the replaced checkpoint gone; its files
+    removed, or where they are)."""
+    try:
+        yield
+    except BaseException as exc:
+        if claim.done:
+            raise
+        fate = abandon(store, claim)
+        said = "nothing was committed" in str(exc)  # a distributed save's agreement says so
+        lead = "" if said else "nothing was committed"
+        if claim.replaced:
+            lead = (
+                f"{lead}{', and ' if lead else ''}the checkpoint that was here is gone: this "
+                "save deleted it when it began (overwrite=True, UCP-1.0-R053), so the "
+                "location holds no checkpoint now"
+            )
+        text = "; ".join(t for t in (lead, fate) if t)
+        if isinstance(exc, OSError):
+            raise WriteError("; ".join(t for t in (f"the save failed: {exc}", text) if t),
+                             path=store.location) from exc
+        if text and isinstance(exc, UCPError):
+            exc.extend(text)
+        elif text:
+            exc.add_note(f"ucpformat: {text}")
+        raise
+
+
+def delete_checkpoint(store: Store) -> None:
+    """Delete the checkpoint, or the remains of a save, at ``store``.
+
+    Refuses what is neither (files that are not a checkpoint's, names no checkpoint has:
+    UCP-1.0-R049) and a location another writer holds (UCP-1.0-R059); then claims the location,
+    un-commits (UCP-1.0-R053), removes every file, the marker last, and releases it. The marker
+    of the remains of a save is claimed as it is, so that a full disk does not stop the
+    deletion that frees it. Links are removed, never followed. The location's directory
+    itself stays.
+    """
+    committed, keys = _check_destination(store, overwrite=True)
+    if not keys:
+        return
+    keep = IN_PROGRESS_KEY in keys and not committed
+    claim = WriteClaim(token := uuid.uuid4().hex,
+                       _hold(store, token, take_over=True, keep=keep))
+    try:
+        committed, keys = _check_destination(store, overwrite=True)
+        if committed:
+            store.delete(ZARR_JSON)
+            store.flush()
+        store.delete_keys([k for k in keys if k not in (IN_PROGRESS_KEY, ZARR_JSON)])
+        store.flush()
+        store.delete_all()
+    finally:
+        claim.done = True
+        claim.held.release()
 
 
 def _describe(body: bytes, hash_algorithm: str | None) -> dict[str, Any]:
@@ -447,8 +794,9 @@ def save(
     ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
                          created=created)
     store = open_store(path, durable=durable)
-    with _storage_errors(store):
-        prepare_destination(store, overwrite=overwrite)
+    with _storage_errors(store, untouched=True):
+        claim = prepare_destination(store, overwrite=overwrite)
+    with explain_failure(store, claim), _storage_errors(store):
         objects = write_arrays(
             store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
             progress=progress, feed=feed,
@@ -460,21 +808,27 @@ def save(
             objects=objects,
             root_ucp=ucp,
             hash_algorithm=hash_algorithm,
+            claim=claim,
         )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
 
 
 @contextlib.contextmanager
-def _storage_errors(store: Store) -> Iterator[None]:
-    """Report a failure of the storage (OSError) as a WriteError naming the checkpoint."""
+def _storage_errors(store: Store, *, untouched: bool = False) -> Iterator[None]:
+    """Report a failure of the storage (OSError) as a WriteError naming the checkpoint
+    (``untouched``: and saying that nothing was changed)."""
     try:
         yield
     except UCPError:
         raise
-    except OSError as exc:
-        raise WriteError(
-            f"the save failed and nothing was committed: {exc}", path=store.location
+    except FileExistsError as exc:
+        raise ConcurrentWriteError(
+            f"{exc.filename or 'an object'} was written by another writer during this save",
+            rule="UCP-1.0-R059", path=store.location,
         ) from exc
+    except OSError as exc:
+        text = f"the save failed: {exc}" + ("; nothing was changed" if untouched else "")
+        raise WriteError(text, path=store.location) from exc
 
 
 def default_workers() -> int:
@@ -497,55 +851,81 @@ def write_arrays(
     the feed is stopped at the end, whatever happens.
     """
     try:
-        deferred = [data.key for _, data in arrays if isinstance(data, feeds.Deferred)]
-        if deferred and feed is None:
-            raise InvalidValueError("placeholder arrays (ucpformat.feed.Deferred) need a feed "
-                                    "that gives their values", path=deferred[0])
-        tasks = [
-            (meta, coords, data)
-            for meta, data in arrays
-            for coords in object_coords(meta)
-        ]
-        remaining = {meta.path: itertools.count(1) for meta, _ in arrays}  # next() is atomic
-        counts = {meta.path: meta.object_count for meta, _ in arrays}
-        total = sum(meta.nbytes for meta, _ in arrays)
-        from ucpformat.progress import byte_progress
-
-        if feed is not None:
-            feed.schedule(deferred)
-        with byte_progress(progress, total, "saving") as advance, ThreadPoolExecutor(
-            workers or default_workers()
-        ) as pool:
-
-            def run(task: tuple[ArrayMeta, tuple[int, ...], ArrayValue]) -> StoredObject:
-                meta, coords, value = task
-                data = feed.get(value.key) if isinstance(value, feeds.Deferred) and feed \
-                    else value
-                assert isinstance(data, np.ndarray)
-                region = data[object_region(meta, coords)]
-                le = region.astype(meta.dtype.numpy, copy=False)
-                try:
-                    obj = write_object(store, meta, coords, le, hash_algorithm=hash_algorithm)
-                except UCPError:
-                    raise
-                except OSError as exc:
-                    raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
-                                     path=store.location) from exc
-                if isinstance(value, feeds.Deferred) and feed is not None and \
-                        next(remaining[meta.path]) == counts[meta.path]:
-                    feed.release(value.key)
-                advance(region.nbytes)
-                return obj
-
-            try:
-                return list(pool.map(run, tasks))
-            except BaseException:
-                if feed is not None:
-                    feed.stop()  # threads still waiting for a value raise at once
-                raise
+        return _write_arrays(store, arrays, hash_algorithm=hash_algorithm, workers=workers,
+                             progress=progress, feed=feed)
     finally:
         if feed is not None:
             feed.stop()
+
+
+def _write_arrays(
+    store: Store,
+    arrays: Sequence[tuple[ArrayMeta, ArrayValue]],
+    *,
+    hash_algorithm: str | None,
+    workers: int | None,
+    progress: bool | ProgressCallback,
+    feed: feeds.Feed | None,
+) -> list[StoredObject]:
+    deferred = [data.key for _, data in arrays if isinstance(data, feeds.Deferred)]
+    if deferred and feed is None:
+        raise InvalidValueError("placeholder arrays (ucpformat.feed.Deferred) need a feed "
+                                "that gives their values", path=deferred[0])
+    tasks = [
+        (meta, coords, data)
+        for meta, data in arrays
+        for coords in object_coords(meta)
+    ]
+    remaining = {meta.path: itertools.count(1) for meta, _ in arrays}  # next() is atomic
+    counts = {meta.path: meta.object_count for meta, _ in arrays}
+    total = sum(meta.nbytes for meta, _ in arrays)
+    from ucpformat.progress import byte_progress
+
+    claim = _CLAIMS.get(store)
+
+    def write(meta: ArrayMeta, coords: tuple[int, ...], le: np.ndarray[Any, Any]
+              ) -> StoredObject:
+        return create_owned(
+            store, claim, meta.object_key(coords),
+            lambda: write_object(store, meta, coords, le, hash_algorithm=hash_algorithm),
+        )
+
+    if feed is not None:
+        feed.schedule(deferred)
+    with byte_progress(progress, total, "saving") as advance:
+
+        def run(task: tuple[ArrayMeta, tuple[int, ...], ArrayValue]) -> StoredObject:
+            meta, coords, value = task
+            data = feed.get(value.key) if isinstance(value, feeds.Deferred) and feed \
+                else value
+            assert isinstance(data, np.ndarray)
+            region = data[object_region(meta, coords)]
+            le = region.astype(meta.dtype.numpy, copy=False)
+            try:
+                obj = write(meta, coords, le)
+            except UCPError:
+                raise
+            except OSError as exc:
+                raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
+                                 path=store.location) from exc
+            if isinstance(value, feeds.Deferred) and feed is not None and \
+                    next(remaining[meta.path]) == counts[meta.path]:
+                feed.release(value.key)
+            advance(region.nbytes)
+            return obj
+
+        pool = ThreadPoolExecutor(workers or default_workers())
+        try:
+            return list(pool.map(run, tasks))
+        except BaseException:
+            if feed is not None:
+                feed.stop()  # threads still waiting for a value raise at once
+            # the first failure ends the save: the objects not yet started are not
+            # written (on a full disk, each would only fail in turn)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
 
 # -- adopting arrays written by another writer ----------------------------------------------
@@ -682,17 +1062,22 @@ def adopt(
                 rule="UCP-1.0-R044",
                 path=store.location,
             )
-        store.put(IN_PROGRESS_KEY, [_in_progress_marker()], atomic=True)
+        claim = WriteClaim(token := uuid.uuid4().hex, _hold(store, token, take_over=True))
         ordered = sorted(arrays.values(), key=lambda m: m.path)
-        commit(
-            store,
-            arrays=ordered,
-            groups=sorted(groups.values(), key=lambda g: g.path),
-            objects=objects,
-            root_ucp=ucp,
-            root_attributes=root_attributes,
-            hash_algorithm=hash_algorithm,
-        )
+        try:
+            commit(
+                store,
+                arrays=ordered,
+                groups=sorted(groups.values(), key=lambda g: g.path),
+                objects=objects,
+                root_ucp=ucp,
+                root_attributes=root_attributes,
+                hash_algorithm=hash_algorithm,
+                claim=claim,
+                replace=True,
+            )
+        finally:  # adopt removes nothing: the arrays are another writer's
+            _release(store, claim)
     return SaveResult(store.location, len(ordered), sum(m.nbytes for m in ordered), len(objects))
 
 # -- streaming: declare every array first, then give each tensor's data ------------------
@@ -706,8 +1091,9 @@ class StreamingWriter:
     :meth:`write` (the whole tensor) or :meth:`write_object` (one stored object, for
     tensors too large to hold at once), in any order and from any number of threads.
     :meth:`commit` refuses unless every stored object of every declared array was
-    written exactly once; a writer that is never committed leaves a directory every
-    reader refuses (the in-progress marker), as a failed :func:`save` does::
+    written exactly once. The writer holds its location from its creation to its commit
+    (UCP-1.0-R059); leaving the ``with`` block without a commit (or :meth:`abort`) removes
+    what it wrote, as a failed :func:`save` does, and releases the location::
 
         with StreamingWriter("ckpt") as w:
             w.declare("model/fc.weight", (4096, 4096), "bfloat16")
@@ -740,7 +1126,8 @@ class StreamingWriter:
         self._objects: list[StoredObject] = []
         self._lock = threading.Lock()
         self._committed = False
-        prepare_destination(self.store, overwrite=overwrite)
+        with _storage_errors(self.store, untouched=True):
+            self._claim = prepare_destination(self.store, overwrite=overwrite)
 
     @property
     def location(self) -> str:
@@ -878,9 +1265,14 @@ class StreamingWriter:
         try:
             obj = write_object(self.store, meta, key, self._checked(meta, data),
                                hash_algorithm=self.hash_algorithm)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._pending[path].add(key)
+            if isinstance(exc, FileExistsError):
+                raise ConcurrentWriteError(
+                    f"{meta.object_key(key)} was written by another writer during this save",
+                    rule="UCP-1.0-R059", tensor=path,
+                ) from exc
             raise
         with self._lock:
             self._objects.append(obj)
@@ -947,15 +1339,17 @@ class StreamingWriter:
             children.setdefault(parent, []).append(leaf)
         for parent, leaves in children.items():
             names.check_case_collisions(leaves, parent=parent)
-        commit(
-            self.store,
-            arrays=list(self._arrays.values()),
-            groups=list(groups.values()),
-            objects=self._objects,
-            root_ucp=build_root_ucp(metadata=metadata, values=root_values),
-            root_attributes=root_attributes,
-            hash_algorithm=self.hash_algorithm,
-        )
+        with explain_failure(self.store, self._claim), _storage_errors(self.store):
+            commit(
+                self.store,
+                arrays=list(self._arrays.values()),
+                groups=list(groups.values()),
+                objects=self._objects,
+                root_ucp=build_root_ucp(metadata=metadata, values=root_values),
+                root_attributes=root_attributes,
+                hash_algorithm=self.hash_algorithm,
+                claim=self._claim,
+            )
         self._committed = True
         return SaveResult(
             self.store.location,
@@ -967,6 +1361,25 @@ class StreamingWriter:
     def __enter__(self) -> StreamingWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        # Not committed: the in-progress marker stays, and every reader refuses the directory.
-        return None
+    def abort(self) -> str:
+        """Give the save up: remove what it wrote and release the location (nothing if it
+        is committed). Returns what became of the location, as a sentence."""
+        if self._committed:
+            return ""
+        fate = abandon(self.store, self._claim)
+        if self._claim.replaced:
+            fate = f"the checkpoint that was here is gone (overwrite=True); {fate}"
+        return fate
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._committed or self._claim.done:
+            return
+        fate = self.abort()
+        if exc is None or not fate:
+            return
+        text = f"nothing was committed; {fate}"
+        if isinstance(exc, UCPError):
+            exc.extend(text)
+        else:
+            exc.add_note(f"ucpformat: {text}")
+

@@ -471,6 +471,10 @@ class Checkpoint:
         real = Path(os.path.realpath(path))
         if real != self.root_dir and self.root_dir not in real.parents:
             raise Refused(R + "091", f"{key} is a link to {real}, outside the checkpoint")
+        parts = key.split("/")
+        for i in range(len(parts)):  # no link under a checkpoint is followed (R089)
+            if (self.root_dir.joinpath(*parts[: i + 1])).is_symlink():
+                raise Refused(R + "089", f"{'/'.join(parts[: i + 1])} is a symbolic link")
         if not real.is_file():
             raise Refused(R + "091", f"{key} is not a regular file")
         return path

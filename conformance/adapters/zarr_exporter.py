@@ -53,6 +53,10 @@ OPTIONS = {"write_empty_chunks": True, "drop_vocab_padding": True, "root_last": 
            "check_coverage": True, "rewrite": False}
 
 
+#: The in-progress marker (R056), created exclusively as this writer's claim (R059).
+MARKER = "write-in-progress.ucp.json"
+
+
 class Refused(Exception):
     def __init__(self, rule: str, message: str) -> None:
         super().__init__(message)
@@ -312,6 +316,10 @@ def write(scenario_path: Path, out: Path) -> None:
         for i in range(1, len(parts)):
             groups.setdefault("/".join(parts[:i]), {})
     out.mkdir(parents=True, exist_ok=True)
+    try:  # claim the location: of two writers started at once, only one creates it (R059)
+        os.close(os.open(out / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        raise Refused(R + "059", f"another writer is writing into {out}") from None
     if not OPTIONS["root_last"]:
         write_root(out, _dump({"zarr_format": 3, "node_type": "group",
                                "attributes": {"ucp": {"version": "1.0"}}}))
@@ -353,7 +361,7 @@ def write(scenario_path: Path, out: Path) -> None:
         for name in filenames:
             full = Path(dirpath) / name
             key = full.relative_to(out).as_posix()
-            if key == "zarr.json":
+            if key in ("zarr.json", MARKER):
                 continue
             data = full.read_bytes()
             files[key] = {"nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -387,6 +395,7 @@ def write(scenario_path: Path, out: Path) -> None:
                                   "metadata": dict(sorted(nodes.items()))},
     }
     write_root(out, seal_root(root))
+    os.unlink(out / MARKER)
 
 
 def capabilities() -> dict[str, Any]:

@@ -27,7 +27,8 @@ def test_reference_writer() -> None:
     assert report.claim == "passes ucpformat conformance 1.0, writer (layout-aware)"
     ran = {(r.check, r.status) for r in report.results}
     for check in ("writer.fault-data", "writer.fault-root", "writer.existing",
-                  "writer.coverage", "writer.dtensor", "writer.layout"):
+                  "writer.stray", "writer.concurrent", "writer.coverage", "writer.dtensor",
+                  "writer.layout"):
         assert (check, "pass") in ran, check
 
 

@@ -41,8 +41,9 @@ def test_saves_every_n_steps_and_keeps_the_last_k(tmp_path: Path) -> None:
         assert differences(ckpt.to_dict(), small_state(20)) == []
 
 
-def test_a_failed_save_deletes_nothing(tmp_path: Path) -> None:
-    """Never deletes the only good checkpoint: keep_last=1 and the next save fails."""
+def test_a_failed_save_deletes_no_checkpoint_and_leaves_no_remains(tmp_path: Path) -> None:
+    """Never deletes the only good checkpoint (keep_last=1 and the next save fails), and a
+    failed save leaves nothing of itself behind."""
     manager = CheckpointManager(tmp_path / "run", keep_last=1, **SMALL_CHUNKING)
     manager.maybe_save(1, small_state(1))
 
@@ -59,14 +60,38 @@ def test_a_failed_save_deletes_nothing(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError):
         manager.maybe_save(3, half)
-    assert _steps(manager) == [1, 3]
-    with pytest.warns(CheckpointWarning, match="step 3"):
-        latest = manager.latest_valid()
+    assert _steps(manager) == [1]  # its remains are removed; the only valid one stays
+    latest = manager.latest_valid()
     assert latest is not None and latest.step == 1
-    manager.prune()
-    assert 1 in _steps(manager)  # the only valid one stays, whatever keep_last says
     manager.maybe_save(4, small_state(4))
-    assert _steps(manager) == [4]  # now the debris and the old one can go
+    assert _steps(manager) == [4]
+
+
+def test_recovers_from_a_disk_that_was_full_for_a_while(tmp_path: Path) -> None:
+    """A failed save removes its partial location, and the remains of earlier interrupted
+    saves, keeping every committed checkpoint: partial saves were removed only after a
+    successful save, which a full disk never allowed, so each step added one more."""
+    disk = faults.DiskFull()
+    manager = CheckpointManager(
+        tmp_path / "run", keep_last=2,
+        store_factory=lambda loc: faults.FaultyStore(LocalStore(loc), disk=disk),
+        **SMALL_CHUNKING,
+    )
+    manager.maybe_save(1, small_state(1))
+    manager.maybe_save(2, small_state(2))
+    # the remains of a save killed earlier (marker and a stored object)
+    LocalStore(manager.location(3)).put("write-in-progress.ucp.json", [b"{}"])
+    LocalStore(manager.location(3)).put("model/fc.bias/c/0", [b"x"])
+    disk.fill()
+    for step in (4, 5, 6):
+        with pytest.raises(UCPError, match="No space left"):
+            manager.maybe_save(step, small_state(step))
+        assert _steps(manager) == [1, 2]  # no partial location; both committed ones stay
+    disk.free()
+    manager.maybe_save(7, small_state(7))
+    assert _steps(manager) == [2, 7]
+    with manager.restore() as ckpt:  # type: ignore[union-attr]
+        assert differences(ckpt.to_dict(), small_state(7)) == []
 
 
 def test_skips_a_corrupt_newest_checkpoint_with_a_warning(tmp_path: Path) -> None:

@@ -24,12 +24,18 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import ucpformat
-from ucpformat.errors import IncompleteCheckpointError, UCPError
+from ucpformat.errors import (
+    CheckpointExistsError,
+    ConcurrentWriteError,
+    IncompleteCheckpointError,
+    UCPError,
+)
 from ucpformat.storage import open_store
 from ucpformat.storage_fsspec import FsspecStore
-from ucpformat.testing import faults
+from ucpformat.testing import concurrency, failed_saves, faults
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 from ucpformat.testing.s3 import BUCKET, s3_server
+from ucpformat.writer import StreamingWriter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,7 +124,12 @@ def test_crash_mid_upload_is_refused_and_retried(
         ucpformat.open(target)
     assert info.value.rule == "UCP-1.0-R051"
     assert "UCP-1.0-R051" in ucpformat.validate(target).rules()
-    ucpformat.save(target, small_state(4), compression="zstd", **SMALL_CHUNKING)
+    # An object store has no locks: a stopped writer's marker cannot be told from a
+    # running one's (UCP-1.0-R059), so the retry must say it takes the location over.
+    with pytest.raises(ConcurrentWriteError) as busy:
+        ucpformat.save(target, small_state(4), compression="zstd", **SMALL_CHUNKING)
+    assert busy.value.rule == "UCP-1.0-R059" and "overwrite=True" in str(busy.value)
+    ucpformat.save(target, small_state(4), compression="zstd", overwrite=True, **SMALL_CHUNKING)
     assert _loads_as(target, small_state(4))
 
 
@@ -193,6 +204,66 @@ def test_concurrent_readers_during_a_save(s3: dict[str, Any]) -> None:
         t.join(timeout=90)
     assert not problems, problems[:5]
     assert seen["refused UCP-1.0-R051"] > 0 and seen["complete"] > 0, seen
+
+
+def test_one_writer_at_a_time_on_an_object_store(s3: dict[str, Any]) -> None:
+    """UCP-1.0-R059 on S3 (no locks): the marker is created with a conditional PUT, so a
+    second writer is refused; with overwrite=True it takes the location over, and the
+    first, whose token is gone from the marker, commits nothing."""
+    store = _store(s3)
+    w = np.arange(12, dtype=np.float32)
+    first = StreamingWriter(store)
+    first.declare("model/w", w.shape, w.dtype)
+    first.write("model/w", w)
+    second = open_store(store.location, storage_options=s3)
+    with pytest.raises(ConcurrentWriteError) as info:
+        ucpformat.save(second, {"model": {"w": w + 1}})
+    assert info.value.rule == "UCP-1.0-R059" and "overwrite=True" in str(info.value)
+    ucpformat.save(second, {"model": {"w": w + 1}}, overwrite=True)
+    with pytest.raises(ConcurrentWriteError) as info:
+        first.commit()
+    assert "took this location over" in str(info.value)
+    with ucpformat.open(store) as ckpt:
+        assert np.array_equal(ckpt["model/w"].read(), w + 1)
+
+
+def test_objects_are_created_never_replaced(s3: dict[str, Any]) -> None:
+    """UCP-1.0-R059: a stored object another writer put there first fails the PUT
+    (If-None-Match), instead of being replaced by this save's."""
+    store = _store(s3)
+    w = np.ones(4, np.float32)
+    writer = StreamingWriter(store)
+    writer.declare("model/w", w.shape, w.dtype)
+    store.put("model/w/c/0", [b"another writer's"])
+    with pytest.raises(ConcurrentWriteError):
+        writer.write("model/w", w)
+    assert store.get("model/w/c/0") == b"another writer's"
+
+
+def test_a_stray_key_refuses_the_save_and_keeps_the_checkpoint(s3: dict[str, Any]) -> None:
+    """UCP-1.0-R049: a key with ``..`` was listed normalised (another key), the save
+    un-committed the checkpoint and then failed on it at every retry."""
+    store = _store(s3)
+    old, new = small_state(7), small_state(8)
+    ucpformat.save(store, old, **SMALL_CHUNKING)
+    stray = f"{store.root}/model/../x"
+    store.fs.pipe_file(stray, b"someone else's")
+    with pytest.raises(CheckpointExistsError) as info:
+        ucpformat.save(store, new, overwrite=True, **SMALL_CHUNKING)
+    assert info.value.rule == "UCP-1.0-R049" and "model/../x" in str(info.value)
+    assert _loads_as(store, old)
+    store.fs.rm_file(stray)
+    ucpformat.save(store, new, overwrite=True, **SMALL_CHUNKING)
+    assert _loads_as(store, new)
+
+
+def test_concurrency_and_stray_harnesses_on_s3(s3: dict[str, Any]) -> None:
+    """The quick modes of the concurrent-writer and stray-file harnesses against S3."""
+    figures = concurrency.run(3, seed=2, modes=("s3",), s3_options=s3)
+    assert figures.as_dict()["mixed checkpoints"] == 0 and not figures.failures, (
+        figures.failures)
+    strays = failed_saves.run(2, seed=3, kinds=("s3-stray",), s3_options=s3)
+    assert not strays.failures, strays.failures
 
 
 def test_keys_cannot_leave_the_prefix(s3: dict[str, Any]) -> None:

@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import ucpformat
+from ucpformat.errors import UCPError
 from ucpformat.torch.convert import to_numpy
 from ucpformat.torch.dcp import UCPReader, UCPWriter
 
@@ -118,22 +120,35 @@ def scenario_save(root: Path, rank: int, world: int) -> dict[str, Any]:
             super().set_up_storage_writer(is_coordinator, *args, **kw)
             store = self._store
             assert store is not None
-            put = store.put
+            create = store.create  # stored objects are created, never replaced (R059)
 
-            def failing_put(key: str, *a: Any, **k: Any) -> Any:
+            def failing_create(key: str, *a: Any, **k: Any) -> Any:
                 if rank == 1 and "/c" in key:
                     raise OSError(28, "injected: no space left on device")
-                return put(key, *a, **k)
+                return create(key, *a, **k)
 
-            store.put = failing_put  # type: ignore[method-assign]
+            store.create = failing_create  # type: ignore[method-assign]
 
+    failing = FailingWriter(root / "failed", durable=False)
     try:
-        dcp.save({"model": msd, "optim": osd},
-                 storage_writer=FailingWriter(root / "failed", durable=False))
+        dcp.save({"model": msd, "optim": osd}, storage_writer=failing)
         result["failure_raised"] = False
     except BaseException as exc:  # DCP raises CheckpointException (a BaseException) everywhere
         result["failure_raised"] = True
         result["failure_message"] = str(exc)[-3000:]
+    dist.barrier()
+    if rank == 0:  # refused until the writer is reset, which removes the remains (R049)
+        try:
+            ucpformat.open(root / "failed")
+            result["failed_refused_with"] = None
+        except UCPError as exc:
+            result["failed_refused_with"] = exc.rule
+    dist.barrier()
+    failing.reset()  # what DCP calls when the writer's next save begins
+    dist.barrier()
+    result["failed_files_after_reset"] = sorted(
+        str(p.relative_to(root / "failed")) for p in (root / "failed").rglob("*")
+        if not p.is_dir())
 
     # tensor parallel: colwise fc1, rowwise fc2
     tp_model, tp_opt = build_tp(0, world)

@@ -34,6 +34,7 @@ import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
 from ucpformat.errors import (  # noqa: E402
     CheckpointExistsError,
+    CheckpointNotFoundError,
     IncompleteCheckpointError,
     InvalidValueError,
 )
@@ -233,8 +234,9 @@ def test_non_json_value_is_refused_by_key_and_nothing_committed(tmp_path: Path) 
     with pytest.raises(BaseException, match=r"extra\.handle.*never stores pickles") as info:
         dcp.save(state, storage_writer=UCPWriter(tmp_path / "ckpt"))
     assert "object" in str(info.value)
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(CheckpointNotFoundError):  # the marker withdrawn, nothing left (R049)
         ucpformat.open(tmp_path / "ckpt")
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if not p.is_dir()]
     assert not any(p.name.endswith(".pkl") or p.suffix == ".distcp"
                    for p in (tmp_path / "ckpt").rglob("*"))
 
@@ -247,8 +249,9 @@ def test_optimizer_state_keyed_by_integer_ids_is_refused(tmp_path: Path) -> None
     with pytest.raises(BaseException, match="names parameters by FQN"):
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
                  storage_writer=UCPWriter(tmp_path / "ckpt2", durable=False))
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(CheckpointNotFoundError):  # the marker withdrawn, nothing left (R049)
         ucpformat.open(tmp_path / "ckpt2")
+    assert not [p for p in (tmp_path / "ckpt2").rglob("*") if not p.is_dir()]
 
 
 def test_bytes_are_stored_as_uint8_arrays(tmp_path: Path) -> None:
@@ -459,8 +462,9 @@ def test_a_missing_shard_is_never_committed(tmp_path: Path) -> None:
     with pytest.raises(WriteError, match="planned shards were not written"):
         _simulate(tmp_path / "ckpt", {"model.w": [[(0, 2)], [(2, 4)]], "model.b": [[], []]},
                   {**tensors, "model.b": torch.ones(0)}, drop_rank=1)
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(CheckpointNotFoundError):  # what was written is removed (R049)
         ucpformat.open(tmp_path / "ckpt")
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if not p.is_dir()]
 
 
 # -- the key mapping ------------------------------------------------------------------------
@@ -636,7 +640,11 @@ def test_failure_in_one_rank_commits_nothing(runs: Path) -> None:
     assert result["failure_raised"]
     assert "injected: no space left on device" in result["failure_message"]
     assert not (runs / "failed" / "zarr.json").exists()
-    with pytest.raises(IncompleteCheckpointError):
+    # the remains of the failed save were refused (R051) until the coordinator's writer
+    # was reset, which removed every file of them (R049)
+    assert result["failed_refused_with"] == "UCP-1.0-R051"
+    assert result["failed_files_after_reset"] == []
+    with pytest.raises((IncompleteCheckpointError, CheckpointNotFoundError)):
         ucpformat.open(runs / "failed")
 
 

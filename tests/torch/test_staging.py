@@ -160,12 +160,19 @@ class _GatedStore(LocalStore):
         self.order = order
         self.overlapped: list[str] = []
 
-    def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+    def _gate(self, key: str) -> None:
         for i, path in enumerate(self.order[:-1]):
             if key.startswith(path + "/") and not key.endswith("zarr.json") and \
                     self.events.wait_for("copy-start", self.order[i + 1]):
                 self.overlapped.append(path)
+
+    def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+        self._gate(key)
         return super().put(key, buffers, atomic=atomic)
+
+    def create(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+        self._gate(key)  # stored objects are created (never replacing one)
+        return super().create(key, buffers, atomic=atomic)
 
 
 def test_the_next_tensor_is_copied_while_the_previous_one_is_written(tmp_path: Path) -> None:
@@ -254,6 +261,11 @@ class _FailingStore(LocalStore):
         if key.startswith("model/2.weight/"):
             raise OSError(28, "No space left on device")
         return super().put(key, buffers, atomic=atomic)
+
+    def create(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+        if key.startswith("model/2.weight/"):
+            raise OSError(28, "No space left on device")
+        return super().create(key, buffers, atomic=atomic)
 
 
 def test_a_failed_write_stops_the_copies_and_commits_nothing(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ Trains a small GPT under tensor parallelism x FSDP2 on 4 processes, saves a UCP 
 half-way, resumes it on 2 processes and on 1 with other layouts, and compares the loss
 curves with the uninterrupted run (table, CSV and PNG plot in ``--out``). The work is in
 :mod:`ucpformat.torch.demo`; torch is imported only when the command runs.
+``--framework deepspeed`` runs the same experiment with DeepSpeed engines (ZeRO-2 on 4
+processes, ZeRO-3 on 2, no ZeRO on 1; :mod:`ucpformat.deepspeed.demo`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "and on 1 with other layouts, and compare the loss curves with the uninterrupted run.",
     )
     p.add_argument("--out", default="demo-out", help="output directory (default: demo-out)")
+    p.add_argument("--framework", choices=["torch", "deepspeed"], default="torch",
+                   help="torch (FSDP2 and tensor parallelism, the default) or deepspeed "
+                        "(ZeRO-2 -> ZeRO-3 and no ZeRO)")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps (default 150; 12 with --quick); saved half-way")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
@@ -36,8 +41,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ucpformat.torch.demo import DEFAULT_RTOL
         from ucpformat.torch.demo import run as resume
-    except ImportError as exc:  # torch is an optional dependency of the format
-        print(f"ucp: error: the demo needs torch (pip install 'ucpformat[torch]'): {exc}")
+
+        if args.framework == "deepspeed":
+            import deepspeed  # noqa: F401  (an optional dependency: say so now)
+
+            from ucpformat.deepspeed.demo import run as resume
+    except ImportError as exc:  # torch and DeepSpeed are optional dependencies
+        print(f"ucp: error: the demo needs torch (pip install 'ucpformat[torch]')"
+              f"{' and deepspeed' if args.framework == 'deepspeed' else ''}: {exc}")
         return ERROR
     if args.rtol is None:
         args.rtol = DEFAULT_RTOL

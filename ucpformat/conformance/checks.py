@@ -115,6 +115,17 @@ CHECKS: dict[str, CheckInfo] = {
             "a committed checkpoint at the destination is kept whole or replaced whole",
             ("UCP-1.0-R053",),
         ),
+        CheckInfo(
+            "writer.stray",
+            "a committed checkpoint beside a file no checkpoint has: a refusal changes nothing",
+            ("UCP-1.0-R049",),
+        ),
+        CheckInfo(
+            "writer.concurrent",
+            "two writers started at once into one location: one checkpoint, never both, "
+            "never mixed",
+            ("UCP-1.0-R059",),
+        ),
         # validator suite
         CheckInfo(
             "validator.capabilities",

@@ -117,5 +117,6 @@ def write_object(
             h.update(b)
         digest = h.hexdigest()
     key = meta.object_key(coords)
-    nbytes = store.put(key, buffers)
+    # never replaced: another writer's is refused (UCP-1.0-R059)
+    nbytes = store.create(key, buffers)
     return StoredObject(key, nbytes, digest)

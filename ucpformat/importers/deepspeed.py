@@ -80,7 +80,7 @@ _EXPERT_RE = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
 _LAYER_NAME = re.compile(r"^(\d+)\.")
 _TIED_NAME = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 #: model-states keys DeepSpeed itself writes (everything else is client state)
-_DS_KEYS: Final = frozenset({
+DS_KEYS: Final = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
     "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
@@ -755,7 +755,7 @@ def scan(
         if ms.get(key) is not None:
             training[key] = _json(ms[key], out, key)
     for key, value in ms.items():
-        if key not in _DS_KEYS:
+        if key not in DS_KEYS:
             if hasattr(value, "dtype") and hasattr(value, "shape"):
                 out.tensors.append(TensorSource(node("training", str(key)), tuple(value.shape),
                                                 data_type_of(value.dtype, tensor=str(key)),
@@ -843,4 +843,4 @@ def _json(value: Any, out: Scan, where: str) -> Any:
     return converted
 
 
-__all__ = ["FORMAT", "detect", "scan", "tag_dir"]
+__all__ = ["DS_KEYS", "FORMAT", "detect", "scan", "tag_dir"]

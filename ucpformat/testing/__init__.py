@@ -10,6 +10,13 @@
   readers (UCP-1.0-R090 to UCP-1.0-R099); :mod:`~ucpformat.testing.fuzz_atheris` is its
   coverage-guided
   counterpart;
+- :mod:`~ucpformat.testing.links`: symbolic and hard links planted in and around a
+  checkpoint, against writers, readers (swapped during reads) and the manager (UCP-1.0-R091,
+  UCP-1.0-R089);
+- :mod:`~ucpformat.testing.concurrency`: two writers saving into one location at once
+  (UCP-1.0-R059), on a file system and on S3;
+- :mod:`~ucpformat.testing.failed_saves`: stray files and full disks: what a failed save
+  leaves behind, and whether its retry succeeds (UCP-1.0-R049);
 - :mod:`~ucpformat.testing.s3`: a local S3-compatible server (moto) on loopback.
 
 Each harness runs on its own as ``python -m ucpformat.testing.<name> --trials N`` and

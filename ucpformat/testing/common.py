@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,58 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
             full = Path(dirpath) / name
             out[full.relative_to(root).as_posix()] = full.read_bytes()
     return out
+
+
+class OutsideWatch:
+    """Every access to files outside a checkpoint, as the kernel reports it (inotify):
+    a file or directory opened, read, listed, written, created, deleted, moved or changed
+    under the watched directories. Linux only (:func:`available`).
+
+    The library opens files relative to directory descriptors, which an audit hook cannot
+    place; the kernel's own report does not depend on how a path was resolved. Start
+    watching after the files are made, read :meth:`events` before the harness touches
+    them itself.
+    """
+
+    def __init__(self, *roots: Path) -> None:
+        from inotify_simple import INotify, flags
+
+        self._inotify = INotify()
+        self._dirs: dict[int, str] = {}
+        mask = (flags.ACCESS | flags.MODIFY | flags.ATTRIB | flags.CLOSE_WRITE | flags.OPEN
+                | flags.MOVED_FROM | flags.MOVED_TO | flags.CREATE | flags.DELETE
+                | flags.DELETE_SELF | flags.MOVE_SELF)
+        for root in roots:
+            for dirpath, _dirs, _files in os.walk(root):
+                self._dirs[self._inotify.add_watch(dirpath, mask)] = dirpath
+        self._flags = flags
+        self._inotify.read(timeout=0)  # our own walk above: not an access to count
+
+    @staticmethod
+    def available() -> bool:
+        import importlib.util
+
+        return sys.platform.startswith("linux") and (
+            importlib.util.find_spec("inotify_simple") is not None
+        )
+
+    def events(self) -> list[str]:
+        """What happened since the last call: ``"OPEN|ACCESS outside/secret"`` each."""
+        out = []
+        for event in self._inotify.read(timeout=0):
+            kinds = "|".join(f.name or "?" for f in self._flags.from_mask(event.mask))
+            where = os.path.join(self._dirs.get(event.wd, "?"), event.name)
+            out.append(f"{kinds} {where}")
+        return out
+
+    def close(self) -> None:
+        self._inotify.close()
+
+    def __enter__(self) -> OutsideWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def print_figures(title: str, figures: Mapping[str, Any], *, as_json: bool = False) -> None:

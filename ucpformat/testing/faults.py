@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import random
 import re
@@ -56,7 +57,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
 from ucpformat.pipeline import FragmentList
 from ucpformat.reader import open_checkpoint
 from ucpformat.saveplan import PlanOptions, describe, plan_from_descriptions
-from ucpformat.storage import LocalStore, Store
+from ucpformat.storage import LocalStore, Store, StoreClaim
 from ucpformat.testing.common import (
     SMALL_CHUNKING,
     differences,
@@ -105,6 +106,35 @@ class OpCounter:
             return n
 
 
+class DiskFull:
+    """A disk that fills up: from its ``after``-th write on (counted across the stores that
+    share it), every write fails with ENOSPC, until :meth:`free` is called; deletions
+    always work. ``after=None``: never full until :meth:`fill`."""
+
+    def __init__(self, after: int | None = None) -> None:
+        self.after = after
+        self.writes = 0
+        self.full = False
+        self._lock = threading.Lock()
+
+    def charge(self, key: str) -> None:
+        with self._lock:
+            self.writes += 1
+            if self.after is not None and self.writes >= self.after:
+                self.full = True
+            full = self.full
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), key)
+
+    def fill(self) -> None:
+        self.full = True
+
+    def free(self) -> None:
+        with self._lock:
+            self.full = False
+            self.after = None
+
+
 class FaultyStore(Store):
     """A store that kills its process at the ``kill_at``-th mutating operation.
 
@@ -115,7 +145,8 @@ class FaultyStore(Store):
     operations behave as ``before``) or ``after`` (the operation completes). ``delay``
     seconds are slept before each operation (for kills at random times). ``trace``
     collects ``(operation, key)`` of every operation; stores given the same ``counter``
-    count together (a manager opens one store per location).
+    count together (a manager opens one store per location). ``disk``: writes fail with
+    ENOSPC while it is full (the process lives on).
     """
 
     def __init__(
@@ -127,6 +158,7 @@ class FaultyStore(Store):
         delay: float = 0.0,
         trace: list[tuple[str, str]] | None = None,
         counter: OpCounter | None = None,
+        disk: DiskFull | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
@@ -137,13 +169,17 @@ class FaultyStore(Store):
         self.delay = delay
         self.trace = trace if trace is not None else []
         self.counter = counter if counter is not None else OpCounter()
+        self.disk = disk
 
     def _tick(self, op: str, key: str) -> bool:
-        """Count an operation; True if the process must die at this one."""
+        """Count an operation; True if the process must die at this one (a write on a
+        full disk raises ENOSPC instead)."""
         if self.delay:
             time.sleep(self.delay)
         n = self.counter.next()
         self.trace.append((op, key))
+        if self.disk is not None and op == "put":
+            self.disk.charge(key)
         return n == self.kill_at
 
     @staticmethod
@@ -174,14 +210,41 @@ class FaultyStore(Store):
     # writes count
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
         if self._tick("put", key):
-            if self.mode == "torn":
-                data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
-                target = f"{key}.tmp-{uuid.uuid4().hex}" if atomic else key
-                self.inner.put(target, [data[: len(data) // 2]])
-            elif self.mode == "after":
-                self.inner.put(key, buffers, atomic=atomic)
-            self.die()
+            self._die_writing(key, buffers, atomic=atomic,
+                              complete=lambda: self.inner.put(key, buffers, atomic=atomic))
         return self.inner.put(key, buffers, atomic=atomic)
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        return self.inner.atomic_create
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        if self._tick("put", key):
+            self._die_writing(key, buffers, atomic=atomic,
+                              complete=lambda: self.inner.create(key, buffers, atomic=atomic))
+        return self.inner.create(key, buffers, atomic=atomic)
+
+    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
+              ) -> StoreClaim:
+        # kept as it is, a marker already there costs no write (and no space)
+        kept = keep and take_over and self.inner.exists(key)
+        if self._tick("claim" if kept else "put", key):
+            # a torn claim: a partial new marker, or a partial temporary file beside the
+            # marker it was replacing
+            self._die_writing(key, [body], atomic=self.inner.exists(key),
+                              complete=lambda: self.inner.claim(key, body, take_over=take_over,
+                                                                keep=keep))
+        return self.inner.claim(key, body, take_over=take_over, keep=keep)
+
+    def _die_writing(self, key: str, buffers: Sequence[Any], *, atomic: bool,
+                     complete: Callable[[], object]) -> None:
+        if self.mode == "torn":
+            data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+            target = f"{key}.tmp-{uuid.uuid4().hex}" if atomic else key
+            self.inner.put(target, [data[: len(data) // 2]])
+        elif self.mode == "after":
+            complete()
+        self.die()
 
     def delete(self, key: str) -> None:
         if self._tick("delete", key):

@@ -54,7 +54,7 @@ from ucpformat.errors import UCPError
 from ucpformat.metadata import MANIFEST_KEY, ROOT_DIGEST, ZARR_JSON
 from ucpformat.reader import open_checkpoint
 from ucpformat.storage import LocalStore, Store
-from ucpformat.testing.common import tree_bytes
+from ucpformat.testing.common import OutsideWatch, tree_bytes
 from ucpformat.validation import validate
 
 #: Readers get this limit: a hostile input must never make them allocate much more.
@@ -117,9 +117,15 @@ class Guard:
 
     def check_path(self, event: str, target: Any, args: tuple[Any, ...]) -> None:
         try:
-            path = os.path.realpath(os.fsdecode(target))
+            name = os.fsdecode(target)
         except (TypeError, ValueError):
             return
+        if not os.path.isabs(name):
+            # opened relative to a directory descriptor (the local store opens every path
+            # component by component without following links, UCP-1.0-R089): the hook
+            # cannot place it; the link target's watch (inotify) sees any access outside
+            return
+        path = os.path.realpath(name)
         root = os.path.realpath(self.root)
         inside = path == root or path.startswith(root + os.sep)
         if inside:
@@ -207,6 +213,19 @@ def exercise(root: Path, *, limit: int = LIMIT, store: Store | None = None,
         if store is None and (root / ZARR_JSON).is_file() and (
                 (root / ZARR_JSON).stat().st_size <= CLI_ROOT_BYTES):
             _run_cli(root)
+    return outcomes
+
+
+def exercise_watching(root: Path, outside: Path) -> list[str]:
+    """:func:`exercise`, failing if anything under ``outside`` is opened or changed, as the
+    kernel reports it (inotify, where there is one)."""
+    if not OutsideWatch.available():
+        return exercise(root)
+    with OutsideWatch(outside) as watch:
+        outcomes = exercise(root)
+        touched = watch.events()
+    if touched:
+        raise HostileInputFailure(f"files outside the checkpoint were touched: {touched[:3]}")
     return outcomes
 
 
@@ -795,7 +814,7 @@ def fuzz_target(name: str, fx: Fixture, examples: int, figures: Figures,
         opened: list[bool] = []
         if "__link__" in new:
             with fx.linked(new["__link__"].decode(), fx.canary):  # type: ignore[union-attr]
-                outcomes = exercise(fx.root)
+                outcomes = exercise_watching(fx.root, fx.canary.parent)
         elif "__store__" in new:
             key, operation, error = json.loads(new["__store__"] or b"")
             store = FailingStore(fx.root, key=key, operation=operation,

@@ -24,7 +24,9 @@ save fails), in DCP's order of calls:
    it; where chunks are too small to shard on their boundaries, the owner of a coarser
    shard receives the missing cells from their holders (in ``write_data``). Each rank's
    share goes back in its plan. It then marks the destination (refusing a committed
-   checkpoint unless ``overwrite=True``); nothing else is written before step 3 agrees.
+   checkpoint unless ``overwrite=True``, and a location another save holds: its marker
+   is its claim until the commit, UCP-1.0-R059); nothing else is written before step 3
+   agrees.
 3. every rank (``write_data``): reads its non-tensor values (JSON), exchanges boundary
    cells over ``process_group``, agrees with the others that none failed; the
    coordinator then un-commits a checkpoint being replaced; every rank writes its shards
@@ -32,7 +34,10 @@ save fails), in DCP's order of calls:
 4. the coordinator (``finish``, called by DCP only if every rank succeeded): checks that
    every planned shard was written, writes values and the metadata, and commits last. A
    failure anywhere leaves no committed checkpoint, and one before the un-commit leaves
-   the checkpoint being replaced as it was.
+   the checkpoint being replaced as it was. A failed save's files are removed (UCP-1.0-R049):
+   by the coordinator at once where it sees the failure (steps 3 and 4), else by its
+   writer's next ``reset`` (DCP calls it when the next save begins) or the next save to
+   that location.
 
 Loading: ``read_metadata`` builds DCP's metadata from the root ``zarr.json`` (one chunk
 per tensor, no pickle); DCP's planner turns each rank's target layout into read requests
@@ -121,7 +126,14 @@ from ucpformat.torch.planner import like
 from ucpformat.torch.reads import DeviceStaging
 from ucpformat.torch.staging import DeviceUploads, Staging, host_array
 from ucpformat.torch.state import qualified_name, unwrap
-from ucpformat.writer import commit, default_workers, zero_bits
+from ucpformat.writer import (
+    WriteClaim,
+    abandon,
+    commit,
+    default_workers,
+    explain_failure,
+    zero_bits,
+)
 
 CheckpointId = str | os.PathLike[str]
 
@@ -165,7 +177,7 @@ class _SavePlanState:
     values: dict[str, tuple[ObjectPath, ValueTarget]]
     context: SaveContext
     tensor_values: dict[str, tuple[str, tuple[int, ...]]]
-    replacing: bool  # the destination holds the committed checkpoint this save replaces
+    claim: WriteClaim  # the hold on the destination (UCP-1.0-R059), from mark to commit
 
 
 # -- the writer -----------------------------------------------------------------------------
@@ -245,6 +257,8 @@ class UCPWriter(StorageWriter):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        if self._store is not None:  # a save of this writer that never finished: remove
+            abandon(self._store)      # its remains, give its location up (UCP-1.0-R059)
         if checkpoint_id is not None:
             self.path = checkpoint_id
         self._state = None
@@ -377,10 +391,10 @@ class UCPWriter(StorageWriter):
         self._check_group(world, any(t.sends for t in shares))
         # Mark the destination now; write_data un-commits a checkpoint it replaces only
         # after the exchange, so that a rank failing until then leaves it intact.
-        replacing = mark(store, overwrite=self.overwrite)
+        claim = mark(store, overwrite=self.overwrite)
         self._state = _SavePlanState(
             world, {p: tp.meta for p, tp in plan.tensors.items()}, plan.object_keys(),
-            tensor_entries, values, ctx, tensor_values, replacing,
+            tensor_entries, values, ctx, tensor_values, claim,
         )
         return [
             replace(p, storage_data=_RankShare(
@@ -419,13 +433,15 @@ class UCPWriter(StorageWriter):
             error = exc
         source = _ItemFragments(planner, items_of, share.key_of,
                                 tasks.arrays if tasks is not None else {}, self.staging)
+        # the coordinator holds the destination from prepare_global_plan (mark) on
+        claim = self._state.claim if self._is_coordinator and self._state else None
         received = exchange_and_prepare(
-            self._communicator(), store, tasks, source, error=error,
-            coordinator=self._is_coordinator,
-            replacing=self._state is not None and self._state.replacing)
+            self._communicator(), store, tasks, source, error=error, claim=claim)
         assert tasks is not None  # agreed: no rank failed
+        # A failure from here on is DCP's to gather: the coordinator's writer removes what
+        # the ranks wrote in its next reset (no rank may still be writing then).
         stored = write(store, tasks, source, received.inbox, workers=self.workers,
-                       hash_algorithm=self.hash_algorithm)  # stops the source's staging
+                       hash_algorithm=self.hash_algorithm, claim=claim)  # stops the staging
         by_path: dict[str, list[StoredObject]] = {}
         for obj, written in zip(tasks.objects, stored, strict=True):
             by_path.setdefault(obj.path, []).append(written)
@@ -439,11 +455,19 @@ class UCPWriter(StorageWriter):
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Step 7 of the save pipeline (the coordinator, once every rank has written): a
+        failure abandons the save (nothing committed, what the ranks wrote removed)."""
         store = self._require_store()
         state = self._state
         if state is None:
             raise WriteError("finish() without a global plan: this UCPWriter was not the "
                              "coordinator's", path=store.location)
+        with explain_failure(store, state.claim):
+            self._commit(store, state, results)
+        self._state = None
+
+    def _commit(self, store: Store, state: _SavePlanState,
+                results: list[list[WriteResult]]) -> None:
         objects: list[StoredObject] = []
         value_of: dict[str, Any] = {}
         raw_of: dict[str, tuple[bytes, str]] = {}
@@ -519,8 +543,7 @@ class UCPWriter(StorageWriter):
             },
         )
         commit(store, arrays=final_metas, groups=group_metas, objects=objects,
-               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm)
-        self._state = None
+               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm, claim=state.claim)
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -333,6 +333,10 @@ class Outcome:
     max_rel_diff: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     plot: str | None = None
+    #: what the plot calls the runs and itself (another framework's demo gives its own)
+    labels: dict[str, str] = field(default_factory=lambda: {
+        "A": LAYOUT_A.name, "B": LAYOUT_B.name, "C": LAYOUT_C.name})
+    title: str = "Save on 4 processes (TP 2 x FSDP2 2), resume on 2 and on 1"
 
     @property
     def ok(self) -> bool:
@@ -402,11 +406,11 @@ def plot(outcome: Outcome, path: Path) -> bool:
         2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.6]}
     )
     top.plot(steps_all, outcome.losses["A"], color="black", lw=2.2,
-             label=LAYOUT_A.name + ", uninterrupted")
+             label=outcome.labels["A"] + ", uninterrupted")
     top.plot(steps_resumed, outcome.losses["B"], "o", ms=4.5, mfc="none", color="tab:blue",
-             label=LAYOUT_B.name + ", resumed")
+             label=outcome.labels["B"] + ", resumed")
     top.plot(steps_resumed, outcome.losses["C"], "x", ms=4.5, color="tab:orange",
-             label=LAYOUT_C.name + ", resumed")
+             label=outcome.labels["C"] + ", resumed")
     for ax in (top, bottom):
         ax.axvline(cfg.save_at + 0.5, color="grey", ls="--", lw=1)
     low, high = min(outcome.losses["A"]), max(outcome.losses["A"])
@@ -414,7 +418,7 @@ def plot(outcome: Outcome, path: Path) -> bool:
              f"UCP checkpoint saved by A\nafter step {cfg.save_at}", color="grey",
              va="top", fontsize=9)
     top.set_ylabel("training loss (nats/token)")
-    top.set_title("Save on 4 processes (TP 2 x FSDP2 2), resume on 2 and on 1")
+    top.set_title(outcome.title)
     top.legend(loc="upper right", fontsize=9)
     a = np.asarray(outcome.losses["A"][cfg.save_at :])
     floor = 1e-10

@@ -3,8 +3,9 @@ UCP-1.0-R222).
 
 Each checkpoint is validated deep and compared with the scenario's contents; layout
 scenarios are loaded into other layouts; fault checks limit the size of the files the
-adapter may write, and put a committed checkpoint where it writes (UCP-1.0-R050, UCP-1.0-R053,
-UCP-1.0-R054).
+adapter may write, put a committed checkpoint where it writes (also beside a stray file),
+and start two writes into one location at once (UCP-1.0-R050, UCP-1.0-R053,
+UCP-1.0-R054, UCP-1.0-R049, UCP-1.0-R059).
 """
 
 from __future__ import annotations
@@ -394,19 +395,39 @@ def _fault_checks(report: SuiteReport, adapter: Adapter, scenarios: Sequence[Sce
                        work / "fault-root", limit, "UCP-1.0-R054",
                        f"files larger than {limit} bytes cannot be written (the root is "
                        f"{root} bytes)")
-    # a committed checkpoint at the destination
-    result = report.add(Result("writer.existing", "basic <- many-tensors",
-                               requirements_of("writer.existing")))
+    # a committed checkpoint at the destination; the same beside a stray file; two writers
     if base is None or "many-tensors" not in by_name:
-        result.skip("needs the output of scenario basic")
+        for check in ("writer.existing", "writer.stray", "writer.concurrent"):
+            report.add(Result(check, "basic <- many-tensors", requirements_of(check))).skip(
+                "needs the output of scenario basic")
         return
-    dest = work / "existing" / "out"
+    _onto_committed(report.add(Result("writer.existing", "basic <- many-tensors",
+                                      requirements_of("writer.existing"))),
+                    adapter, base, by_name["many-tensors"], supported, work / "existing",
+                    "UCP-1.0-R053", stray=None)
+    _onto_committed(report.add(Result("writer.stray", "basic + 'notes (1).txt' <- many-tensors",
+                                      requirements_of("writer.stray"))),
+                    adapter, base, by_name["many-tensors"], supported, work / "stray",
+                    "UCP-1.0-R049", stray="notes (1).txt")
+    _concurrent(report.add(Result("writer.concurrent", "basic | many-tensors",
+                                  requirements_of("writer.concurrent"))),
+                adapter, [by_name["basic"], by_name["many-tensors"]], supported,
+                work / "concurrent")
+
+
+def _onto_committed(result: Result, adapter: Adapter, base: Path, scenario: Scenario,
+                    supported: set[str], work: Path, rule: str, *, stray: str | None) -> None:
+    """Write ``scenario`` onto a copy of the committed checkpoint ``base`` (with a file
+    named ``stray`` beside it): a refusal must change nothing; a write must replace the
+    checkpoint as a whole (UCP-1.0-R053, UCP-1.0-R049)."""
+    dest = work / "out"
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(base, dest, symlinks=True)
+    if stray is not None:
+        (dest / stray).write_bytes(b"a file that is not the checkpoint's\n")
     before = {k: (dest / k).read_bytes() for k in _sizes(dest)}
-    scenario_file, expected, _ = _prepare(by_name["many-tensors"], supported,
-                                          work / "existing" / "in")
+    scenario_file, expected, _ = _prepare(scenario, supported, work / "in")
     with timed(result):
         run = adapter.write(scenario_file, dest)
     after_keys = set(_sizes(dest))
@@ -414,8 +435,8 @@ def _fault_checks(report: SuiteReport, adapter: Adapter, scenarios: Sequence[Sce
         unchanged = after_keys == set(before) and all(
             (dest / k).read_bytes() == v for k, v in before.items())
         if not unchanged:
-            result.error("UCP-1.0-R053", "the writer refused to write over a committed checkpoint "
-                                         "but changed it")
+            result.error(rule, "the writer refused to write over a committed checkpoint but "
+                               "changed it")
         else:
             result.note(None, "the writer refused and left the committed checkpoint as it was")
         return
@@ -423,16 +444,72 @@ def _fault_checks(report: SuiteReport, adapter: Adapter, scenarios: Sequence[Sce
 
     validation = validate(dest, deep=True)
     for issue in validation.errors:
-        result.error("UCP-1.0-R053", f"after replacing a committed checkpoint: [{issue.rule}] "
-                                     f"{issue.path}: {issue.message}")
+        result.error(rule, f"after replacing a committed checkpoint: [{issue.rule}] "
+                           f"{issue.path}: {issue.message}")
     judge_contents(result, dest, expected)
     for finding in list(result.errors):
-        if finding.rule != "UCP-1.0-R053":
+        if finding.rule != rule:
             result.findings.remove(finding)
-            result.error("UCP-1.0-R053", f"the replaced checkpoint is not the new one alone: "
-                                         f"{finding.message}")
+            result.error(rule, f"the replaced checkpoint is not the new one alone: "
+                               f"{finding.message}")
     if not result.errors:
         result.note(None, "the writer replaced the committed checkpoint as a whole")
+
+
+def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
+                supported: set[str], work: Path) -> None:
+    """Two writes of different scenarios started at the same moment into one new
+    location: at most one may report success, and the location must then hold exactly
+    its checkpoint (UCP-1.0-R059); never a mix of both."""
+    import threading
+
+    dest = work / "out"
+    if dest.exists():
+        shutil.rmtree(dest)
+    prepared = [_prepare(s, supported, work / f"in-{i}") for i, s in enumerate(scenarios)]
+    runs: list[Run | None] = [None] * len(prepared)
+    start = threading.Barrier(len(prepared))
+
+    def write(i: int) -> None:
+        start.wait()
+        runs[i] = adapter.write(prepared[i][0], dest)
+
+    with timed(result):
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(len(prepared))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    succeeded = [i for i, run in enumerate(runs) if run is not None and run.returncode == 0]
+    names = [s.name for s in scenarios]
+    if len(succeeded) > 1:
+        result.error("UCP-1.0-R059", "both writers reported success into one location")
+    if not (dest / "zarr.json").exists():
+        if succeeded:
+            result.error("UCP-1.0-R233", f"{names[succeeded[0]]} reported success, nothing is "
+                                         "committed")
+        else:
+            result.note(None, "both writers failed; nothing is committed")
+        return
+    from ucpformat.validation import validate
+
+    validation = validate(dest, deep=True)
+    for issue in validation.errors:
+        result.error("UCP-1.0-R059", f"the checkpoint two writers left: [{issue.rule}] "
+                                     f"{issue.path}: {issue.message}")
+    matches = []
+    for i, (_, expected, _) in enumerate(prepared):
+        check = Result("writer.contents", names[i])
+        judge_contents(check, dest, expected)
+        if not check.errors:
+            matches.append(i)
+    if not matches:
+        result.error("UCP-1.0-R059", "the location holds neither writer's checkpoint (a mix)")
+    elif succeeded and matches != succeeded[:1]:
+        result.error("UCP-1.0-R059", f"{names[succeeded[0]]} reported success, the location "
+                                     f"holds {names[matches[0]]}")
+    if not result.errors:
+        result.note(None, f"{names[matches[0]]} committed; the other writer was refused")
 
 
 def _fault_run(result: Result, adapter: Adapter, scenario: Scenario, supported: set[str],

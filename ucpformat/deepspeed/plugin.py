@@ -1,0 +1,95 @@
+"""``engine.save_checkpoint`` writing UCP: a DeepSpeed checkpoint engine.
+
+DeepSpeed hands a checkpoint engine the per-rank state dicts it builds
+(``save(state_dict, path)``: model states, optimizer partitions, pipeline layers) and
+then calls ``commit(info)`` on every rank. :class:`UCPCheckpointEngine` writes none of
+those files: it keeps the client state DeepSpeed merged into the model states, and in
+``commit`` runs :func:`ucpformat.deepspeed.save` on the engine itself, which writes the
+consolidated checkpoint ``save_dir/tag`` (and ``save_dir/latest``)::
+
+    engine.checkpoint_engine = UCPCheckpointEngine(engine)
+    engine.save_checkpoint("ckpt", client_state={"epoch": 3})   # ckpt/global_step<N>: UCP
+
+Loading cannot go through a checkpoint engine: ``engine.load_checkpoint`` finds the
+files to read by their per-rank names, on disk (``glob``, ``os.path.exists``), reads
+the universal layout's pickles itself, and expects state dicts laid out for
+the saving world size; :meth:`load` refuses and names :func:`ucpformat.deepspeed.load`.
+DeepSpeed is not imported here: the class has the methods DeepSpeed calls.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ucpformat.errors import UnsupportedFeatureError
+
+
+class UCPCheckpointEngine:
+    """A DeepSpeed checkpoint engine whose checkpoints are consolidated UCP checkpoints.
+
+    ``save_options`` go to :func:`ucpformat.deepspeed.save` (``rules``, ``rule_params``,
+    ``compression``, ``workers``, ...); ``overwrite`` defaults to True here, as
+    ``save_checkpoint`` replaces a tag it saves again.
+    """
+
+    name = "UCPCheckpointEngine"
+
+    def __init__(self, engine: Any, **save_options: Any) -> None:
+        self.engine = engine
+        self.save_options = {"overwrite": True, **save_options}
+        self.client_state: dict[str, Any] = {}
+        self.last_result: Any = None
+
+    # -- what DeepSpeed calls while saving -------------------------------------------------
+
+    def create(self, info: Any) -> None:
+        self.client_state = {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Keep the client state of a model-states dict; write nothing."""
+        from ucpformat.importers.deepspeed import DS_KEYS
+
+        if isinstance(state_dict, Mapping) and "module" in state_dict and (
+                "global_steps" in state_dict):
+            self.client_state = {k: v for k, v in state_dict.items() if k not in DS_KEYS}
+
+    def commit(self, info: Any) -> bool:
+        """Collective: the consolidated save of the engine into ``save_dir/tag``."""
+        from ucpformat.deepspeed.save import save
+
+        self.last_result = save(self.engine, info.save_dir, tag=str(info.tag),
+                                client_state=self.client_state, **self.save_options)
+        return True
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # DeepSpeed need not clone tensors for files that are never written
+
+    def set_commit_info(self, info: Any) -> None:
+        return None
+
+    def get_commit_info(self) -> None:
+        return None
+
+    def cleanup(self) -> None:
+        return None
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        raise UnsupportedFeatureError(
+            "DeepSpeed's load_checkpoint reads per-rank files that a UCP checkpoint does not "
+            "have; resume with ucpformat.deepspeed.load(engine, path)", path=path)
+
+
+__all__ = ["UCPCheckpointEngine"]
