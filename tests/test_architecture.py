@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "dtypes", "schemas", "zarr_dtypes")),
     ("storage and geometry", ("storage", "storage_fsspec", "layout", "layout.boxes",
                               "layout.semantics", "layout.sharding", "layout.rules",
-                              "layout.zero", "layout.dtensor")),
+                              "layout.zero", "layout.dtensor", "layout.universal_info")),
     ("engine", ("engine.*",)),
     ("metadata", ("metadata",)),
     ("checkpoint API", ("", "reader", "writer", "feed", "validation", "rng", "manager")),

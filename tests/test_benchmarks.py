@@ -171,6 +171,36 @@ def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+def test_scale_benchmark_runs(tmp_path: Path) -> None:
+    """The scale simulation on a tiny model: every table, the figures consistent."""
+    from benchmarks import bench_scale
+    from benchmarks import scale_layouts as L
+
+    tiny = L.Transformer("tiny", layers=16, hidden=64, heads=8, kv_heads=8, head_dim=8,
+                         ffn=128, vocab=512)
+    tables = bench_scale.run(dps=(1, 2), model=tiny, moe=False, fsdp=False,
+                             directory=tmp_path)
+    assert [t.title.split(":")[0] for t in tables] == [
+        "Distributed save at scale", "Before", "DCP's default planners on the same state",
+        "Resharded load from the largest save"]
+    rows = tables[0].data["save"]
+    assert [r["ranks"] for r in rows] == [128, 256]
+    for r in rows:
+        # a rank now receives its share, not every rank's description
+        assert r["rank_received"] < r["before_rank_received"]
+        assert r["objects"] >= r["arrays"] > 0 and r["root_bytes"] > 0
+        assert r["dcp_metadata_bytes"] > 0
+    tp_rank, one_rank = tables[0].data["load"]
+    # a TP 4 x PP 8 rank reads about 1/32 of the state (its stage's TP shard), far below
+    # 1/16 of what one rank reading everything needs
+    assert 0 < tp_rank["needed_bytes"] * 16 <= one_rank["needed_bytes"]
+    assert one_rank["target_ranks"] == 1
+    # one rank reads every element once: bf16 weights, fp32 master and two moments
+    assert one_rank["needed_bytes"] == tiny.parameters() * (2 + 3 * 4)
+    assert one_rank["amplification"] >= 1.0
+
+
+@pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_deepspeed_benchmark_runs(tmp_path: Path) -> None:
@@ -187,6 +217,17 @@ def test_deepspeed_benchmark_runs(tmp_path: Path) -> None:
         assert 0 < figures["ucpformat"]["written"] < figures["deepspeed"]["written"]
         assert figures["held"] > figures["largest"] > 0
     assert not any((tmp_path / "work").iterdir())  # every checkpoint removed
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_megatron_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from benchmarks import bench_megatron
+
+    (table,) = bench_megatron.run(quick=True, repeats=1, directory=tmp_path)
+    assert [r[0] for r in table.rows] == ["save (4 ranks)", *bench_megatron.TARGET_LABELS.values()]
+    assert any("files per checkpoint" in n for n in table.notes)
 
 
 def test_staging_and_gpu_benchmarks_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,8 +16,9 @@ import ucpformat
 
 PACKAGE = Path(ucpformat.__file__).resolve().parent
 #: Integrations that read other frameworks' files (which are pickles) live apart from the
-#: format core and are not scanned: torch, and importers of foreign checkpoints.
-EXCLUDED = ("torch", "importers", "exporters")
+#: format core and are not scanned: torch, importers of foreign checkpoints, and the
+#: megatron-core strategies (which unpickle only opaque objects, on explicit opt-in).
+EXCLUDED = ("torch", "importers", "exporters", "megatron")
 #: Names whose use would load pickles or run code from data.
 FORBIDDEN_NAMES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal",
                    "shelve", "eval", "exec", "__import__"}

@@ -127,6 +127,27 @@ def run_threads(
         return results
 
 
+def gather_bytes(comm: Communicator, payload: bytes, root: int = 0) -> list[bytes] | None:
+    """Collective: every rank's ``payload``, by rank, on ``root`` (None on the others).
+
+    One :meth:`Communicator.exchange`: a rank sends only its own bytes, and only the
+    root receives (the cost on a rank does not grow with the others' payloads)."""
+    received = comm.exchange({root: payload})
+    if comm.rank != root:
+        return None
+    return [received.get(r, b"") for r in range(comm.world_size)]
+
+
+def scatter_bytes(comm: Communicator, outgoing: Mapping[int, bytes] | None,
+                  root: int = 0) -> bytes:
+    """Collective: ``root`` sends ``outgoing[r]`` to each rank r (the others pass None);
+    every rank returns what it was sent (b"" if nothing)."""
+    if comm.rank == root and outgoing is None:
+        raise ValueError("the root of a scatter must give what each rank receives")
+    received = comm.exchange(dict(outgoing or {}) if comm.rank == root else {})
+    return received.get(root, b"")
+
+
 def error_report(error: BaseException | None) -> str:
     """What a rank tells the others of its failure: "" for none."""
     return "" if error is None else f"{type(error).__name__}: {error}"
@@ -143,4 +164,4 @@ def gather_failures(comm: Communicator, error: BaseException | None) -> list[tup
 
 
 __all__ = ["Communicator", "SingleProcess", "ThreadGroup", "error_report", "failed_ranks",
-           "gather_failures", "run_threads"]
+           "gather_bytes", "gather_failures", "run_threads", "scatter_bytes"]

@@ -3,9 +3,9 @@
 Every rank describes what it holds as *fragments*: a box of a consolidated tensor and
 the values in it (from tensor, pipeline, expert or data parallelism, fused parts, flat
 ZeRO partitions...). :func:`save_distributed` runs the distributed save pipeline
-(:mod:`ucpformat.pipeline`, which says how a save fails) over them: every rank computes
-the same plan from the gathered boxes (:mod:`ucpformat.saveplan`: coverage, a shard grid
-per tensor, one owner per shard), owners receive the cells of their shards that they
+(:mod:`ucpformat.pipeline`, which says how a save fails) over them: rank 0 plans from
+every rank's boxes and hands each rank its share (:mod:`ucpformat.saveplan`: coverage, a
+shard grid per tensor, one owner per shard), owners receive the cells of their shards that they
 lack, each rank writes the shards it owns, and rank 0 commits after every rank has
 succeeded, and not at all if any failed (UCP-1.0-R132).
 

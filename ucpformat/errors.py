@@ -162,3 +162,23 @@ class KeyMismatchError(LoadError, KeyError):
 
 class ShapeMismatchError(LoadError, ValueError):
     """A stored tensor's shape differs from that of the tensor it is loaded into."""
+
+
+# -- errors that travel between ranks -------------------------------------------------
+
+
+def error_document(error: UCPError) -> dict[str, str | None]:
+    """A UCPError as JSON, so that the ranks a coordinator planned for raise the same
+    error it did (:func:`error_from_document`)."""
+    return {"type": type(error).__name__, "message": error.message, "rule": error.rule,
+            "path": error.path, "tensor": error.tensor}
+
+
+def error_from_document(doc: dict[str, str | None]) -> UCPError:
+    """The error of an :func:`error_document`: the same class if it is one of this
+    module's, else a :class:`WriteError` with the same message."""
+    cls = globals().get(str(doc.get("type")))
+    if not (isinstance(cls, type) and issubclass(cls, UCPError)):
+        cls = WriteError
+    return cls(str(doc.get("message")), rule=doc.get("rule"), path=doc.get("path"),
+               tensor=doc.get("tensor"))

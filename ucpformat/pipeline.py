@@ -15,14 +15,21 @@ step  name        who                           what
 ====  ==========  ============================  ==========================================
 1     describe    every rank, then collective   :func:`ucpformat.saveplan.describe`: the
                                                 specs, boxes and group attributes a rank
-                                                knows (no values), gathered by every rank.
-2     plan        every rank (or the            :func:`ucpformat.saveplan.plan_from_descriptions`:
-                  coordinator alone, which      the same plan everywhere; each rank takes
-                  hands each rank its share)    its :class:`~ucpformat.saveplan.RankTasks`.
-                                                Then the coordinator marks the destination
+                                                knows (no values), sent to the coordinator
+                                                alone (:func:`~ucpformat.comm.gather_bytes`
+                                                of :func:`~ucpformat.saveplan.encode_description`).
+2     plan        the coordinator, then         :func:`plan_shares`: the plan
+                  collective                    (:func:`ucpformat.saveplan.plan_from_descriptions`),
+                                                then the coordinator marks the destination
                                                 (:func:`mark`: refuse it, or hold it with
                                                 its in-progress marker; a checkpoint being
-                                                replaced stays committed).
+                                                replaced stays committed) and sends each
+                                                rank its :class:`~ucpformat.saveplan.RankTasks`
+                                                (:func:`~ucpformat.comm.scatter_bytes`,
+                                                :func:`take_share`). No rank but the
+                                                coordinator receives or plans what other
+                                                ranks hold: a rank's cost does not grow with
+                                                the number of ranks times tensors.
 3     exchange    collective                    :func:`exchange`: each rank sends owners the
                                                 cells of their objects that it holds, and
                                                 every rank its status (failed or not).
@@ -34,7 +41,8 @@ step  name        who                           what
 6     write       every rank                    :func:`write`: assemble and write each
                                                 stored object this rank owns, whole.
 7     commit      coordinator, then collective  :func:`commit`: once every rank has
-                                                written (the results are gathered), check
+                                                written (what each wrote is gathered by the
+                                                coordinator, failures by all), check
                                                 that every planned object was written,
                                                 then write the metadata, the manifest and,
                                                 last, the root ``zarr.json``.
@@ -80,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import struct
 import threading
@@ -92,9 +101,22 @@ from typing import Any, Protocol
 import numpy as np
 
 from ucpformat import feed as feeds
-from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.comm import (
+    Communicator,
+    error_report,
+    failed_ranks,
+    gather_bytes,
+    gather_failures,
+    scatter_bytes,
+)
 from ucpformat.engine.write import StoredObject, write_object
-from ucpformat.errors import LayoutError, UCPError, WriteError
+from ucpformat.errors import (
+    LayoutError,
+    UCPError,
+    WriteError,
+    error_document,
+    error_from_document,
+)
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
 from ucpformat.metadata import ArrayMeta, build_root_ucp
 from ucpformat.progress import ProgressCallback, byte_progress
@@ -104,7 +126,9 @@ from ucpformat.saveplan import (
     PlanOptions,
     RankTasks,
     TensorSpec,
+    decode_descriptions,
     describe,
+    encode_description,
     plan_from_descriptions,
 )
 from ucpformat.storage import Store, open_store
@@ -557,7 +581,7 @@ def check_written(expected: Iterable[str], written: Iterable[str], location: str
 def commit(
     comm: Communicator,
     store: Store,
-    plan: Plan,
+    plan: Plan | None,
     written: Iterable[StoredObject],
     *,
     claim: WriteClaim | None,
@@ -568,10 +592,12 @@ def commit(
     by the coordinator only), the coordinator (``claim``: its hold on the location; None
     on the other ranks) checks it against the plan and commits if it still holds the
     location (UCP-1.0-R059); every rank learns the outcome. On a failure the coordinator
-    abandons the save."""
+    abandons the save. ``plan``: the coordinator's (None elsewhere)."""
     error: BaseException | None = None
     if claim is not None:
         try:
+            if plan is None:
+                raise WriteError("the coordinator has no plan to commit")
             objects = list(written)
             # every rank writes only the objects the plan gave it: as many distinct keys
             # as planned objects means every one (else the keys say which are missing)
@@ -590,6 +616,91 @@ def commit(
             error = exc
     with given_up(store, claim):
         agree(comm, error, "committing")
+
+
+# -- step 2 on the coordinator: plan, mark, hand each rank its share -------------------------
+
+_NOTHING: Mapping[str, Any] = {"specs": [], "boxes": [], "groups": {}}
+
+
+def plan_shares(
+    blobs: Sequence[bytes],
+    options: PlanOptions,
+    store: Store,
+    *,
+    overwrite: bool,
+    own: BaseException | None = None,
+) -> tuple[Plan | None, dict[int, bytes], WriteClaim | None, BaseException | None]:
+    """Step 2 on the coordinator, from every rank's :func:`~ucpformat.saveplan.encode_description`:
+    the plan, what each rank receives (its :class:`RankTasks`; or the ranks that failed
+    to describe; or the plan's error), its hold on the location (:func:`mark`; None if
+    it did not mark it), and its own failure (``own``: before this step)."""
+    world = len(blobs)
+    plan: Plan | None = None
+    error = own
+    try:
+        descriptions = decode_descriptions(blobs)
+    except BaseException as exc:
+        return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc
+    failed = failed_ranks([str(d.get("error", "")) for d in descriptions])
+    if failed:
+        return None, _to_all(world, {"failed": failed}), None, error
+    try:
+        plan = plan_from_descriptions(descriptions, options)
+        tensors = len(plan.tensors)
+        docs = {path: tp.meta.to_zarr_json() for path, tp in plan.tensors.items()}
+        shares = {r: json.dumps({"tasks": t.to_json(docs), "tensors": tensors},
+                                separators=(",", ":")).encode()
+                  for r, t in enumerate(plan.all_tasks()) if r != 0}
+    except BaseException as exc:
+        return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc
+    claim: WriteClaim | None = None
+    if error is None:
+        try:
+            claim = mark(store, overwrite=overwrite)
+        except BaseException as exc:
+            error = exc
+    shares[0] = b"{}"
+    return plan, shares, claim, error
+
+
+def _error_doc(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, UCPError):
+        return error_document(exc)
+    return error_document(WriteError(f"planning failed on the coordinator: {error_report(exc)}"))
+
+
+def _to_all(world: int, doc: Mapping[str, Any]) -> dict[int, bytes]:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return dict.fromkeys(range(world), body)
+
+
+@dataclass
+class Share:
+    """What a rank takes from step 2 (:func:`take_share`)."""
+
+    tasks: RankTasks | None  # None: the plan failed (``error`` says why)
+    tensors: int  # arrays in the checkpoint
+    error: BaseException | None  # this rank's failure, carried to the exchange
+
+
+def take_share(
+    share: bytes, plan: Plan | None, rank: int, error: BaseException | None
+) -> Share:
+    """What a rank does with what the coordinator sent it (:func:`plan_shares`): its
+    tasks, or the error it carries to the exchange (the plan's, which every rank raises
+    alike); raises at once, on every rank, if a rank failed to describe itself.
+    ``plan``: the coordinator's own (None on the other ranks)."""
+    doc = json.loads(share or b"{}")
+    raise_if_failed([(int(r), str(e)) for r, e in doc.get("failed", ())],
+                    "describing fragments", error)
+    if "error" in doc:
+        return Share(None, 0, error or error_from_document(doc["error"]))
+    if plan is not None:  # the coordinator's own share
+        return Share(plan.tasks(rank), len(plan.tensors), error)
+    if "tasks" not in doc:
+        return Share(None, 0, error or WriteError("the coordinator sent no tasks to this rank"))
+    return Share(RankTasks.from_json(doc["tasks"]), int(doc["tensors"]), error)
 
 
 # -- all steps ---------------------------------------------------------------------------------
@@ -636,24 +747,22 @@ def save(
                                       saved_by={"world_size": comm.world_size})
     except BaseException as exc:  # reported collectively below
         error = exc
-    gathered = comm.allgather({"description": description, "error": error_report(error)})
-    raise_if_failed(failed_ranks([g["error"] for g in gathered]), "describing fragments", error)
-    # 2. plan: the same on every rank; then the coordinator marks the destination. A
-    # failure is carried to the agreement after the exchange (step 4).
+    blobs = gather_bytes(comm, encode_description({**(description or _NOTHING),
+                                                    "error": error_report(error)}))
+    # 2. plan: the coordinator alone, which then marks the destination; each rank
+    # receives its share (or the describe failures, or the plan's error). A failure is
+    # carried to the agreement after the exchange (step 4).
     plan: Plan | None = None
-    tasks: RankTasks | None = None
+    shares: dict[int, bytes] | None = None
     claim: WriteClaim | None = None  # the coordinator's hold on the location
-    try:
-        plan = plan_from_descriptions([g["description"] for g in gathered],
-                                      options or PlanOptions())
-        tasks = plan.tasks(comm.rank)
-        if coordinator:
-            claim = mark(store, overwrite=overwrite)
-    except BaseException as exc:
-        error = exc
+    if coordinator:
+        plan, shares, claim, error = plan_shares(
+            blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
+    mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error)
+    tasks, error = mine.tasks, mine.error
     # 3 to 5. exchange, agree, un-commit
     received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
-    assert plan is not None and tasks is not None  # agreed: every rank planned
+    assert tasks is not None  # agreed: every rank has its share of the plan
     # 6. write
     objects: list[StoredObject] = []
     error = None
@@ -663,18 +772,19 @@ def save(
                         claim=claim)
     except BaseException as exc:
         error = exc
-    results = comm.allgather(
-        {"error": error_report(error), "objects": [[o.key, o.nbytes, o.sha256] for o in objects]}
-    )
+    # what each rank wrote goes to the coordinator alone; whether it failed, to every rank
+    written = gather_bytes(comm, json.dumps(
+        [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
+    failed = gather_failures(comm, error)
     with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
-        raise_if_failed(failed_ranks([r["error"] for r in results]), "writing shards", error)
+        raise_if_failed(failed, "writing shards", error)
     # 7. commit
-    every = (StoredObject(k, n, h) for r in results for k, n, h in r["objects"])  # lazy
+    every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
     commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
            hash_algorithm=hash_algorithm)
     return DistributedSaveResult(
         store.location,
-        len(plan.tensors),
+        mine.tensors,
         len(objects),
         sum(o.nbytes for o in objects),
         received.received_bytes,
@@ -688,6 +798,7 @@ __all__ = [
     "FragmentList",
     "FragmentSource",
     "Inbox",
+    "Share",
     "agree",
     "assemble",
     "check_written",
@@ -697,8 +808,10 @@ __all__ = [
     "extract",
     "given_up",
     "mark",
+    "plan_shares",
     "raise_if_failed",
     "save",
+    "take_share",
     "uncommit",
     "write",
 ]

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import math
+import struct
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +39,7 @@ from ucpformat import dtypes, jsonvalues, names
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords
-from ucpformat.errors import LayoutError
+from ucpformat.errors import LayoutError, WriteError
 from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
 from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
 from ucpformat.writer import zero_bits
@@ -133,11 +136,14 @@ class RankTasks:
             out[peer] = out.get(peer, 0) + box_size(cell) * self.arrays[path].dtype.itemsize
         return out
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON document (array metadata as ``zarr.json``), e.g. for another process."""
+    def to_json(self, array_docs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A JSON document (array metadata as ``zarr.json``), e.g. for another process.
+        ``array_docs``: the ``zarr.json`` documents by path, made once for many shares."""
+        docs = array_docs or {}
         return {
             "rank": self.rank,
-            "arrays": {p: m.to_zarr_json() for p, m in self.arrays.items()},
+            "arrays": {p: docs[p] if p in docs else m.to_zarr_json()
+                       for p, m in self.arrays.items()},
             "objects": [[o.path, list(o.coords), _box_json(o.region),
                          [[s, _box_json(c)] for s, c in o.remote]] for o in self.objects],
             "sends": [[r, p, _box_json(c)] for r, p, c in self.sends],
@@ -237,6 +243,42 @@ def describe(
     }
 
 
+#: The length prefix of a description's specs in :func:`encode_description`.
+_SPECS_LENGTH = struct.Struct("<Q")
+
+
+def encode_description(description: Mapping[str, Any]) -> bytes:
+    """A :func:`describe` document as bytes for the coordinator: the specs apart from the
+    rest, so that :func:`decode_descriptions` parses each distinct list of specs once
+    (data-parallel replicas know the same tensors), compressed (JSON repeats its keys)."""
+    specs = json.dumps(description["specs"], separators=(",", ":")).encode()
+    rest = json.dumps({k: v for k, v in description.items() if k != "specs"},
+                      separators=(",", ":")).encode()
+    return zlib.compress(_SPECS_LENGTH.pack(len(specs)) + specs + rest, 1)
+
+
+def decode_descriptions(blobs: Sequence[bytes]) -> list[dict[str, Any]]:
+    """The descriptions of :func:`encode_description` blobs, by rank. Ranks that sent the
+    same specs share one parsed list (:func:`plan_from_descriptions` checks it once).
+    Raises :class:`~ucpformat.errors.WriteError` on a blob that is not one."""
+    parsed: dict[bytes, Any] = {}
+    out = []
+    for rank, blob in enumerate(blobs):
+        try:
+            raw = zlib.decompress(blob)
+            (n,) = _SPECS_LENGTH.unpack_from(raw)
+            specs_raw = raw[_SPECS_LENGTH.size:_SPECS_LENGTH.size + n]
+            specs = parsed.get(specs_raw)
+            if specs is None:
+                specs = parsed[specs_raw] = json.loads(specs_raw)
+            doc = json.loads(raw[_SPECS_LENGTH.size + n:])
+        except (zlib.error, struct.error, ValueError) as exc:
+            raise WriteError(f"rank {rank} sent a description that cannot be read: {exc}") from exc
+        doc["specs"] = specs
+        out.append(doc)
+    return out
+
+
 def plan_from_descriptions(
     descriptions: Sequence[Mapping[str, Any]], options: PlanOptions
 ) -> Plan:
@@ -247,8 +289,10 @@ def plan_from_descriptions(
     """
     specs_by_path: dict[str, TensorSpec] = {}
     boxes: dict[str, list[tuple[int, Box]]] = {}
+    checked: set[int] = set()  # spec lists already checked (shared by several ranks)
     for r, desc in enumerate(descriptions):
-        for sdoc in desc["specs"]:
+        listed = desc["specs"]
+        for sdoc in () if id(listed) in checked else listed:
             spec = TensorSpec.from_json(sdoc)
             known = specs_by_path.setdefault(spec.path, spec)
             if known != spec:
@@ -258,6 +302,7 @@ def plan_from_descriptions(
                     rule="UCP-1.0-R131",
                     tensor=spec.path,
                 )
+        checked.add(id(listed))
         for p, box in desc["boxes"]:
             boxes.setdefault(p, []).append((r, tuple((int(a), int(b)) for a, b in box)))
     unknown = sorted(set(boxes) - set(specs_by_path))
@@ -323,8 +368,10 @@ def _boundaries(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:
 
 def check_coverage(path: str, shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]]:
     """Refuse unless the boxes cover every element; returns the refinement cuts."""
+    boxes = list(dict.fromkeys(boxes))  # replicas: each distinct box once
+    whole = full_box(shape)
     for box in boxes:
-        if len(box) != len(shape) or not contains(full_box(shape), box):
+        if len(box) != len(shape) or not contains(whole, box):
             raise LayoutError(
                 f"fragment {list(box)} lies outside shape {list(shape)}",
                 rule="UCP-1.0-R131",
@@ -464,7 +511,9 @@ def make_plan(
     min_shard_bytes: int,
     group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Plan:
-    """The same plan on every rank, from the gathered specs and fragment boxes."""
+    """The plan from the gathered specs and fragment boxes (a pure function: the same
+    wherever it is computed). Linear in the objects and fragments: the ranks holding a
+    region are looked up among the fragments near it."""
     load = [0] * world_size
     counter = 0
     tensors: dict[str, TensorPlan] = {}
@@ -493,6 +542,7 @@ def make_plan(
             fill_value=zero_bits(dt),
             attributes=dict(spec.attributes),
         )
+        holders = _Holders(held)
         objects = []
         for coords in object_coords(meta):
             region = tuple(
@@ -500,23 +550,20 @@ def make_plan(
                 for c, e, n in zip(coords, meta.object_shape, meta.shape, strict=True)
             )
             nbytes = box_size(region) * dt.itemsize
-            candidates = sorted({r for r, b in held if contains(b, region)})
+            candidates = holders.containing(region)
             if candidates:
                 owner = min(candidates, key=lambda r: (load[r], (r - counter) % world_size))
                 obj = ObjectPlan(path, coords, region, owner)
             else:
-                overlap = [0] * world_size
-                for r, b in held:
-                    inter = intersect(b, region)
-                    if inter is not None:
-                        overlap[r] += box_size(inter)
-                owner = max(range(world_size), key=lambda r: (overlap[r], -load[r], -r))
-                mine = [b for r, b in held if r == owner]
+                # the rank holding most of the region writes it (ties: least loaded, then
+                # lowest); only ranks holding some of it can
+                overlap = holders.overlap(region)
+                owner = max(overlap, key=lambda r: (overlap[r], -load[r], -r))
                 remote = []
                 for cell in _cells(region, cuts):
-                    if any(contains(b, cell) for b in mine):
+                    if holders.holds(owner, cell):
                         continue
-                    sender = min(r for r, b in held if contains(b, cell))
+                    sender = min(holders.containing(cell))
                     remote.append((sender, cell))
                     moves.append((owner, sender, path, cell))
                 obj = ObjectPlan(path, coords, region, owner, tuple(remote))
@@ -538,6 +585,68 @@ def make_plan(
             for i in range(1, len(parts)):
                 groups.setdefault("/".join(parts[:i]), GroupMeta("/".join(parts[:i]), {}))
     return Plan(tensors, groups, world_size, owned, moves)
+
+
+class _Holders:
+    """The fragments of one tensor, indexed so that finding the ranks that hold a region
+    costs the fragments near it, not every rank's: replicas (the same box on several
+    ranks) are one entry, and entries are bucketed by the intervals between the
+    fragments' boundaries along dimension 0 that they span."""
+
+    def __init__(self, held: Sequence[tuple[int, Box]]) -> None:
+        by_box: dict[Box, list[int]] = {}
+        self._by_rank: dict[int, list[Box]] = {}
+        for rank, box in held:
+            by_box.setdefault(box, []).append(rank)
+            self._by_rank.setdefault(rank, []).append(box)
+        # (box, ranks holding it ascending, ranks as listed: a rank may list a box twice)
+        entries = [(box, sorted(set(ranks)), ranks) for box, ranks in by_box.items()]
+        self._starts = sorted({x for box, _, _ in entries if box for x in box[0]})
+        self._buckets: list[list[tuple[Box, list[int], list[int]]]] = [
+            [] for _ in range(max(1, len(self._starts) - 1))]
+        for entry in entries:
+            for i in self._span(entry[0]):
+                self._buckets[i].append(entry)
+
+    def _span(self, box: Box) -> range:
+        """The buckets (dimension-0 intervals) that ``box`` overlaps."""
+        if not box or len(self._starts) < 2:
+            return range(len(self._buckets))
+        (a, b) = box[0]
+        lo = max(0, bisect.bisect_right(self._starts, a) - 1)
+        hi = bisect.bisect_left(self._starts, b)
+        return range(lo, min(hi, len(self._buckets)))
+
+    def _near(self, region: Box) -> list[tuple[Box, list[int], list[int]]]:
+        span = self._span(region)
+        if len(span) == 1:
+            return self._buckets[span[0]]
+        seen: dict[Box, tuple[Box, list[int], list[int]]] = {}
+        for i in span:
+            for entry in self._buckets[i]:
+                seen.setdefault(entry[0], entry)
+        return list(seen.values())
+
+    def containing(self, region: Box) -> list[int]:
+        """The ranks holding ``region`` whole, ascending (do not modify the list)."""
+        matches = [ranks for box, ranks, _ in self._near(region) if contains(box, region)]
+        if len(matches) == 1:
+            return matches[0]
+        return sorted({r for ranks in matches for r in ranks})
+
+    def overlap(self, region: Box) -> dict[int, int]:
+        """Elements of ``region`` held by each rank that holds any of it."""
+        out: dict[int, int] = {}
+        for box, _, ranks in self._near(region):
+            inter = intersect(box, region)
+            if inter is not None:
+                n = box_size(inter)
+                for r in ranks:
+                    out[r] = out.get(r, 0) + n
+        return out
+
+    def holds(self, rank: int, cell: Box) -> bool:
+        return any(contains(b, cell) for b in self._by_rank.get(rank, ()))
 
 
 def _cells(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
@@ -562,7 +671,9 @@ __all__ = [
     "TensorSpec",
     "check_coverage",
     "choose_grid",
+    "decode_descriptions",
     "describe",
+    "encode_description",
     "make_plan",
     "merge_group_attributes",
     "plan_from_descriptions",

@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -70,6 +70,9 @@ def is_safe_key(key: str) -> bool:
     except UnsafePathError:
         return False
     return True
+
+
+_Item = TypeVar("_Item")
 
 
 class StoreClaim:
@@ -218,6 +221,34 @@ class Store(ABC):
 
     def is_empty(self) -> bool:
         return next(iter(self.list()), None) is None
+
+
+class ForwardingStore(Store):
+    """A store over another one (``inner``), for wrappers: every read and the listing go
+    to ``inner`` unchanged; a subclass says what its writes do (``put``, ``delete``,
+    ``delete_all``)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.location = inner.location
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, offset, length)
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        return self.inner.get_suffix(key, length)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        return self.inner.read_into(key, offset, buffers)
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
 
 
 class LocalStore(Store):
@@ -860,13 +891,19 @@ def _parallel(fn: Callable[[str], None], paths: Sequence[str], threads: int) -> 
             pass
 
 
-def _load_sync_file_range() -> Callable[[int], None] | None:
+def _linux_libc_function(name: str) -> Any:
+    """The C library's function ``name`` (errno kept), or None off Linux or without it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return None
+
+
+def _load_sync_file_range() -> Callable[[int], None] | None:
+    fn = _linux_libc_function("sync_file_range")
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
@@ -885,12 +922,8 @@ def _load_openat2() -> Callable[[int, str, int], int] | None:
     """Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: a path
     opened relative to a directory descriptor in one system call, refused (ELOOP, EXDEV)
     if any component is a link or leads out. None where it is missing or not allowed."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
-    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+    syscall = _linux_libc_function("syscall")
+    if syscall is None:
         return None
     syscall.restype = ctypes.c_long
 
@@ -1010,23 +1043,17 @@ class ReadGuard(Store):
         return bool(self._call(key, lambda: self.inner.exists(key)))
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        keys = iter(self._call(prefix or ".", lambda: self.inner.list(prefix)))
-        while True:
-            try:
-                key = next(keys)
-            except StopIteration:
-                return
-            except UCPError:
-                raise
-            except OSError as exc:
-                raise self._error(prefix or ".", exc) from exc
-            yield key
+        return self._guarded(prefix, lambda: self.inner.list(prefix))
 
     def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
-        found = iter(self._call(prefix or ".", lambda: self.inner.list_sizes(prefix)))
+        return self._guarded(prefix, lambda: self.inner.list_sizes(prefix))
+
+    def _guarded(self, prefix: str, listing: Callable[[], Iterable[_Item]]) -> Iterator[_Item]:
+        """The items of ``listing()``, an OSError while listing turned into a StorageError."""
+        items = iter(self._call(prefix or ".", listing))
         while True:
             try:
-                item = next(found)
+                item = next(items)
             except StopIteration:
                 return
             except UCPError:

@@ -70,6 +70,15 @@ GPT_RULE_PARAMS = {k: GPT[k] for k in ("num_attention_heads", "num_query_groups"
 GPT_RULES = {"rules": "megatron-deepspeed-gpt", "rule_params": GPT_RULE_PARAMS}
 #: (pipeline stages, tensor-parallel ranks) the GPT resumes at, by world size
 GPT_RESUMES = {2: [(1, 2), (2, 1)], 1: [(1, 1)]}
+#: DeepSpeed AutoTP: a small Llama at tensor-parallel 2 x data-parallel 2 on 4 ranks, no
+#: rule file (the engine's universal_checkpoint_info); (TP degree, ZeRO stage) of each
+#: resume, by world size. Before the GPT's and TP 1 first: DeepSpeed keeps the last
+#: model-parallel unit in deepspeed.utils.groups.mpu, and a later engine without one of
+#: its own fails to initialize where that unit's model-parallel size is above 1
+AUTOTP = "autotp2-zero1-fp32"
+AUTOTP_RESUMES = {2: [(1, 3), (2, 2)], 1: [(1, 0)]}
+#: the batches the uninterrupted and the resumed AutoTP runs train on after the save
+AUTOTP_AFTER = [50, 51]
 STEPS = 3
 #: each forked run's limit: they take 5 to 30 s; a rank stuck in a collective after a
 #: peer raised is then reported in minutes, not after gloo's 30 minutes
@@ -357,7 +366,7 @@ def _failing_save(engine: Any, rank: int, where: Path, problems: list[str]) -> N
         EngineFragments.fragments = original  # type: ignore[method-assign]
     if rank == 0:
         import ucpformat
-        from ucpformat.errors import IncompleteCheckpointError
+        from ucpformat.errors import CheckpointNotFoundError, IncompleteCheckpointError
 
         try:
             with ucpformat.open(where) as now, ucpformat.open(f"{where}-copy") as old:
@@ -365,8 +374,12 @@ def _failing_save(engine: Any, rank: int, where: Path, problems: list[str]) -> N
                     if (path not in now or path not in old
                             or now[path].read().tobytes() != old[path].read().tobytes()):
                         problems.append(f"{path} changed: a failed save was committed")
-        except IncompleteCheckpointError:
-            pass  # failed while writing: the old checkpoint is gone, nothing was committed
+        except (IncompleteCheckpointError, CheckpointNotFoundError):
+            # failed while writing: the old checkpoint was un-committed and the failed
+            # save removed what it wrote (UCP-1.0-R049); nothing was committed
+            pass
+        except Exception as exc:  # recorded, and the retry below still runs on every rank
+            problems.append(f"reading the location after the failed save: {exc!r}")
     uds.save(engine, where, overwrite=True)
 
 
@@ -397,6 +410,38 @@ def _gpt_step(engine: Any, seed: int) -> float:
             yield x, x
 
     return float(engine.train_batch(data_iter=batches()))
+
+
+def autotp_name(tp: int, stage: int) -> str:
+    return f"{AUTOTP}->tp{tp}-zero{stage}"
+
+
+def _autotp_engine(tp: int, stage: int, *, seed: int = 0, vocab_size: int = 96) -> Any:
+    """The Llama of tests/importers/frameworks.py, split by DeepSpeed's AutoTP."""
+    import deepspeed
+
+    from tests.importers.frameworks import tiny_llama
+
+    torch.manual_seed(seed)
+    model = tiny_llama(vocab_size)
+    cfg = ds_config(stage, "fp32")
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=cfg)
+    return engine
+
+
+def _llama_steps(engine: Any, seeds: list[int]) -> list[float]:
+    """One step per seed, on the same batch on every rank (AutoTP checks its TP group)."""
+    losses = []
+    for seed in seeds:
+        x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(seed))
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def _pipeline_saves(rank: int, root: Path, checks: Checks) -> None:
@@ -430,6 +475,13 @@ def _pipeline_saves(rank: int, root: Path, checks: Checks) -> None:
             engine.train_batch(data_iter=it)
         uds.save(engine, root / "ucp" / "pipe-pp2-dp2-bf16")
         engine.save_checkpoint(str(root / "ds" / "pipe-pp2-dp2-bf16"), tag="t")
+        engine.destroy()
+    with checks.check(f"save {AUTOTP}"):
+        engine = _autotp_engine(2, 1)
+        _llama_steps(engine, [5, 6])
+        uds.save(engine, root / "ucp" / AUTOTP)
+        engine.save_checkpoint(str(root / "ds" / AUTOTP), tag="t")
+        checks.losses[f"{AUTOTP} rank{rank}"] = _llama_steps(engine, AUTOTP_AFTER)
         engine.destroy()
 
 
@@ -573,6 +625,16 @@ def resume_job(rank: int, world: int, out: str) -> dict[str, Any]:
                                                               src).bytes_read
             uds.save(engine, root / "resaved" / name)
             engine.destroy()
+    for tp, stage in AUTOTP_RESUMES.get(world, []):
+        name = autotp_name(tp, stage)
+        with checks.check(name):
+            engine = _autotp_engine(tp, stage, seed=1234)
+            uds.load(engine, root / "ucp" / AUTOTP)
+            uds.save(engine, root / "resaved" / name)
+            checks.losses[f"{name} rank{rank}"] = _llama_steps(engine, AUTOTP_AFTER)
+            engine.destroy()
+    if world == 2:
+        _uneven_autotp(root, checks)
     for pp, tp in GPT_RESUMES.get(world, []):
         name = f"gpt-pp2-tp2->pp{pp}-tp{tp}"
         with checks.check(name):
@@ -598,11 +660,92 @@ def resume_job(rank: int, world: int, out: str) -> dict[str, Any]:
     return checks.result()
 
 
+def _uneven_autotp(root: Path, checks: Checks) -> None:
+    """AutoTP splits a vocabulary of 97 rows 49 + 48: refused by name, nothing committed."""
+    import ucpformat.deepspeed as uds
+    from ucpformat.errors import UCPError
+
+    with checks.check("refuse an uneven AutoTP split") as problems:
+        engine = _autotp_engine(2, 1, vocab_size=97)
+        try:
+            uds.save(engine, root / "uneven")
+            problems.append("saved")
+        except UCPError as exc:
+            if "lm_head.weight" not in str(exc) or "unevenly" not in str(exc):
+                problems.append(f"the error does not name the tensor and why: {exc}")
+        if (root / "uneven" / "zarr.json").exists():
+            problems.append("a checkpoint was committed")
+        engine.destroy()
+
+
+def _torch_trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """DsNet and AdamW trained 2 steps by torch alone (the same on every rank)."""
+    torch.manual_seed(3)
+    net = DsNet()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.0)
+    for step in range(2):
+        torch.manual_seed(step)
+        net(torch.randint(0, 37, (2, 5))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+def _differs_from_torch(engine: Any, net: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """The engine's fp32 masters and Adam moments against torch's (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    params = dict(net.named_parameters())
+    state = {n: opt.state[p] for n, p in params.items()}
+    problems = []
+    for n, p in engine.module.named_parameters():
+        got = {"fp32": safe_get_full_fp32_param(p),
+               "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+               "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+        want = {"fp32": params[n].detach(), "exp_avg": state[n]["exp_avg"],
+                "exp_avg_sq": state[n]["exp_avg_sq"]}
+        problems += [f"{n} {key} differs" for key in got if not torch.equal(got[key], want[key])]
+    if engine.global_steps != 2:
+        problems.append(f"global_steps {engine.global_steps}")
+    return problems
+
+
+def _distributed_writers(root: Path, checks: Checks) -> None:
+    """Checkpoints written on these 2 ranks by the DCP plugin (``dcp.save`` of the model
+    and optimizer state dicts) and by ``ucpformat.torch.save_distributed`` load into
+    DeepSpeed engines: masters and Adam moments equal what torch trained."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ucpformat.deepspeed as uds
+    import ucpformat.torch as ucp_torch
+    from ucpformat.torch.dcp import UCPWriter
+
+    net, opt = _torch_trained()
+    with checks.check("load the DCP plugin's checkpoint") as problems:
+        msd, osd = get_state_dict(net, opt)
+        dcp.save({"model": msd, "optim": osd, "step": 2},
+                 storage_writer=UCPWriter(root / "dcp-path"))
+        engine = make_engine("dsnet", 3, "bf16", seed=1234)
+        uds.load(engine, root / "dcp-path", load_lr_scheduler_states=False)
+        problems += _differs_from_torch(engine, net, opt)
+        engine.destroy()
+    with checks.check("load save_distributed's checkpoint") as problems:
+        ucp_torch.save_distributed(root / "distributed-path", model=net, optimizer=opt, step=2)
+        engine = make_engine("dsnet", 1, "fp32", seed=1234)
+        uds.load(engine, root / "distributed-path", load_lr_scheduler_states=False)
+        problems += _differs_from_torch(engine, net, opt)
+        engine.destroy()
+
+
 def _other_paths(rank: int, root: Path, checks: Checks) -> None:
-    """Checkpoints of other writers: the importer's, the torch API's."""
+    """Checkpoints of other writers: the importer's, the torch API's, the DCP plugin's,
+    save_distributed's."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     import ucpformat.deepspeed as uds
+
+    _distributed_writers(root, checks)
 
     with checks.check("load ucp convert's checkpoint") as problems:
         mine = make_engine("dsnet", 3, "bf16", seed=1234)

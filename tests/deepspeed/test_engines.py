@@ -164,6 +164,21 @@ def test_checkpoints_of_other_writers_load(results: dict[str, Any]) -> None:
     _ok(results, "weights only, from a checkpoint without optimizer state")
 
 
+@pytest.mark.parametrize(("check", "where"), [
+    ("load the DCP plugin's checkpoint", "dcp-path"),
+    ("load save_distributed's checkpoint", "distributed-path"),
+])
+def test_checkpoints_of_distributed_writers_load(ds_run: Path, results: dict[str, Any],
+                                                 check: str, where: str) -> None:
+    """Written on 2 ranks by dcp.save through the plugin (model and optimizer state
+    dicts) or by ucpformat.torch.save_distributed: a DeepSpeed engine (ZeRO-3 bf16,
+    ZeRO-1 fp32) loads the fp32 masters and Adam moments torch trained, bit for bit."""
+    _ok(results, check)
+    with ucpformat.open(ds_run / where) as ckpt:
+        assert ckpt["optimizer/state/fc1.weight/exp_avg"].shape == (29, 12)
+        assert "optimizer/state/fc1.weight/master" not in set(ckpt.keys())
+
+
 @pytest.mark.parametrize("check", ["refuse another shape", "refuse another name",
                                    "refuse a damaged checkpoint",
                                    "refuse a value of another kind"])

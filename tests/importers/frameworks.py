@@ -119,10 +119,10 @@ DS_CONFIGS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16"
 DS_AUTOTP = [(1, "fp32"), (2, "bf16")]
 
 
-def tiny_llama() -> Any:
+def tiny_llama(vocab_size: int = 96) -> Any:
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(cfg)

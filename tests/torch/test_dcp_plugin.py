@@ -212,7 +212,7 @@ def test_checkpoint_id_and_overwrite(tmp_path: Path) -> None:
     model, opt = trained(0)
     path = tmp_path / "ckpt"
     dcp.save(dcp_state(model, opt), checkpoint_id=path, storage_writer=UCPWriter())
-    with pytest.raises(BaseException, match="already here"):
+    with pytest.raises(BaseException, match="Checkpoint already exists"):
         dcp.save(dcp_state(model, opt), checkpoint_id=path, storage_writer=UCPWriter())
     assert ucpformat.open(path)  # still committed
     other = trained(3)

@@ -22,7 +22,9 @@ Names: without a rule file the engine's parameter names are the consolidated nam
 (DeepSpeed's ``PipelineModule`` names its layers by their global index, so pipeline
 stages need nothing more). With a rule file (``rules=``) tensor parallelism is undone
 tensor by tensor, as the importer does (:mod:`ucpformat.layout`): fused parts, padded
-vocabularies, row- and column-parallel splits.
+vocabularies, row- and column-parallel splits. An AutoTP engine needs no rule file: the
+``universal_checkpoint_info`` AutoTP attaches to the module gives each tensor's layout
+(:mod:`ucpformat.layout.universal_info`, as the importer reads it from the files).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from ucpformat.errors import LayoutError, UnsupportedFeatureError
+from ucpformat.layout import universal_info
 from ucpformat.layout.boxes import Box, LocalMap, Piece, full_box
 from ucpformat.layout.rules import RuleSet
 from ucpformat.layout.sharding import ParallelConfig, RankCoords, local_map
@@ -145,45 +148,56 @@ class Holdings:
 
 @dataclass(frozen=True)
 class Naming:
-    """Engine names and local tensors -> consolidated ones (a rule file, or the identity)."""
+    """Engine names and local tensors -> consolidated ones (a rule file, an AutoTP engine's
+    ``universal_checkpoint_info``, or the identity)."""
 
     rules: RuleSet | None = None
     rule_params: Mapping[str, Any] = field(default_factory=dict)
     tp: tuple[int, int] = (0, 1)
     pp: tuple[int, int] = (0, 1)
+    #: an AutoTP engine's ``universal_checkpoint_info`` (used where no rule file is given)
+    uci: Mapping[str, Any] | None = None
 
     def place(self, local_name: str, local_shape: Sequence[int]) -> Placed | str | None:
         """The consolidated tensor of a local one; the stored name if the rule file says
         it is tied to another (an alias), None if the rule file ignores it."""
         shape = tuple(int(s) for s in local_shape)
         if self.rules is None:
-            if self.tp[1] > 1:
+            if self.tp[1] == 1:
+                return Placed(local_name, shape, identity(shape), None)
+            if self.uci is None:
                 raise UnsupportedFeatureError(
                     "a tensor-parallel engine needs a rule file (rules=...) that says how each "
-                    "tensor is split", tensor=local_name,
+                    "tensor is split (AutoTP engines carry their own: the module's "
+                    "universal_checkpoint_info)", tensor=local_name,
                 )
-            return Placed(local_name, shape, identity(shape), None)
-        cfg = ParallelConfig(tp=self.tp[1], pp=self.pp[1],
-                             num_layers=self.rule_params.get("num_layers"))
-        coords = RankCoords(tp=self.tp[0], pp=self.pp[0])
-        name = self.rules.global_name(local_name, self.rule_params, cfg, coords)
-        resolved = self.rules.resolve(name, self.rule_params)
-        if resolved is None:
-            return None
-        if resolved.tied_to is not None:
-            return resolved.tied_to
-        layout, conv = resolved.layout, resolved.conventions
+            name = local_name
+            layout, conv = universal_info.tensor_layout(self.uci, name, shape, self.tp[1])
+            source = "the AutoTP engine's universal_checkpoint_info"
+            vocab = universal_info.original_vocab_size(self.uci)
+        else:
+            cfg = ParallelConfig(tp=self.tp[1], pp=self.pp[1],
+                                 num_layers=self.rule_params.get("num_layers"))
+            coords = RankCoords(tp=self.tp[0], pp=self.pp[0])
+            name = self.rules.global_name(local_name, self.rule_params, cfg, coords)
+            resolved = self.rules.resolve(name, self.rule_params)
+            if resolved is None:
+                return None
+            if resolved.tied_to is not None:
+                return resolved.tied_to
+            layout, conv = resolved.layout, resolved.conventions
+            source = f"rule file {self.rules.name!r}"
+            vocab = self.rules.vocab_size_hint(name, self.rule_params)
         if layout.layers_dim is not None or layout.experts_dim is not None:
             raise UnsupportedFeatureError(
                 "stacked layers or experts in a DeepSpeed engine are not supported", tensor=name)
         full = list(shape)
         if layout.vocab_dim is not None:
             d = layout.vocab_dim
-            size = self.rules.vocab_size_hint(name, self.rule_params)
-            if size is None:
+            if vocab is None:
                 raise LayoutError("the vocabulary size is needed (rule parameter 'vocab_size')",
                                   rule="UCP-1.0-R113", tensor=name)
-            full[d] = size
+            full[d] = vocab
             # the rows each rank holds, whatever multiple padded them
             conv = dataclasses.replace(conv, vocab_multiple=shape[d])
         elif layout.tp_dim is not None:
@@ -192,8 +206,8 @@ class Naming:
                          RankCoords(tp=self.tp[0]), zero3=False, tensor=name)
         if lmap is None or lmap.local_shape != shape:
             raise LayoutError(
-                f"the local tensor {local_name!r} has shape {list(shape)}; rule file "
-                f"{self.rules.name!r} gives {None if lmap is None else list(lmap.local_shape)} "
+                f"the local tensor {local_name!r} has shape {list(shape)}; {source} "
+                f"gives {None if lmap is None else list(lmap.local_shape)} "
                 f"on tensor-parallel rank {self.tp[0]} of {self.tp[1]}",
                 rule="UCP-1.0-R110", tensor=name,
             )
@@ -255,11 +269,6 @@ def parallel_coords(engine: Any) -> tuple[tuple[int, int], tuple[int, int], tupl
         pp = (0, int(bwc_pipeline_parallel_world_size(mpu)) if mpu is not None else 1)
     group = getattr(engine, "data_parallel_group", None)
     dp = (dist.get_rank(group), dist.get_world_size(group))
-    autotp = getattr(getattr(engine, "_config", None), "tensor_parallel_config", None)
-    if mpu is None and autotp is not None and int(getattr(autotp, "autotp_size", 0) or 0) > 1:
-        raise UnsupportedFeatureError(
-            "DeepSpeed AutoTP engines are not supported yet (use a model-parallel unit, mpu=, "
-            "and a rule file)")
     return (int(tp[0]), int(tp[1])), pp, (int(dp[0]), int(dp[1]))
 
 
@@ -284,7 +293,9 @@ def holdings(engine: Any, naming: Naming | None = None) -> Holdings:
     """What this rank of ``engine`` holds (DeepSpeed's classes are imported here)."""
     tp, pp, dp = parallel_coords(engine)
     naming = naming or Naming(tp=tp, pp=pp)
-    naming = dataclasses.replace(naming, tp=tp, pp=pp)
+    info = getattr(engine.module, "universal_checkpoint_info", None)
+    naming = dataclasses.replace(naming, tp=tp, pp=pp, uci=naming.uci if naming.uci is not None
+                                 else dict(info) if isinstance(info, Mapping) else None)
     optimizer = engine.optimizer
     kind = _kind(optimizer)
     stage = int(engine.zero_optimization_stage())
@@ -302,6 +313,7 @@ def holdings(engine: Any, naming: Naming | None = None) -> Holdings:
     for pid, local_names in by_object.items():
         p: Any = objects[pid]
         shape = tuple(getattr(p, "ds_shape", p.shape))
+        _even_autotp_split(local_names[0], p)
         placed = naming.place(local_names[0], shape)
         if placed is None:
             continue
@@ -335,6 +347,21 @@ def holdings(engine: Any, naming: Naming | None = None) -> Holdings:
     group_names = _group_names(kind, optimizer, by_id)
     return Holdings(kind, stage, model_dtype(engine), params, buffers, flats, aliases,
                     group_names, tp, pp, dp)
+
+
+def _even_autotp_split(name: str, param: Any) -> None:
+    """Refuse a parameter AutoTP split unevenly (UCP's layout semantics split evenly;
+    AutoTP gives the remainder of a dimension that its grain or head count does not
+    divide to some ranks: a vocabulary of 97 rows on 2 ranks is 49 + 48)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    meta = getattr(param, DS_AUTOTP_UC_META, None)
+    sizes = meta.get("partition_sizes") if isinstance(meta, Mapping) else None
+    if sizes and len({int(s) for s in sizes}) > 1:
+        raise UnsupportedFeatureError(
+            f"AutoTP split this tensor unevenly over the tensor-parallel ranks "
+            f"({[int(s) for s in sizes]}); UCP's layout semantics describe even splits only",
+            tensor=name)
 
 
 def _group_names(kind: str, opt: Any, by_id: Mapping[int, str]) -> list[list[str]]:

@@ -91,3 +91,18 @@ def objects_overlapping(
         for a, b, e in zip(starts, stops, meta.object_shape, strict=True)
     ]
     return list(itertools.product(*ranges))
+
+
+def inner_chunk_ranges(
+    meta: ArrayMeta, coords: Sequence[int], starts: Sequence[int], stops: Sequence[int]
+) -> list[range]:
+    """Per dimension, the inner chunks (indices within the shard at ``coords``) that
+    overlap the box ``[starts, stops)``: what a read of that box reads of this shard."""
+    cs = meta.chunk_shape
+    out = []
+    for d in range(len(cs)):
+        origin = coords[d] * meta.object_shape[d]
+        lo = max(starts[d], origin) - origin
+        hi = min(stops[d], origin + meta.object_shape[d], meta.shape[d]) - origin
+        out.append(range(lo // cs[d], -(-hi // cs[d])))
+    return out

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ucpformat.engine.checksum import CRC_BYTES, crc32c
+from ucpformat.engine.grid import inner_chunk_ranges
 from ucpformat.engine.sharding import EMPTY, decode_index, index_nbytes
 from ucpformat.errors import ChecksumError, CorruptDataError, MissingChunkError
 from ucpformat.storage import Store
@@ -180,11 +181,7 @@ class ArrayReader:
             return [ChunkRead(key, 0, None, tuple(obj_lo), tuple(coords))]
         cs = meta.chunk_shape
         cps = meta.chunks_per_shard
-        local_ranges = []
-        for d in range(len(cs)):
-            lo = max(req_lo[d], obj_lo[d]) - obj_lo[d]
-            hi = min(req_hi[d], obj_lo[d] + meta.object_shape[d], meta.shape[d]) - obj_lo[d]
-            local_ranges.append(range(lo // cs[d], -(-hi // cs[d])))
+        local_ranges = inner_chunk_ranges(meta, coords, req_lo, req_hi)
         isize = index_nbytes(cps)
         raw_index = self._get_suffix(key, isize)
         # (the shard's index, checked first, bounds the list below by the shard's size)

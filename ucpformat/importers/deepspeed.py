@@ -64,9 +64,10 @@ from ucpformat.conversion import data_type_of, from_numpy, to_numpy
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
 from ucpformat.importers._engine import Scan, TensorSource, model_attributes, node
 from ucpformat.importers._torch import drop_pages, load_restricted, plain, tensor_reader
+from ucpformat.layout import universal_info
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, contains, full_box
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.semantics import PART_MAJOR, Part, TensorLayout
+from ucpformat.layout.semantics import TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 
 FORMAT: Final = "deepspeed"
@@ -319,8 +320,8 @@ class _Planner:
         shape = list(first)
         if layout.vocab_dim is not None:
             d = layout.vocab_dim
-            if vocab is None and isinstance(self.uci.get("original_vocab_size"), int):
-                vocab = int(self.uci["original_vocab_size"])
+            if vocab is None:
+                vocab = universal_info.original_vocab_size(self.uci)
             if vocab is None:
                 if self.tp > 1:
                     raise LayoutError("the vocabulary size is needed (rule parameter "
@@ -357,60 +358,8 @@ class _Planner:
 
     def _uci_layout(self, name: str, local_shape: tuple[int, ...]
                     ) -> tuple[TensorLayout, Conventions]:
-        """What ``universal_checkpoint_info``'s pattern lists say of a tensor.
-
-        These are ds_to_universal's categories. DeepSpeed 0.19 also writes an
-        ``affine_map`` (pieces with strides) beside them, which newer converters prefer
-        and which describes the same split; the categories are kept for older
-        converters, and they are what this reads.
-        """
-        conv = Conventions(fused_order=PART_MAJOR)
-        if self.tp == 1:
-            return TensorLayout(), conv
-        uci = self.uci
-
-        def hit(key: str) -> bool:
-            return any(re.match(p, name) for p in uci.get(key, []) or [])
-
-        if hit("parameter_to_average_patterns"):
-            raise UnsupportedFeatureError("parameters averaged over tensor-parallel ranks are "
-                                          "not supported", tensor=name)
-        vocab = hit("vocabulary_parameter_patterns")
-        if hit("tp_replicated_parameter_patterns"):
-            return TensorLayout(), conv
-        if hit("parameter_with_2_sub_params_cat_dim_0"):
-            half = local_shape[0] * self.tp // 2
-            return TensorLayout(tp_dim=0, parts=(Part("0", half), Part("1", half))), conv
-        for sub in uci.get("parameter_with_sub_params", []) or []:
-            if isinstance(sub, Mapping) and any(re.match(p, name)
-                                                for p in sub.get("patterns", []) or []):
-                return self._sub_params(name, sub, local_shape), conv
-        dim = 1 if hit("parameter_with_row_parallelism_patterns") else 0
-        return TensorLayout(tp_dim=dim, vocab_dim=0 if vocab else None), conv
-
-    def _sub_params(self, name: str, sub: Mapping[str, Any], local_shape: tuple[int, ...]
-                    ) -> TensorLayout:
-        dim = sub.get("partition_dim")
-        spec = list(sub.get("shape") or [])
-        if not isinstance(dim, int) or not 0 <= dim < len(spec) or dim >= len(local_shape):
-            raise FormatError(f"universal_checkpoint_info: bad sub-parameter entry {sub!r}",
-                              tensor=name)
-        total = local_shape[dim] * self.tp
-        sizes = spec[dim]
-        if isinstance(sizes, int):  # the number of equal sub-parameters
-            if sizes <= 0 or total % sizes:
-                raise FormatError(f"{sizes} sub-parameters do not divide {total}", tensor=name)
-            sizes = [total // sizes] * sizes
-        sizes = [int(s) for s in sizes]
-        widths = (self.uci.get("sub_param_shard_widths") or {})
-        for pattern, rows in dict(widths).items():
-            if re.match(pattern, name) and any(
-                    len(set(w)) != 1 for w in rows):
-                raise UnsupportedFeatureError("sub-parameters split unevenly over "
-                                              "tensor-parallel ranks are not supported",
-                                              tensor=name)
-        return TensorLayout(tp_dim=dim, parts=tuple(Part(str(i), s)
-                                                    for i, s in enumerate(sizes)))
+        """What ``universal_checkpoint_info``'s categories say of a tensor."""
+        return universal_info.tensor_layout(self.uci, name, local_shape, self.tp)
 
 
 # -- the checkpoint's files ------------------------------------------------------------------

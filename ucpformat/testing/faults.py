@@ -72,7 +72,7 @@ from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
 from ucpformat.pipeline import FragmentList
 from ucpformat.reader import open_checkpoint
 from ucpformat.saveplan import PlanOptions, describe, plan_from_descriptions
-from ucpformat.storage import LocalStore, Store, StoreClaim
+from ucpformat.storage import ForwardingStore, LocalStore, Store, StoreClaim
 from ucpformat.testing.common import (
     SMALL_CHUNKING,
     differences,
@@ -135,7 +135,7 @@ class DiskFull:
             self.after = None
 
 
-class FaultyStore(Store):
+class FaultyStore(ForwardingStore):
     """A store that kills its process at the ``kill_at``-th mutating operation.
 
     Mutating operations are ``put``, ``delete``, ``delete_all`` and ``flush``, counted
@@ -162,8 +162,7 @@ class FaultyStore(Store):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
-        self.inner = inner
-        self.location = inner.location
+        super().__init__(inner)
         self.kill_at = kill_at
         self.mode = mode
         self.delay = delay
@@ -188,26 +187,7 @@ class FaultyStore(Store):
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # pragma: no cover - the signal is not deliverable
 
-    # reads pass through
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        return self.inner.get_range(key, offset, length)
-
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        return self.inner.get_suffix(key, length)
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        return self.inner.read_into(key, offset, buffers)
-
-    def size(self, key: str) -> int | None:
-        return self.inner.size(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    # writes count
+    # reads pass through (ForwardingStore); writes count
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
         if self._tick("put", key):
             self._die_writing(key, buffers, atomic=atomic,

@@ -33,7 +33,10 @@ def s3_server() -> Iterator[dict[str, Any]]:
         options = storage_options(f"http://127.0.0.1:{port}")
         import s3fs
 
-        s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+        # moto keeps its buckets per process, not per server: a second server in the same
+        # process (another test module) finds the bucket there already
+        with contextlib.suppress(FileExistsError):
+            s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
         yield options
     finally:
         server.stop()

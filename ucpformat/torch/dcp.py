@@ -52,6 +52,7 @@ import io
 import math
 import os
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -60,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -89,6 +91,7 @@ from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords, object_region
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
+    CheckpointExistsError,
     FormatError,
     InvalidValueError,
     LayoutError,
@@ -249,6 +252,9 @@ class UCPWriter(StorageWriter):
         self._is_coordinator = False
         self._state: _SavePlanState | None = None
         self._store: Store | None = None
+        #: This save's id, as FileSystemWriter's: new at every reset, stored in the
+        #: checkpoint (``saved_by.save_id``) and given back by UCPReader's StorageMeta.
+        self.save_id = uuid.uuid4().hex
 
     # -- StorageWriter API ------------------------------------------------------------------
 
@@ -263,13 +269,15 @@ class UCPWriter(StorageWriter):
             self.path = checkpoint_id
         self._state = None
         self._store = None
+        self.save_id = uuid.uuid4().hex
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
-        return isinstance(checkpoint_id, str | os.PathLike)
+        return is_supported_location(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=None if self.path is None else os.fspath(self.path))
+        return StorageMeta(checkpoint_id=None if self.path is None else os.fspath(self.path),
+                           save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
@@ -391,6 +399,7 @@ class UCPWriter(StorageWriter):
         self._check_group(world, any(t.sends for t in shares))
         # Mark the destination now; write_data un-commits a checkpoint it replaces only
         # after the exchange, so that a rank failing until then leaves it intact.
+        _refuse_existing(store, overwrite=self.overwrite)
         claim = mark(store, overwrite=self.overwrite)
         self._state = _SavePlanState(
             world, {p: tp.meta for p, tp in plan.tensors.items()}, plan.object_keys(),
@@ -463,11 +472,11 @@ class UCPWriter(StorageWriter):
             raise WriteError("finish() without a global plan: this UCPWriter was not the "
                              "coordinator's", path=store.location)
         with explain_failure(store, state.claim):
-            self._commit(store, state, results)
+            self._commit(store, state, results, _save_id(metadata, self.save_id))
         self._state = None
 
     def _commit(self, store: Store, state: _SavePlanState,
-                results: list[list[WriteResult]]) -> None:
+                results: list[list[WriteResult]], save_id: str) -> None:
         objects: list[StoredObject] = []
         value_of: dict[str, Any] = {}
         raw_of: dict[str, tuple[bytes, str]] = {}
@@ -537,7 +546,8 @@ class UCPWriter(StorageWriter):
         ]
         root_ucp = build_root_ucp(
             metadata=self.metadata,
-            saved_by={"world_size": state.world_size, "via": "torch.distributed.checkpoint"},
+            saved_by={"world_size": state.world_size, "via": "torch.distributed.checkpoint",
+                      "save_id": save_id},
             extensions={
                 RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()}
             },
@@ -733,6 +743,51 @@ def _check_siblings(paths: Sequence[str]) -> None:
         names.check_case_collisions(kids, parent=parent)
 
 
+def is_supported_location(checkpoint_id: Any) -> bool:
+    """True for what UCPWriter and UCPReader can open: a path (``str`` without a scheme,
+    ``file://``, or ``os.PathLike``) or a URL of a protocol fsspec knows and can load (its
+    package installed: s3fs for ``s3://``). DCP asks this to pick a storage plugin for a
+    ``checkpoint_id``; anything else (``abc://abc.abc``) is not ours, so DCP says it
+    cannot detect one."""
+    if isinstance(checkpoint_id, os.PathLike):
+        return True
+    if not isinstance(checkpoint_id, str) or not checkpoint_id:
+        return False
+    scheme, sep, _ = checkpoint_id.partition("://")
+    if not sep or scheme == "file":
+        return True
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+def _refuse_existing(store: Store, *, overwrite: bool) -> None:
+    """Refuse a committed checkpoint without ``overwrite`` in FileSystemWriter's words
+    ("Checkpoint already exists"), which code written for DCP matches; the writer's own
+    check (UCP-1.0-R053) still runs, once the location is claimed."""
+    if not overwrite and store.exists(ZARR_JSON):
+        raise CheckpointExistsError(
+            "Checkpoint already exists and overwrite=False: a committed checkpoint is here; "
+            "pass UCPWriter(overwrite=True) to replace it", rule="UCP-1.0-R053",
+            path=store.location)
+
+
+def _save_id(metadata: Metadata, default: str) -> str:
+    """The coordinator's save id, as DCP passed it to the planner (or this writer's)."""
+    meta = metadata.storage_meta
+    return meta.save_id if meta is not None and meta.save_id else default
+
+
+def _stored_save_id(ckpt: Checkpoint) -> str | None:
+    saved_by = ckpt.ucp.get("saved_by")
+    save_id = saved_by.get("save_id") if isinstance(saved_by, Mapping) else None
+    return save_id if isinstance(save_id, str) else None
+
+
 # -- the reader -----------------------------------------------------------------------------
 
 
@@ -771,6 +826,8 @@ class UCPReader(StorageReader):
         self.max_read_bytes = max_read_bytes
         self._ckpt: Checkpoint | None = None
         self._entries: dict[str, Entry] = {}
+        #: This load's id, as FileSystemReader's: new at every reset.
+        self.load_id = uuid.uuid4().hex
 
     @property
     def checkpoint_id(self) -> CheckpointId | None:
@@ -787,6 +844,7 @@ class UCPReader(StorageReader):
         if checkpoint_id is not None:
             self.path = checkpoint_id
         self.close()
+        self.load_id = uuid.uuid4().hex
 
     def close(self) -> None:
         if self._ckpt is not None:
@@ -795,8 +853,16 @@ class UCPReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
-        return isinstance(checkpoint_id, str | os.PathLike) and os.path.isfile(
-            os.path.join(os.fspath(checkpoint_id), ZARR_JSON))
+        """True for a local UCP checkpoint (its root ``zarr.json`` is there), so that a
+        choice between readers picks this one only where it can read; for a URL of a
+        supported protocol, True without a request."""
+        if not is_supported_location(checkpoint_id):
+            return False
+        text = os.fspath(checkpoint_id)
+        if "://" in text and not text.startswith("file://"):
+            return True
+        local = text[len("file://"):] if text.startswith("file://") else text
+        return os.path.isfile(os.path.join(local, ZARR_JSON))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
@@ -826,7 +892,9 @@ class UCPReader(StorageReader):
         return Metadata(
             state_dict_metadata=md,
             planner_data={k: e.path for k, e in self._entries.items()},
-            storage_meta=StorageMeta(checkpoint_id=os.fspath(self.path)),
+            storage_meta=StorageMeta(checkpoint_id=os.fspath(self.path),
+                                     save_id=_stored_save_id(ckpt), load_id=self.load_id),
+            version=CURRENT_DCP_VERSION,
         )
 
     def set_up_storage_reader(

@@ -1,0 +1,128 @@
+"""The scale benchmark measures the real thing: its simulated plans are those of a real save.
+
+``benchmarks/bench_scale.py`` simulates thousands of ranks in one process (descriptions
+from :mod:`benchmarks.scale_layouts`, the coordinator's :func:`ucpformat.pipeline.plan_shares`,
+each rank's :func:`ucpformat.pipeline.take_share`). Here 4 gloo processes save the same
+layout (a small Llama-shaped model, TP 2 x DP 2 with flat ZeRO-1 partitions of the fp32
+states, fine shards so that boundary cells move) with real values, recording the share
+each rank received; the simulation must hand every rank exactly that share, and the
+checkpoint must hold the values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks import scale_layouts as L
+from ucpformat import dtypes
+from ucpformat.layout.boxes import Box, box_shape
+from ucpformat.saveplan import PlanOptions, describe, encode_description
+
+
+def _gloo_available() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
+GLOO = _gloo_available()
+TINY = L.Transformer("tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48,
+                     vocab=40)
+OPTIONS = PlanOptions(None, chunk_bytes=256, shard_bytes=2048, min_shard_bytes=1024)
+
+
+def scenario() -> L.Scenario:
+    return L.megatron(TINY, 2, 1, 2)
+
+
+def values(shape: tuple[int, ...], box: Box, dtype: str) -> np.ndarray[Any, Any]:
+    """The values of ``box``: each element's flat index in the full tensor, mod 251."""
+    idx = np.indices(box_shape(box)) + np.array([a for a, _ in box]).reshape(
+        (-1,) + (1,) * len(box))
+    flat = np.ravel_multi_index(tuple(idx), shape) % 251 if box else np.zeros(())
+    return np.asarray(flat, dtype=np.float32).astype(dtypes.by_name(dtype).numpy)
+
+
+def save_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Worker: save this rank's part of the layout over gloo; the share it received."""
+    import ucpformat.pipeline as pipeline
+    from ucpformat.distributed import Fragment, save_distributed
+    from ucpformat.torch.comm import TorchCommunicator
+
+    sim = next(r for r in scenario().ranks() if r.rank == rank)
+    spec_of = {s.path: s for s in sim.specs}
+    frags = [Fragment(p, box, values(spec_of[p].shape, box, spec_of[p].dtype).reshape(-1))
+             for p, box in sim.boxes]
+    seen: dict[str, Any] = {}
+    real = pipeline.take_share
+
+    def recording(*args: Any, **kwargs: Any) -> pipeline.Share:
+        share = real(*args, **kwargs)
+        assert share.tasks is not None
+        seen["tasks"] = share.tasks.to_json()
+        return share
+
+    pipeline.take_share = recording  # type: ignore[assignment]
+    save_distributed(root, TorchCommunicator(), specs=sim.specs, fragments=frags,
+                     chunk_bytes=OPTIONS.chunk_bytes, shard_bytes=OPTIONS.shard_bytes,
+                     min_shard_bytes=OPTIONS.min_shard_bytes, durable=False)
+    return seen
+
+
+def simulated_shares() -> list[dict[str, Any]]:
+    """Each rank's share as the benchmark computes it, in one process."""
+    from ucpformat.pipeline import plan_shares, take_share
+    from ucpformat.storage import LocalStore
+
+    sc = scenario()
+    blobs = [encode_description({**describe(r.specs, r.boxes), "error": ""})
+             for r in sc.ranks()]
+
+    class NoStore(LocalStore):  # the plan's destination is never written here
+        def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+            return 0
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan, shares, _, error = plan_shares(blobs, OPTIONS, NoStore(tmp), overwrite=True)
+    assert error is None and plan is not None
+    out = []
+    for rank in range(sc.world):
+        share = take_share(shares[rank], plan if rank == 0 else None, rank, None)
+        assert share.tasks is not None
+        out.append(share.tasks.to_json())
+    return out
+
+
+def test_the_simulated_plan_moves_boundary_cells() -> None:
+    """The layout is one that exercises the exchange (else the comparison proves less)."""
+    shares = simulated_shares()
+    assert any(s["sends"] for s in shares) and all(s["objects"] for s in shares)
+
+
+@pytest.mark.torch
+@pytest.mark.distributed
+@pytest.mark.skipif(not GLOO, reason="needs torch.distributed with gloo")
+def test_simulated_plans_equal_a_real_gloo_save(tmp_path: Path) -> None:
+    import ucpformat
+    from ucpformat.torch.launch import spawn
+
+    real = spawn(save_rank, 4, str(tmp_path / "ckpt"), timeout=240)
+    simulated = simulated_shares()
+    for rank in range(4):
+        assert json.dumps(real[rank]["tasks"], sort_keys=True) == json.dumps(
+            simulated[rank], sort_keys=True), f"rank {rank}"
+    ckpt = ucpformat.open(tmp_path / "ckpt")
+    specs = {s.path: s for r in scenario().ranks() for s in r.specs}
+    assert set(ckpt) == set(specs)
+    for path, spec in specs.items():
+        full = tuple((0, n) for n in spec.shape)
+        assert np.array_equal(ckpt[path].read(), values(spec.shape, full, spec.dtype)), path
