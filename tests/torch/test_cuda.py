@@ -210,3 +210,19 @@ def test_fsdp2_on_cuda_saves_and_loads_over_nccl(tmp_path: Path, nccl_group: Any
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values(),
                          strict=True):
         assert _raw(a.full_tensor()) == _raw(b.full_tensor()), k
+
+
+@cuda
+def test_staged_loads_into_cuda_targets_go_through_the_pinned_pool(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8)).cuda()
+    save(tmp_path / "ckpt", model=model)
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8)).cuda()
+    pool = DeviceStaging().the_pool()  # the shared pool loads use by default
+    used = pool.stats.allocations + pool.stats.reuses
+    load(tmp_path / "ckpt", model=fresh)  # staged: copied to the device at apply
+    for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values(),
+                         strict=True):
+        assert b.device.type == "cuda" and _raw(a) == _raw(b), k
+    assert pool.stats.pinned and pool.stats.allocations + pool.stats.reuses >= used + 4
+    assert pool.stats.in_use_bytes == 0

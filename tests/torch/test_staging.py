@@ -549,3 +549,33 @@ def test_the_pipeline_exchange_and_write_of_staged_ranks(tmp_path: Path) -> None
     for pool, log in zip(pools, logs, strict=True):
         assert pool.stats.in_use_bytes == 0
         assert len(log.keys("release")) == len(log.keys("copy-start")) >= 1
+
+
+def test_staged_targets_on_a_device_are_filled_through_the_pool_at_apply(
+        tmp_path: Path) -> None:
+    """Staged (the default), nothing changes before apply(); apply() then copies each
+    target's bytes into pool buffers and on to the device in batches within the bound,
+    and a target of another type takes a plain (converting) copy."""
+    from ucpformat.torch.reads import DeviceStaging, TensorRead, read_tensors
+
+    model = _model(width=128, layers=6)
+    save(tmp_path / "ckpt", model=model)
+    ck = ucpformat.open_checkpoint(tmp_path / "ckpt")
+    state = model.state_dict()
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    targets["0.bias"] = torch.zeros(128, dtype=torch.float64)  # another type: not pooled
+    pool = HostBufferPool(2 * (64 * 1024 + ALIGN_BYTES), pin=False)  # batches of a weight
+    events = Events()
+    staged = read_tensors(ck, [TensorRead(f"model/{k}", target=t) for k, t in targets.items()],
+                          staging=DeviceStaging(pool=pool, cpu=True,
+                                                copier=_DeferredCopier(events),
+                                                recorder=events))
+    assert all(not t.any() for t in targets.values())  # staged: nothing changed yet
+    assert pool.stats.allocations == 0  # no pinned memory held between read and apply
+    staged.apply()
+    for k, v in state.items():
+        assert _raw(targets[k].to(v.dtype)) == _raw(v), k
+    assert events.keys("copied") == [f"apply {i}" for i in range(6)]  # weight + bias each
+    assert len(events.keys("copy-end")) == len(state) - 1  # the float64 bias: plain copy
+    assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
+    assert pool.stats.in_use_bytes == 0 and pool.stats.reuses > 0

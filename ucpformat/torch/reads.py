@@ -47,6 +47,7 @@ from ucpformat.torch.staging import (
     HostBufferPool,
     Recorder,
     host_array,
+    host_copy,
 )
 
 #: Host bytes read per batch for new tensors on another device before they are moved
@@ -117,6 +118,8 @@ class StagedReads:
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: In place: the node paths whose targets were written by the read (in read order).
     written: list[str] = field(default_factory=list)
+    #: How :meth:`apply` moves staged data to targets on a device (None: plain copies).
+    device: DeviceStaging | None = None
 
     @property
     def staged_bytes(self) -> int:
@@ -126,10 +129,59 @@ class StagedReads:
     def apply(self) -> None:
         """Copy the staged data into the targets (data type and device kept) and release
         it. Every byte was read and checked before: this step does not fail on the
-        checkpoint's account."""
+        checkpoint's account.
+
+        Contiguous targets on a device (a GPU) of the staged data's type are filled
+        through the pinned pool of :attr:`device`: the staged bytes are copied into a
+        pool buffer, then to the device asynchronously, batch k + 1 copied into pinned
+        memory while batch k goes to the device (:func:`upload_staged`); the caller's
+        stream waits for those copies. Other targets take a plain copy."""
+        how = self.device
+        to_device = [(t, d) for t, d in self.staged if how is not None
+                     and how.stages(t.device) and _uploadable(t, d)]
+        chosen = {id(t) for t, _ in to_device}
+        if to_device:
+            assert how is not None
+            upload_staged(to_device, how)
         for target, data in self.staged:
-            copy_into(target, data)
+            if id(target) not in chosen:
+                copy_into(target, data)
         self.staged.clear()
+
+
+def _uploadable(target: torch.Tensor, data: torch.Tensor) -> bool:
+    """A target the pinned pool can fill: contiguous and of the staged data's type."""
+    return target.layout == torch.strided and target.is_contiguous() and not (
+        target.is_conj() or target.is_neg()) and target.dtype == data.dtype
+
+
+def upload_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  how: DeviceStaging) -> None:
+    """Copy each host tensor into its device target through the pinned pool of ``how``:
+    host memory into a pool buffer, then the buffer to the device asynchronously, in
+    batches of half the pool, each batch's buffers returned once its copies are complete
+    (:class:`~ucpformat.torch.staging.DeviceUploads`). The recorder sees ``("copied",
+    "apply <k>")`` once batch k is on the device."""
+    pool = how.the_pool()
+    uploads = DeviceUploads(pool, how.copier, how.recorder)
+    limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
+    size = index = 0
+    try:
+        for target, data in pairs:
+            n = target.numel() * target.element_size()
+            if size and size + n > limit:
+                uploads.end_batch(f"apply {index}")
+                index, size = index + 1, 0
+            host = uploads.host_view(target)
+            host_copy(host, data)
+            uploads.upload(target, host)
+            size += n
+        if size:
+            uploads.end_batch(f"apply {index}")
+        uploads.finish()
+    except BaseException:
+        uploads.abort()
+        raise
 
 
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
@@ -204,7 +256,7 @@ def read_tensors(
     """
     how = staging if staging is not None else DeviceStaging()
     tensors: list[torch.Tensor | None] = [None] * len(reads)
-    result = StagedReads([])
+    result = StagedReads([], device=how)
     to_device = [i for i, r in enumerate(reads) if (
         how.stages(r.device) if r.target is None
         else in_place and how.stages(r.target.device) and _device_target(ckpt, r))]
@@ -339,5 +391,6 @@ __all__ = [
     "named",
     "partly_changed",
     "read_tensors",
+    "upload_staged",
     "whole",
 ]
