@@ -17,13 +17,20 @@ the GPU, and one process measures, one after the other on the same state:
   DCP ``save``; ``torch.save`` (the file fsynced after, as every other save is durable);
 * loads to the GPU, each cold: ``ucpformat.torch.load_state_dict(map_location="cuda")``
   (new tensors, through the pinned pool), ``ucpformat.torch.load(..., in_place=True)``
-  into a module of CUDA buffers, DCP ``load`` into CUDA tensors, and
-  ``torch.load(map_location="cuda")``.
+  into a module of CUDA buffers (read into pinned buffers, copied while the next are
+  read), ``ucpformat.torch.load`` staged (the default: read into host memory, then
+  copied through the pinned pool once every read succeeded), DCP ``load`` into CUDA
+  tensors, and ``torch.load(map_location="cuda")``.
 
 Every checkpoint is deleted once measured (a 32 GiB state needs about 40 GiB of disk
 at any time). Throughputs are the state's bytes over the time.
 
-    python benchmarks/bench_gpu.py [--gib 8 32] [--dir DIR] [--json FILE] [--markdown FILE]
+    python -m benchmarks.bench_gpu [--gib 8 32] [--dir DIR] [--json FILE] [--markdown FILE]
+    python -m benchmarks.bench_gpu --dry-run   # every step on a 4 MiB CPU state, anywhere
+
+``--dry-run`` runs every step on the CPU (no pinned memory, no stream waits) on a tiny
+state: it checks that the calls to ucpformat, DCP and torch work and that every figure
+is produced; its seconds mean nothing.
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ from benchmarks import Table, common
 from benchmarks import state as synthetic
 
 SIZES_GIB = (8, 32)
-#: Where the state lives. Only tests change it (to "cpu": a dry run of every step).
+#: The state of ``--dry-run`` (4 MiB).
+DRY_RUN_GIB = 4 / 1024
+#: Where the state lives: "cpu" only for a dry run of every step (--dry-run, tests).
 DEVICE = "cuda"
 
 
@@ -213,9 +222,16 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
         t, _ = _timed(lambda: ucpt.load(ucp, model=target, in_place=True))
         return t
 
+    def ucp_load_staged() -> float:
+        target = common.buffer_module({k: torch.empty_like(v) for k, v in state.items()})
+        common.evict(ucp)
+        t, _ = _timed(lambda: ucpt.load(ucp, model=target))
+        return t
+
     attempt("ucp_save", ucp_save)
     attempt("ucp_load", ucp_load)
     attempt("ucp_load_in_place", ucp_load_in_place)
+    attempt("ucp_load_staged", ucp_load_staged)
     common.remove(ucp)
 
     def ucp_async() -> None:
@@ -341,6 +357,7 @@ LABELS = [
     ("torch_save", "torch.save + fsync"),
     ("ucp_load", "ucpformat load_state_dict → cuda (cold)"),
     ("ucp_load_in_place", "ucpformat load in place into CUDA buffers (cold)"),
+    ("ucp_load_staged", "ucpformat load (staged) into CUDA buffers (cold)"),
     ("dcp_load", "DCP load into CUDA tensors (cold)"),
     ("torch_load", "torch.load(map_location='cuda') (cold)"),
 ]
@@ -380,23 +397,53 @@ def run(quick: bool = False, *, sizes: Sequence[float] | None = None,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--gib", type=float, nargs="+", default=list(SIZES_GIB))
+    parser.add_argument("--gib", type=float, nargs="+", default=None,
+                        help=f"state sizes (default {' '.join(map(str, SIZES_GIB))}; "
+                             f"with --dry-run {DRY_RUN_GIB:g})")
     parser.add_argument("--dir", default=None, help="scratch directory (default: $TMPDIR)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--markdown", default=None, help="write the tables here")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every step on the CPU on a tiny state (default 4 MiB): "
+                             "checks the calls, measures nothing")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args.gib or [DRY_RUN_GIB], args)
     if not cuda_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False); this "
               "benchmark runs on a machine with an NVIDIA GPU. Nothing was measured.")
         return 0
-    tables = run(sizes=args.gib, directory=Path(args.dir) if args.dir else None)
+    _emit(run(sizes=args.gib, directory=Path(args.dir) if args.dir else None), args)
+    return 0
+
+
+def dry_run(sizes: Sequence[float], args: argparse.Namespace) -> int:
+    """Every step on the CPU: 1 (and the errors printed) if any step failed."""
+    global DEVICE
+    device, DEVICE = DEVICE, "cpu"
+    try:
+        tables, failed = [], False
+        for gib in sizes:
+            root = Path(tempfile.mkdtemp(prefix="ucp-gpu-dry-", dir=args.dir))
+            try:
+                m = measure(gib, root)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            tables.append(table(m, "cpu dry run (the seconds mean nothing)"))
+            failed = failed or bool(m["errors"])
+        _emit(tables, args)
+        return 1 if failed else 0
+    finally:
+        DEVICE = device
+
+
+def _emit(tables: list[Table], args: argparse.Namespace) -> None:
     text = "\n".join(t.to_markdown() for t in tables)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps([t.data for t in tables], indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
