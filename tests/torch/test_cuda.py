@@ -226,3 +226,59 @@ def test_staged_loads_into_cuda_targets_go_through_the_pinned_pool(tmp_path: Pat
         assert b.device.type == "cuda" and _raw(a) == _raw(b), k
     assert pool.stats.pinned and pool.stats.allocations + pool.stats.reuses >= used + 4
     assert pool.stats.in_use_bytes == 0
+
+
+@cuda
+def test_deepspeed_engine_fragments_on_cuda_stage_through_pinned_buffers(
+        tmp_path: Path) -> None:
+    """What ucpformat.deepspeed.save hands the pipeline, on CUDA: a flat ZeRO partition,
+    a strided box of a weight and a scalar, synchronously through a bounded pinned pool
+    and as an async snapshot (events; the stream guarded, then the tensors changed)."""
+    from ucpformat.comm import SingleProcess
+    from ucpformat.deepspeed.save import EngineFragments
+    from ucpformat.pipeline import save as run_pipeline
+    from ucpformat.saveplan import TensorSpec
+    from ucpformat.torch.staging import DeviceCopier, Snapshot
+
+    torch.manual_seed(0)
+    flat = torch.randn(2 * 256 * 256, device="cuda")
+    wide = torch.randn(256, 512, device="cuda")
+    step = torch.tensor(3, dtype=torch.int64, device="cuda")
+    full = ((0, 256), (0, 256))
+    specs = [TensorSpec(p, (256, 256), "float32", {"ucp": {"role": "parameter"}})
+             for p in ("a", "b", "left")]
+    specs.append(TensorSpec("step", (), "int64", {"ucp": {"role": "optimizer_state"}}))
+    expected = {"a": _raw(flat[:65536]), "b": _raw(flat[65536:]),
+                "left": _raw(wide[:, :256]), "step": _raw(step)}
+
+    def fragments(staging: Staging) -> EngineFragments:
+        src = EngineFragments(staging)
+        src.add("a", full, flat[:65536])
+        src.add("b", full, flat[65536:])
+        src.add("left", full, wide[:, :256])
+        src.add("step", (), step)
+        return src
+
+    pool = HostBufferPool(600 << 10)  # two of the three 256 KiB fragments at a time
+    src = fragments(Staging(pool=pool))
+    try:
+        run_pipeline(tmp_path / "sync", SingleProcess(), specs=specs, source=src)
+    finally:
+        src.stop()
+    assert pool.stats.pinned and pool.stats.peak_allocated_bytes <= pool.capacity_bytes
+    assert pool.stats.in_use_bytes == 0
+    copier = DeviceCopier()
+    snap = Snapshot(HostBufferPool(None), copier)
+    src = fragments(Staging())
+    copier.begin(src.tensors())
+    frags = src.snapshot(snap)
+    snap.guard()  # as the save does before it returns: training's stream waits
+    for tensor in (flat, wide, step):
+        tensor.add_(1)  # queued on the guarded stream: after the copies
+    snap.wait()
+    run_pipeline(tmp_path / "async", SingleProcess(), specs=specs, source=frags)
+    snap.release()
+    for where in ("sync", "async"):
+        with ucpformat.open_checkpoint(tmp_path / where) as ck:
+            for name, raw in expected.items():
+                assert ck[name].read().tobytes() == raw, (where, name)
