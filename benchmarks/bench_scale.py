@@ -36,6 +36,7 @@ all-to-all size headers included: 8 bytes per peer).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -76,6 +77,14 @@ MiB = 1 << 20
 FULL_DP = (8, 32, 128)
 QUICK_DP = (1,)
 QUICK_LLAMA = dataclasses.replace(L.LLAMA_405B, name="Llama-405B-16L", layers=16)
+#: FSDP2 x TP (TP 8): data-parallel degrees of 1,024 / 4,096 / 16,384 ranks; the model
+#: keeps the 405B shape but only FSDP_LAYERS of its layers, because every rank holds a
+#: piece of every tensor (126 layers at 16,384 ranks: 56 M fragments, beyond one process
+#: of this machine in the 15 minutes of the full mode); every figure but the root's grows
+#: linearly with the layers.
+FULL_FSDP_DP = (128, 512, 2048)
+QUICK_FSDP_DP = (16,)
+FSDP_LAYERS = 2
 #: The "before" protocol (every rank plans everything) is run for the dense model at every
 #: scale, for the others up to this many ranks (it is the coordinator's plan again).
 BEFORE_MAX_RANKS = 4096
@@ -98,16 +107,17 @@ def measured(fn: Callable[[], T]) -> tuple[T, float, int]:
     return out, elapsed, peak
 
 
-def rss_growth(fn: Callable[[], T]) -> tuple[T, float, int]:
-    """(result, seconds, growth of the process's peak RSS) of ``fn()``, run once: for the
-    steps too slow to run twice (a lower bound on their peak memory)."""
+def rss_growth(fn: Callable[[], T]) -> tuple[T, float, float, int]:
+    """(result, seconds, CPU seconds, growth of the process's peak RSS) of ``fn()``, run
+    once: for the steps too slow to run twice (a lower bound on their peak memory). The
+    CPU time is what to compare on a loaded machine: the wall time grows with the load."""
     gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     out = fn()
-    elapsed = time.perf_counter() - t
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return out, elapsed, (after - before) * 1024
+    return out, elapsed, cpu, (after - before) * 1024
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -133,6 +143,7 @@ def objects_of(plan: Plan) -> list[StoredObject]:
 def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, Any]:
     """Every figure of one simulated save (see the module's doc)."""
     world = sc.world
+    cpu = time.process_time()
     ranks, build_s = timed(lambda: list(sc.ranks()))
     # one rank: the rank with the most fragments (the slowest describes the longest)
     probe = max(ranks, key=lambda r: len(r.boxes))
@@ -141,11 +152,12 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
     blobs, encode_s = timed(lambda: [
         encode_description({**describe(r.specs, r.boxes), "error": ""}) for r in ranks])
     ranks.clear()
+    simulate_cpu_s = time.process_time() - cpu
     gc.collect()
     # the coordinator
     store = LocalStore(str(scratch / "ckpt"), durable=False)
     store.delete_all()
-    (plan, shares, _, error), coord_plan_s, coord_plan_peak = rss_growth(
+    (plan, shares, _, error), coord_plan_s, coord_plan_cpu_s, coord_plan_peak = rss_growth(
         lambda: plan_shares(blobs, PlanOptions(), store, overwrite=True))
     if error is not None or plan is None:
         raise RuntimeError(f"the simulated plan failed: {error}")
@@ -156,7 +168,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
     written = objects_of(plan)
     per_rank_written = max(len(json.dumps([[o.key, o.nbytes, None] for o in tasks_objects]))
                            for tasks_objects in _objects_by_owner(plan, written))
-    root, commit_s, commit_peak = rss_growth(lambda: commit(
+    root, commit_s, commit_cpu_s, commit_peak = rss_growth(lambda: commit(
         store, arrays=[tp.meta for tp in plan.tensors.values()],
         groups=list(plan.groups.values()), objects=written,
         root_ucp={"producer": {"name": "bench_scale"}}, hash_algorithm=None))
@@ -173,26 +185,30 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
         "scenario": sc.name, "layout": sc.describe(), "ranks": world,
         "arrays": len(plan.tensors), "objects": len(written),
         "files": len(written) + node_files + 1,
-        "build_s": build_s, "encode_all_s": encode_s,
+        "build_s": build_s, "encode_all_s": encode_s, "simulate_cpu_s": simulate_cpu_s,
         "rank_save_s": rank_describe_s + rank_share_s,
         "rank_save_peak": max(rank_describe_peak, rank_share_peak),
         "rank_sent": sent, "rank_received": received, "rank_cells": cells,
         "description_bytes": len(blob), "share_bytes": len(share),
-        "coord_plan_s": coord_plan_s, "coord_plan_peak": coord_plan_peak,
+        "coord_plan_s": coord_plan_s, "coord_plan_cpu_s": coord_plan_cpu_s,
+        "coord_plan_peak": coord_plan_peak,
         "coord_received": sum(len(b) for b in blobs), "coord_sent": sum(map(len, shares.values())),
-        "commit_s": commit_s, "commit_peak": commit_peak,
+        "commit_s": commit_s, "commit_cpu_s": commit_cpu_s, "commit_peak": commit_peak,
         "root_bytes": root_bytes, "manifest_bytes": manifest_bytes,
         "moves": len(plan.moves), "open_s": open_s, "open_peak": open_peak,
     }
     del root
     if before:
         descs = decode_descriptions(blobs)
-        raw = [len(json.dumps({**d, "specs": d["specs"]}, separators=(",", ":"))) for d in descs]
-        (_, before_s, before_peak) = rss_growth(
+        # the JSON description each rank sent before (boxes listed with their paths)
+        raw = [len(json.dumps({"specs": d.specs, "boxes": d.box_list(), "groups": d.groups,
+                               "error": d.error}, separators=(",", ":"))) for d in descs]
+        (_, before_s, before_cpu_s, before_peak) = rss_growth(
             lambda: plan_from_descriptions(descs, PlanOptions()).tasks(probe.rank))
         written_all = len(json.dumps([[o.key, o.nbytes, None] for o in written]))
         row.update({
-            "before_rank_s": before_s, "before_rank_peak": before_peak,
+            "before_rank_s": before_s, "before_rank_cpu_s": before_cpu_s,
+            "before_rank_peak": before_peak,
             # padded allgather of descriptions, then of every rank's written objects
             "before_rank_received": world * max(raw) + world * per_rank_written + 8 * world,
             "before_written_total": written_all,
@@ -270,9 +286,12 @@ def read_plan(ckpt: Checkpoint, model: L.Transformer, cfg: ParallelConfig,
 # -- DCP --------------------------------------------------------------------------------------
 
 
-def dcp_figures(sc: L.Scenario, load_cfg: ParallelConfig | None,
-                load_rank: int) -> dict[str, Any]:
-    """DCP's default planners on the same boxes (see the module's doc)."""
+def dcp_figures(sc: L.Scenario,
+                loads: Sequence[ParallelConfig] = ()) -> tuple[dict[str, Any], list[float]]:
+    """DCP's default planners on the same boxes (see the module's doc): the figures of
+    the save, and for each of ``loads`` the seconds rank 0 of that target layout plans
+    its load from the same ``.metadata`` (built once: at 16,384 ranks the simulated
+    save plans are a million write items)."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -312,7 +331,7 @@ def dcp_figures(sc: L.Scenario, load_cfg: ParallelConfig | None,
         plans.append(SavePlan(items, planner_data={}))
     build_s = time.perf_counter() - t0
     planner = DefaultSavePlanner()
-    (final, metadata), global_s, global_peak = rss_growth(
+    (final, metadata), global_s, global_cpu_s, global_peak = rss_growth(
         lambda: planner.create_global_plan(plans))
     plans.clear()
     # FileSystemWriter's finish: every write item's file, offset and length in .metadata
@@ -329,37 +348,41 @@ def dcp_figures(sc: L.Scenario, load_cfg: ParallelConfig | None,
     (pickled, pickle_s) = timed(lambda: pickle.dumps(metadata))
     files = sum(1 for p in final if p.items) + 1
     row: dict[str, Any] = {"dcp_build_s": build_s, "dcp_global_s": global_s,
+                           "dcp_global_cpu_s": global_cpu_s,
                            "dcp_global_peak": global_peak, "dcp_metadata_bytes": len(pickled),
                            "dcp_pickle_s": pickle_s, "dcp_files": files,
                            "dcp_items": sum(len(p.items) for p in final)}
-    if load_cfg is not None:
-        model = sc.model
-        c = load_cfg.coords(load_rank)
+    model = sc.model
 
-        def plan_rank() -> int:
-            md = pickle.loads(pickled)
-            count = 0
-            for p, m in ((p, local_map(p.shape, p.layout, p.conventions, load_cfg, c,
-                                       zero3=False, tensor=p.name))
-                         for p in L.megatron_params(model)):
-                if m is None:
-                    continue
-                path = L.model_path(p.name)
-                chunks = [ChunkStorageMetadata(torch.Size([a for a, _ in pc.glob]),
-                                               torch.Size([b - a for a, b in pc.glob]))
-                          for pc in m.pieces]
+    def plan_rank(load_cfg: ParallelConfig) -> int:
+        c = load_cfg.coords(0)
+        md = pickle.loads(pickled)
+        count = 0
+        for p, m in ((p, local_map(p.shape, p.layout, p.conventions, load_cfg, c,
+                                   zero3=False, tensor=p.name))
+                     for p in L.megatron_params(model)):
+            if m is None:
+                continue
+            path = L.model_path(p.name)
+            chunks = [ChunkStorageMetadata(torch.Size([a for a, _ in pc.glob]),
+                                           torch.Size([b - a for a, b in pc.glob]))
+                      for pc in m.pieces]
+            count += len(create_read_items_for_chunk_list(
+                path, md.state_dict_metadata[path], chunks))
+            for s in L.ZERO_STATES:  # DCP has no flat partitions: the TP shard of each
+                spath = L.state_path(p.name, s)
                 count += len(create_read_items_for_chunk_list(
-                    path, md.state_dict_metadata[path], chunks))
-                for s in L.ZERO_STATES:  # DCP has no flat partitions: the TP shard of each
-                    spath = L.state_path(p.name, s)
-                    count += len(create_read_items_for_chunk_list(
-                        spath, md.state_dict_metadata[spath], chunks))
-            return count
+                    spath, md.state_dict_metadata[spath], chunks))
+        return count
 
-        (reads, load_s, load_peak) = rss_growth(plan_rank)
-        row.update({"dcp_rank_load_s": load_s, "dcp_rank_load_peak": load_peak,
-                    "dcp_rank_read_items": reads})
-    return row
+    load_seconds = []
+    for load_cfg in loads:
+        (reads, load_s, _, load_peak) = rss_growth(functools.partial(plan_rank, load_cfg))
+        load_seconds.append(load_s)
+        if len(load_seconds) == 1:
+            row.update({"dcp_rank_load_s": load_s, "dcp_rank_load_peak": load_peak,
+                        "dcp_rank_read_items": reads})
+    return row, load_seconds
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -391,32 +414,36 @@ def run(quick: bool = False, *, dps: Sequence[int] | None = None,
         if moe:
             scenarios += [L.megatron(L.MIXTRAL_8X7B, 2, 4, dp * 16, ep=8) for dp in dps]
         if fsdp:
-            scenarios += [L.fsdp2(llama, 16 if quick else 128, 8)]
+            shallow = dataclasses.replace(llama, name=f"{llama.name}-{FSDP_LAYERS}L",
+                                          layers=FSDP_LAYERS)
+            scenarios += [L.fsdp2(shallow, dp, 8)
+                          for dp in (QUICK_FSDP_DP if quick else FULL_FSDP_DP)]
         for sc in scenarios:
+            cpu = time.process_time()
             row = save_figures(sc, scratch,
                                before=sc.kind == "megatron" or sc.world <= BEFORE_MAX_RANKS)
+            largest = sc.kind == "megatron" and sc is scenarios[len(dps) - 1]
+            big = L.load_config(sc.model, 4, 8, max(1, sc.world // 256))
+            one_rank = L.load_config(sc.model, 1, 1, 1)
+            dcp_loads: list[float] = []
             if dcp:
-                target = None
-                if sc.kind == "megatron":
-                    target = L.load_config(sc.model, 4, 8, max(1, sc.world // 256))
-                row.update(dcp_figures(sc, target, 0))
+                targets = [big, one_rank] if largest else [big] if sc.kind == "megatron" else []
+                figures, dcp_loads = dcp_figures(sc, targets)
+                row.update(figures)
             rows.append(row)
             print(f"  {sc.name}: coordinator {row['coord_plan_s']:.1f} s, rank "
                   f"{row['rank_save_s']:.3f} s", flush=True)
-            if sc.kind == "megatron" and sc is scenarios[len(dps) - 1]:
+            if largest:
                 ckpt = ckpt_holder[0]
-                big = L.load_config(sc.model, 4, 8, max(1, sc.world // 256))
                 probe = [0, big.world // 2, big.world - 1]
                 loads.append(load_figures(ckpt, sc.model, big,
                                           f"TP 4 x PP 8 x DP {big.dp}", probe))
-                loads.append(load_figures(ckpt, sc.model, L.load_config(sc.model, 1, 1, 1),
-                                          "1 rank", [0]))
-                if dcp:
-                    one = dcp_figures(sc, L.load_config(sc.model, 1, 1, 1), 0)
-                    loads[-1]["dcp_rank_load_s"] = one["dcp_rank_load_s"]
-                    loads[-2]["dcp_rank_load_s"] = row.get("dcp_rank_load_s", float("nan"))
+                loads.append(load_figures(ckpt, sc.model, one_rank, "1 rank", [0]))
+                for x, seconds in zip(loads[-2:], dcp_loads, strict=False):
+                    x["dcp_rank_load_s"] = seconds
             ckpt_holder.clear()
             gc.collect()
+            row["scenario_cpu_s"] = time.process_time() - cpu  # the simulation's included
             if progress is not None:
                 progress.write_text(json.dumps({"save": rows, "load": loads}, indent=1))
     return tables(rows, loads)

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                               "layout.zero", "layout.dtensor", "layout.universal_info")),
     ("engine", ("engine.*",)),
     ("metadata", ("metadata",)),
-    ("checkpoint API", ("", "reader", "writer", "validation", "rng", "manager")),
+    ("checkpoint API", ("", "reader", "writer", "feed", "validation", "rng", "manager")),
     ("distributed pipeline", ("comm", "saveplan", "pipeline", "distributed",
                               "layout.framework")),
     ("torch", ("torch.*",)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,36 @@ def test_megatron_benchmark_runs(tmp_path: Path) -> None:
     (table,) = bench_megatron.run(quick=True, repeats=1, directory=tmp_path)
     assert [r[0] for r in table.rows] == ["save (4 ranks)", *bench_megatron.TARGET_LABELS.values()]
     assert any("files per checkpoint" in n for n in table.notes)
+
+
+def test_staging_and_gpu_benchmarks_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_gpu, bench_staging
+
+    (table,) = bench_staging.run(quick=True, size_mib=2, repeats=1, directory=tmp_path)
+    assert [row[0].split(" (")[0] for row in table.rows] == [
+        "unstaged", "default", "through the pool"]
+    if not bench_gpu.cuda_available():  # measured only where CUDA exists
+        assert bench_gpu.run(quick=True) == []
+        assert bench_gpu.main([]) == 0
+        assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_steps_dry_run_on_the_cpu(tmp_path: Path) -> None:
+    """``bench_gpu --dry-run``: every step on a tiny CPU state; the calls to ucpformat,
+    DCP and torch work and every figure is produced (the GPU machine then only
+    measures)."""
+    from benchmarks import bench_gpu
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out = tmp_path / "m.json"
+    assert bench_gpu.main(["--dry-run", "--dir", str(scratch), "--json", str(out)]) == 0
+    assert bench_gpu.DEVICE == "cuda"  # restored after the dry run
+    (m,) = json.loads(out.read_text())
+    assert m["errors"] == {} and m["gib"] == bench_gpu.DRY_RUN_GIB
+    assert {key for key, _ in bench_gpu.LABELS} <= set(m["seconds"])
+    assert set(bench_gpu.ratios(m)) == {
+        "async_blocked_over_d2h", "async_blocked_over_dcp_async", "sync_save_over_limit",
+        "load_over_limit", "sync_save_speed_over_dcp", "load_speed_over_dcp"}
+    assert len(bench_gpu.table(m, "cpu dry run").rows) == len(bench_gpu.LABELS)
+    assert list(scratch.iterdir()) == []  # every checkpoint removed once measured

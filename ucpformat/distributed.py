@@ -25,7 +25,7 @@ from ucpformat.comm import Communicator
 from ucpformat.engine import chunking
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
-from ucpformat.pipeline import DistributedSaveResult, Fragment, FragmentList
+from ucpformat.pipeline import DistributedSaveResult, Fragment, FragmentList, FragmentSource
 from ucpformat.pipeline import save as run_pipeline
 from ucpformat.reader import Checkpoint, Region
 from ucpformat.saveplan import (
@@ -45,7 +45,7 @@ def save_distributed(
     comm: Communicator,
     *,
     specs: Sequence[TensorSpec],
-    fragments: Sequence[Fragment],
+    fragments: Sequence[Fragment] | FragmentSource,
     group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
     root_values: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
@@ -67,12 +67,15 @@ def save_distributed(
     Raises on every rank if any rank fails; then nothing is committed, what the ranks
     wrote is removed (UCP-1.0-R049), and a checkpoint being replaced (``overwrite=True``) is
     left intact unless the failure came while writing (see :mod:`ucpformat.pipeline`).
+
+    ``fragments`` are the values in memory, or a :class:`~ucpformat.pipeline.FragmentSource`
+    that gives them when asked (a staging area copying them from a device).
     """
     return run_pipeline(
         path,
         comm,
         specs=specs,
-        source=FragmentList(fragments),
+        source=FragmentList(fragments) if isinstance(fragments, Sequence) else fragments,
         group_attributes=group_attributes,
         root_values=root_values,
         metadata=metadata,

@@ -11,6 +11,7 @@ checkpoint. See spec/ucp-1.0.md, section "Names".
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 
@@ -158,7 +159,18 @@ def split_path(path: str, *, where: str | None = None) -> list[str]:
 
 def check_path(path: str, *, where: str | None = None) -> None:
     """Raise UnsafePathError unless ``path`` is a valid node path."""
-    split_path(path, where=where)
+    if where is None and isinstance(path, str):
+        _check_path_once(path)
+    else:
+        split_path(path, where=where)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _check_path_once(path: str) -> None:
+    """:func:`split_path` of a path, remembered once valid (a failure is not cached): every
+    save of a training run names the same tensors, and each of its ranks checks the
+    path of every fragment it describes."""
+    split_path(path)
 
 
 def check_case_collisions(node_names: Iterable[str], *, parent: str) -> None:

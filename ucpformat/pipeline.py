@@ -100,6 +100,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ucpformat import feed as feeds
 from ucpformat.comm import (
     Communicator,
     error_report,
@@ -172,7 +173,13 @@ class FragmentSource(Protocol):
         """This rank's fragments of tensor ``path``, each value array shaped like its box.
 
         Called during the exchange and the write, once per tensor and step (it may copy
-        from a device or read a file, and it may fail: the pipeline reports it)."""
+        from a device or read a file, and it may fail: the pipeline reports it).
+
+        A source that is also :class:`ucpformat.feed.Prefetching` (a staging area of
+        bounded host buffers, :mod:`ucpformat.torch.staging`) is told the order of the
+        write step's requests before it starts, told when each tensor's values are no
+        longer needed (after the exchange has packed them, and after the write step has
+        written its last stored object), and stopped at the end of the write step."""
         ...
 
 
@@ -309,12 +316,16 @@ def _pack(tasks: RankTasks, source: FragmentSource) -> dict[int, bytearray]:
     local: Sequence[tuple[Box, np.ndarray[Any, Any]]] = ()
     for owner, path, cell in tasks.sends:  # grouped by tensor: one resolution each
         if path != current:
+            if current is not None:
+                feeds.release(source, current)
             current, local = path, source.fragments(path)
         dt = tasks.arrays[path].dtype
         n = box_size(cell)
         dst = np.frombuffer(outgoing[owner], dtype=dt.numpy, count=n, offset=offsets[owner])
         dst.reshape(box_shape(cell))[...] = extract(local, path, cell)
         offsets[owner] += n * dt.itemsize
+    if current is not None:
+        feeds.release(source, current)
     return outgoing
 
 
@@ -474,6 +485,7 @@ class _Resolved:
     def done(self, path: str) -> None:
         if next(self._done[path]) == self._total[path]:
             self._cache.pop(path, None)
+            feeds.release(self._source, path)
 
 
 def write(
@@ -493,7 +505,29 @@ def write(
     Every object is created, never replacing one that is there (UCP-1.0-R059): one that
     is there was written by another writer during this save, which fails, unless this
     is the coordinator (``claim``) still holding the location (then that writer was
-    displaced and its object is replaced, :func:`ucpformat.writer.create_owned`)."""
+    displaced and its object is replaced, :func:`ucpformat.writer.create_owned`).
+
+    A prefetching source (:class:`ucpformat.feed.Prefetching`) learns the order in which
+    tensors are needed first, and is stopped at the end, whatever happens."""
+    try:
+        return _write(store, tasks, source, inbox, workers=workers,
+                      hash_algorithm=hash_algorithm, progress=progress, claim=claim)
+    finally:
+        feeds.stop(source)
+
+
+def _write(
+    store: Store,
+    tasks: RankTasks,
+    source: FragmentSource,
+    inbox: Mapping[tuple[str, Box], np.ndarray[Any, Any]],
+    *,
+    workers: int | None,
+    hash_algorithm: str | None,
+    progress: bool | ProgressCallback,
+    claim: WriteClaim | None,
+) -> list[StoredObject]:
+    feeds.schedule(source, list(dict.fromkeys(o.path for o in tasks.objects)))
     resolved = _Resolved(source, tasks.objects)
     total = sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize for o in tasks.objects)
     with byte_progress(progress, total, f"rank {tasks.rank} saving") as advance:
@@ -520,6 +554,7 @@ def write(
         try:
             objects = list(pool.map(run, tasks.objects))
         except BaseException:
+            feeds.stop(source)  # threads waiting for a tensor's values raise at once
             # the first failure ends this rank's share: the objects not yet started are
             # not written (on a full disk, each would only fail in turn)
             pool.shutdown(wait=True, cancel_futures=True)
@@ -607,15 +642,16 @@ def plan_shares(
         descriptions = decode_descriptions(blobs)
     except BaseException as exc:
         return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc
-    failed = failed_ranks([str(d.get("error", "")) for d in descriptions])
+    failed = failed_ranks([d.error for d in descriptions])
     if failed:
         return None, _to_all(world, {"failed": failed}), None, error
     try:
         plan = plan_from_descriptions(descriptions, options)
-        tensors = len(plan.tensors)
-        docs = {path: tp.meta.to_zarr_json() for path, tp in plan.tensors.items()}
-        shares = {r: json.dumps({"tasks": t.to_json(docs), "tensors": tensors},
-                                separators=(",", ":")).encode()
+        # each array's zarr.json encoded once, spliced into every share that names it
+        docs = {path: json.dumps(tp.meta.to_zarr_json(), separators=(",", ":")).encode()
+                for path, tp in plan.tensors.items()}
+        tail = b',"tensors":%d}' % len(plan.tensors)
+        shares = {r: b'{"tasks":' + t.to_json_bytes(docs) + tail
                   for r, t in enumerate(plan.all_tasks()) if r != 0}
     except BaseException as exc:
         return None, _to_all(world, {"error": _error_doc(exc)}), None, error or exc

@@ -265,7 +265,8 @@ class LocalStore(Store):
     marker, the root) is made durable before it returns, its directory too.
 
     Nothing under the location is reached through a symbolic link (UCP-1.0-R089): each
-    path is opened component by component from the location's descriptor with
+    path is opened from the location's descriptor in one ``openat2`` call that refuses
+    any link on the way (Linux 5.6+), or else component by component with
     ``O_NOFOLLOW``, so a link met on the way is refused, whenever it was planted. The
     location itself may be a link (it is the caller's path) unless ``follow_link=False``.
     """
@@ -352,6 +353,26 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
+    def _open_beneath(self, key: str, flags: int, mode: int = 0) -> int | None:
+        """The file of ``key`` opened in one system call (``openat2`` from the location,
+        refusing any link on the way), or None where that is not available or failed:
+        the caller then takes :meth:`_directory`'s walk, which makes what is missing and
+        says precisely what was refused. Each system call saved matters: each one
+        releases and retakes the GIL that the other writer threads wait for."""
+        if _OPENAT2 is None or "/" not in key:
+            return None
+        check_key(key)
+        try:
+            location = self._open_location(create=False)
+        except OSError:
+            return None
+        try:
+            return _OPENAT2(location, key, flags, mode)
+        except OSError:
+            return None
+        finally:
+            os.close(location)
+
     def _open_dir(self, parent: int, parts: Sequence[str], i: int) -> int:
         try:
             return os.open(parts[i], _DIR_FLAGS, dir_fd=parent)
@@ -402,14 +423,18 @@ class LocalStore(Store):
         Opened without following a link at any component, and checked on the descriptor
         (UCP-1.0-R089): what was opened is what is read, whatever replaced the path since.
         """
+        fd_fast = self._open_beneath(key, _READ_FLAGS)
         try:
-            with self._directory(key, create=False) as (parent, leaf):
-                try:
-                    fd = os.open(leaf, _READ_FLAGS, dir_fd=parent)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        self._refuse_link(parent, key.split("/"), key)
-                    raise
+            if fd_fast is not None:
+                fd = fd_fast
+            else:
+                with self._directory(key, create=False) as (parent, leaf):
+                    try:
+                        fd = os.open(leaf, _READ_FLAGS, dir_fd=parent)
+                    except OSError as exc:
+                        if exc.errno == errno.ELOOP:
+                            self._refuse_link(parent, key.split("/"), key)
+                        raise
         except FileNotFoundError:
             return None  # (a file where a directory is expected is an error: UCP-1.0-R099)
         try:
@@ -529,6 +554,36 @@ class LocalStore(Store):
 
     def _write(self, key: str, buffers: Sequence[Any], *, atomic: bool, exclusive: bool) -> int:
         dir_key = key.rpartition("/")[0]
+        fd = None if atomic else self._open_beneath(key, _CREATE_FLAGS, 0o644)
+        if fd is not None:  # a new file in a directory that is there: the common case
+            try:
+                written = self._write_new(fd, buffers)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    self._unlink(key)
+                raise
+        else:
+            written = self._write_walked(key, buffers, atomic=atomic, exclusive=exclusive)
+            if atomic:
+                return written
+        with self._lock:
+            self._dirty_dirs.add(dir_key)
+            if self.durable:
+                self._unsynced.append(key)
+        return written
+
+    def _write_new(self, fd: int, buffers: Sequence[Any]) -> int:
+        """Write ``buffers`` to the new file ``fd``, start its write-back, close it."""
+        try:
+            written = _write_all(fd, buffers)
+            if self.durable:
+                start_writeback(fd)
+        finally:
+            os.close(fd)
+        return written
+
+    def _write_walked(self, key: str, buffers: Sequence[Any], *, atomic: bool,
+                      exclusive: bool) -> int:
         with self._directory(key, create=True) as (parent, leaf):
             if atomic:
                 written = self._write_atomic(parent, leaf, buffers, exclusive=exclusive)
@@ -545,21 +600,11 @@ class LocalStore(Store):
                 os.unlink(leaf, dir_fd=parent)
                 fd = os.open(leaf, _CREATE_FLAGS, 0o644, dir_fd=parent)
             try:
-                try:
-                    written = _write_all(fd, buffers)
-                    if self.durable:
-                        start_writeback(fd)
-                finally:
-                    os.close(fd)
+                return self._write_new(fd, buffers)
             except BaseException:  # leave no partial file (a full disk stays full otherwise)
                 with contextlib.suppress(OSError):
                     os.unlink(leaf, dir_fd=parent)
                 raise
-        with self._lock:
-            self._dirty_dirs.add(dir_key)
-            if self.durable:
-                self._unsynced.append(key)
-        return written
 
     def _write_atomic(self, parent: int, leaf: str, buffers: Sequence[Any], *,
                       exclusive: bool) -> int:
@@ -738,19 +783,36 @@ class LocalStore(Store):
                 if not directory:
                     break
                 directory = directory.rpartition("/")[0]
-        _parallel(self._fsync_file, files, self.SYNC_THREADS)
-        _parallel(self._fsync_dir, sorted(dirs), self.SYNC_THREADS)
+        # One task per directory: its path is walked once for its files and itself (every
+        # walk costs system calls, and each call releases and retakes the GIL that the
+        # other fsync threads wait for).
+        files_in: dict[str, list[str]] = {d: [] for d in dirs}
+        for key in files:
+            files_in.setdefault(key.rpartition("/")[0], []).append(key.rpartition("/")[2])
+        _parallel(lambda d: self._fsync_in(d, files_in[d]), sorted(files_in), self.SYNC_THREADS)
 
-    def _fsync_file(self, key: str) -> None:
-        """fsync a file written earlier (through another descriptor: Linux flushes the
-        file's pages whichever descriptor wrote them); a file since deleted needs nothing."""
+    def _fsync_in(self, dir_key: str, leaves: Sequence[str]) -> None:
+        """fsync the files ``leaves`` of the directory ``dir_key``, written earlier through
+        other descriptors (Linux flushes a file's pages whichever descriptor wrote them),
+        then the directory itself. What was deleted since needs nothing."""
         try:
-            with self._directory(key, create=False) as (parent, leaf):
-                fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=parent)
+            if not dir_key:
+                fd = self._open_location(create=False)
+            else:
+                with self._directory(f"{dir_key}/x", create=False) as (parent, _):
+                    fd = os.dup(parent)
         except (FileNotFoundError, NotADirectoryError):
             return
         try:
+            for leaf in leaves:
+                try:
+                    file_fd = os.open(leaf, _FSYNC_FLAGS, dir_fd=fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                try:
+                    os.fsync(file_fd)
+                finally:
+                    os.close(file_fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -774,6 +836,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: O_NONBLOCK: a FIFO planted in a checkpoint must not block the open (it is refused after).
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FSYNC_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -918,7 +981,7 @@ def _load_sync_file_range() -> Callable[[int], None] | None:
 _SYNC_FILE_RANGE = _load_sync_file_range()
 
 
-def _load_openat2() -> Callable[[int, str, int], int] | None:
+def _load_openat2() -> Callable[..., int] | None:
     """Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: a path
     opened relative to a directory descriptor in one system call, refused (ELOOP, EXDEV)
     if any component is a link or leads out. None where it is missing or not allowed."""
@@ -934,8 +997,8 @@ def _load_openat2() -> Callable[[int, str, int], int] | None:
     sys_openat2 = 437  # the same number on every architecture (added in Linux 5.6)
     resolve = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
 
-    def openat2(dir_fd: int, path: str, flags: int) -> int:
-        how = OpenHow(flags, 0, resolve)
+    def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+        how = OpenHow(flags, mode, resolve)
         fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
                      ctypes.c_size_t(ctypes.sizeof(how)))
         if fd < 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ucpformat import dtypes, jsonvalues, names
+from ucpformat import feed as feeds
 from ucpformat._version import __version__
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
@@ -559,7 +561,7 @@ class Plan:
     other groups are in their ``GroupMeta``, encoded.
     """
 
-    arrays: list[tuple[ArrayMeta, np.ndarray[Any, Any]]] = field(default_factory=list)
+    arrays: list[tuple[ArrayMeta, ArrayValue]] = field(default_factory=list)
     groups: list[GroupMeta] = field(default_factory=list)
     root_values: dict[str, Any] = field(default_factory=dict)
 
@@ -589,14 +591,16 @@ class Group(dict[str, Any]):
 
 def _has_array(value: Any) -> bool:
     """True if ``value`` must be stored as a group (it holds an array or a Group)."""
-    if isinstance(value, np.ndarray | np.generic | Group):
+    if isinstance(value, np.ndarray | np.generic | Group | feeds.Deferred):
         return True
     if isinstance(value, Mapping):
         return any(_has_array(v) for v in value.values())
     return False
 
 
-ArrayAttributes = Callable[[str, np.ndarray[Any, Any]], Mapping[str, Any] | None]
+#: An array's values, or a placeholder whose values a :class:`ucpformat.feed.Feed` gives.
+ArrayValue = np.ndarray[Any, Any] | feeds.Deferred
+ArrayAttributes = Callable[[str, ArrayValue], Mapping[str, Any] | None]
 
 
 def plan(
@@ -643,8 +647,8 @@ def plan(
                     path=where,
                 )
             path = f"{prefix}/{node}" if prefix else node
-            if isinstance(value, np.ndarray | np.generic):
-                arr = np.asarray(value)
+            if isinstance(value, np.ndarray | np.generic | feeds.Deferred):
+                arr = value if isinstance(value, feeds.Deferred) else np.asarray(value)
                 attrs = dict(array_attributes(path, arr) or {}) if array_attributes else {}
                 result.arrays.append(
                     (_array_meta(path, arr, compression, chunk_bytes, shard_bytes, attrs), arr)
@@ -690,7 +694,7 @@ def _looks_like_tensor(value: Any) -> bool:
 
 def _array_meta(
     path: str,
-    arr: np.ndarray[Any, Any],
+    arr: ArrayValue,
     compression: str | Mapping[str, Any] | None,
     chunk_bytes: int,
     shard_bytes: int,
@@ -758,6 +762,7 @@ def save(
     array_attributes: ArrayAttributes | None = None,
     created: str | None = None,
     producer: Mapping[str, Any] | None = None,
+    feed: feeds.Feed | None = None,
 ) -> SaveResult:
     """Write ``state`` (a nested mapping of numpy arrays and JSON values) as a checkpoint.
 
@@ -770,6 +775,12 @@ def save(
     ``name`` and ``version``, default: this library) are stored in the root as given,
     so that a save of the same state can be byte-for-byte reproducible (the conformance
     cases are generated this way).
+
+    ``feed`` gives the values of the :class:`ucpformat.feed.Deferred` arrays of
+    ``state``, which are written in the order given, each as soon as the feed has it
+    (:mod:`ucpformat.torch.staging` copies tensors from a GPU this way); the feed is
+    started when the writes start and stopped when they end (a save that fails before
+    never starts it).
     """
     if hash_algorithm not in (None, *HASH_ALGORITHMS):
         raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
@@ -788,7 +799,7 @@ def save(
     with explain_failure(store, claim), _storage_errors(store):
         objects = write_arrays(
             store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
-            progress=progress,
+            progress=progress, feed=feed,
         )
         commit(
             store,
@@ -826,18 +837,47 @@ def default_workers() -> int:
 
 def write_arrays(
     store: Store,
-    arrays: Sequence[tuple[ArrayMeta, np.ndarray[Any, Any]]],
+    arrays: Sequence[tuple[ArrayMeta, ArrayValue]],
     *,
     hash_algorithm: str | None,
     workers: int | None = None,
     progress: bool | ProgressCallback = False,
+    feed: feeds.Feed | None = None,
 ) -> list[StoredObject]:
-    """Write every stored object of ``arrays`` with a pool of threads."""
+    """Write every stored object of ``arrays`` with a pool of threads.
+
+    The values of :class:`ucpformat.feed.Deferred` arrays come from ``feed``, asked for
+    in the order of ``arrays`` and released once their last stored object is written;
+    the feed is stopped at the end, whatever happens.
+    """
+    try:
+        return _write_arrays(store, arrays, hash_algorithm=hash_algorithm, workers=workers,
+                             progress=progress, feed=feed)
+    finally:
+        if feed is not None:
+            feed.stop()
+
+
+def _write_arrays(
+    store: Store,
+    arrays: Sequence[tuple[ArrayMeta, ArrayValue]],
+    *,
+    hash_algorithm: str | None,
+    workers: int | None,
+    progress: bool | ProgressCallback,
+    feed: feeds.Feed | None,
+) -> list[StoredObject]:
+    deferred = [data.key for _, data in arrays if isinstance(data, feeds.Deferred)]
+    if deferred and feed is None:
+        raise InvalidValueError("placeholder arrays (ucpformat.feed.Deferred) need a feed "
+                                "that gives their values", path=deferred[0])
     tasks = [
         (meta, coords, data)
         for meta, data in arrays
         for coords in object_coords(meta)
     ]
+    remaining = {meta.path: itertools.count(1) for meta, _ in arrays}  # next() is atomic
+    counts = {meta.path: meta.object_count for meta, _ in arrays}
     total = sum(meta.nbytes for meta, _ in arrays)
     from ucpformat.progress import byte_progress
 
@@ -850,10 +890,15 @@ def write_arrays(
             lambda: write_object(store, meta, coords, le, hash_algorithm=hash_algorithm),
         )
 
+    if feed is not None:
+        feed.schedule(deferred)
     with byte_progress(progress, total, "saving") as advance:
 
-        def run(task: tuple[ArrayMeta, tuple[int, ...], np.ndarray[Any, Any]]) -> StoredObject:
-            meta, coords, data = task
+        def run(task: tuple[ArrayMeta, tuple[int, ...], ArrayValue]) -> StoredObject:
+            meta, coords, value = task
+            data = feed.get(value.key) if isinstance(value, feeds.Deferred) and feed \
+                else value
+            assert isinstance(data, np.ndarray)
             region = data[object_region(meta, coords)]
             le = region.astype(meta.dtype.numpy, copy=False)
             try:
@@ -863,6 +908,9 @@ def write_arrays(
             except OSError as exc:
                 raise WriteError(f"writing {meta.object_key(coords)} failed: {exc}",
                                  path=store.location) from exc
+            if isinstance(value, feeds.Deferred) and feed is not None and \
+                    next(remaining[meta.path]) == counts[meta.path]:
+                feed.release(value.key)
             advance(region.nbytes)
             return obj
 
@@ -870,6 +918,8 @@ def write_arrays(
         try:
             return list(pool.map(run, tasks))
         except BaseException:
+            if feed is not None:
+                feed.stop()  # threads still waiting for a value raise at once
             # the first failure ends the save: the objects not yet started are not
             # written (on a full disk, each would only fail in turn)
             pool.shutdown(wait=True, cancel_futures=True)

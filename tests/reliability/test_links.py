@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat import storage
 from ucpformat.errors import CheckpointExistsError, UCPError, UnsafePathError
 from ucpformat.manager import CheckpointManager, CheckpointWarning
 from ucpformat.metadata import IN_PROGRESS_KEY
@@ -137,34 +138,56 @@ def test_a_linked_marker_is_replaced_never_written_through(
 
 
 @pytest.mark.parametrize("swap", ["file", "directory"])
+@pytest.mark.parametrize("path", ["walk", "openat2"])
 def test_reads_check_the_file_they_opened_not_the_path(
-    tmp_path: Path, outside: Path, monkeypatch: pytest.MonkeyPatch, swap: str
+    tmp_path: Path, outside: Path, monkeypatch: pytest.MonkeyPatch, swap: str, path: str
 ) -> None:
     """UCP-1.0-R089, time of check to time of use: the stored object (or its directory)
     is swapped for a link to a valid object outside between the store's check of the
     path and its open. The store opens without following links, relative to directories
     it holds open: it refuses the link, or reads the file it had reached before the swap;
-    it returned the bytes of the file outside before."""
+    it returned the bytes of the file outside before. Both ways of opening are attacked:
+    the walk component by component, and the one ``openat2`` call that refuses any link
+    on the whole path (the swap made just before that call)."""
     dest = tmp_path / "ckpt"
     ucpformat.save(dest, small_state(1), **SMALL_CHUNKING)
     key = "model/fc.weight/c/0/0"
     chunk = dest / key
     victim = chunk if swap == "file" else chunk.parent
-    real_open = os.open
     swapped = []
 
-    def swapping_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        name = os.fsdecode(path)
-        if not swapped and name in ("0", str(chunk)) and not victim.is_symlink():
+    def swap_now(name: str) -> None:
+        if not swapped and not victim.is_symlink():
             hidden = victim.with_name("hidden")
             os.rename(victim, hidden)
             victim.symlink_to(outside / "ckpt" / victim.relative_to(dest))
             swapped.append(name)
-        return real_open(path, flags, *args, **kwargs)
 
+    if path == "walk":
+        real_open = os.open
+
+        def swapping_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+            name = os.fsdecode(path)
+            if name in ("0", str(chunk)):
+                swap_now(name)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(LocalStore, "_open_beneath", lambda *a, **k: None)
+        hook: tuple[str, Any] = ("ucpformat.storage.os.open", swapping_open)
+    else:
+        real_openat2 = storage._OPENAT2
+        if real_openat2 is None:
+            pytest.skip("no openat2 on this system")
+
+        def swapping_openat2(dir_fd: int, name: str, flags: int, mode: int = 0) -> int:
+            if name == key:
+                swap_now(name)
+            return real_openat2(dir_fd, name, flags, mode)
+
+        hook = ("ucpformat.storage._OPENAT2", swapping_openat2)
     saved = chunk.read_bytes()
     store = LocalStore(dest)
-    monkeypatch.setattr("ucpformat.storage.os.open", swapping_open)
+    monkeypatch.setattr(*hook)
     try:
         got = store.get(key)
     except UnsafePathError as exc:  # the link met at the open

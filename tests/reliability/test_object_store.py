@@ -6,6 +6,7 @@ short timeouts and at most two attempts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -274,3 +275,50 @@ def test_keys_cannot_leave_the_prefix(s3: dict[str, Any]) -> None:
             store.put(key, [b"x"])
     with pytest.raises(UCPError):
         FsspecStore("s3://", storage_options=s3)
+
+
+@pytest.mark.parametrize("serialised", [True, False])
+def test_the_test_server_lets_one_of_two_conditional_puts_win(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, serialised: bool
+) -> None:
+    """Spec section 11.4 rests on S3's conditional PUT: of two ``If-None-Match: *`` PUTs of
+    one key at once, one succeeds and the other is refused. moto checks and stores in two
+    steps; with its existence check slowed so that both requests pass it, the harness's
+    server (``serialise_object_writes``) still lets exactly one win, and moto without it
+    lets both "win" (the later object replaces the first: a writer displaced without
+    knowing it, which mixed two writers' checkpoints in the concurrency harness)."""
+    from moto.s3.models import S3Backend
+    from moto.s3.responses import S3Response
+
+    if not serialised:  # moto's own PUT, not one at a time
+        put_handler = S3Response._key_response_put
+        monkeypatch.setattr(S3Response, "_key_response_put", put_handler.__wrapped__)
+    real_get = S3Backend.get_object
+    both_checked = threading.Barrier(2, timeout=2)
+
+    def slow_get(self: Any, bucket: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        found = real_get(self, bucket, key, *args, **kwargs)
+        if key.endswith("/race"):
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_checked.wait()  # both requests checked before either stores
+        return found
+
+    monkeypatch.setattr(S3Backend, "get_object", slow_get)
+    store = _store(s3)
+    outcomes: list[str] = []
+
+    def put(body: bytes) -> None:
+        try:
+            store.create("race", [body])
+        except FileExistsError:
+            outcomes.append("refused")
+        else:
+            outcomes.append("created")
+
+    threads = [threading.Thread(target=put, args=(b,)) for b in (b"first", b"second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = ["created", "refused"] if serialised else ["created", "created"]
+    assert sorted(outcomes) == expected

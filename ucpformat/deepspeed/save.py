@@ -43,6 +43,15 @@ from ucpformat.pipeline import save as run_pipeline
 from ucpformat.saveplan import PlanOptions, TensorSpec
 from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator
 from ucpformat.torch.convert import data_type, to_numpy
+from ucpformat.torch.staging import (
+    Copier,
+    DeviceCopier,
+    HostBufferPool,
+    Recorder,
+    Snapshot,
+    Stager,
+    Staging,
+)
 from ucpformat.torch.state import to_json
 
 from .holdings import Holdings, Naming, Placed, holdings, inner_optimizer
@@ -66,26 +75,84 @@ def state_path(name: str, state: str) -> str:
 class EngineFragments:
     """A :class:`ucpformat.pipeline.FragmentSource` over an engine's live tensors.
 
-    Values are views of the engine's tensors, taken when the pipeline asks for them: the
-    engine must not change until the save returns (an asynchronous save copies first).
+    Each fragment is a view of an engine tensor (``tensor``, :meth:`add`). Those on a
+    device (a GPU) reach host memory through ``staging`` (a
+    :class:`~ucpformat.torch.staging.Stager`: a bounded pool of pinned buffers, each
+    copied ahead of the write step and returned once written), as in
+    ``save_distributed`` and the DCP plugin; the others are numpy views taken when the
+    pipeline asks for them. Either way the engine must not change until the save
+    returns (an asynchronous save snapshots first: :meth:`snapshot`).
     """
 
-    def __init__(self) -> None:
-        self.items: dict[str, list[tuple[Box, Getter]]] = {}
+    def __init__(self, staging: Staging | None = None) -> None:
+        self.items: dict[str, list[tuple[Box, torch.Tensor, Getter]]] = {}
+        self.staging = staging if staging is not None else Staging()
+        self._stager: Stager | None = None
+        self._lock = threading.Lock()
 
-    def add(self, path: str, box: Box, get: Getter) -> None:
-        self.items.setdefault(path, []).append((box, get))
+    def add(self, path: str, box: Box, tensor: torch.Tensor, view: Getter | None = None) -> None:
+        """Fragment ``box`` of ``path``: the elements of ``tensor`` (``box_size(box)`` of
+        them, a view of an engine tensor); ``view`` gives them as a numpy view without a
+        copy where ``tensor`` is a strided slice (default: ``to_numpy(tensor)``)."""
+        self.items.setdefault(path, []).append(
+            (box, tensor, view if view is not None else lambda: to_numpy(tensor)))
+
+    @staticmethod
+    def key(path: str, index: int) -> str:
+        """The staging key of the ``index``-th fragment of ``path``."""
+        return f"{path}#{index}"
+
+    @property
+    def stager(self) -> Stager:
+        """The staging area of the fragments ``staging`` stages (made at first use)."""
+        with self._lock:  # the pipeline's writing threads may ask first
+            if self._stager is None:
+                self._stager = self.staging.stager({
+                    self.key(path, i): tensor for path, held in self.items.items()
+                    for i, (_, tensor, _) in enumerate(held) if self.staging.stages(tensor)})
+            return self._stager
 
     def boxes(self) -> list[tuple[str, Box]]:
-        return [(path, box) for path, held in self.items.items() for box, _ in held]
+        return [(path, box) for path, held in self.items.items() for box, _, _ in held]
 
     def fragments(self, path: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
-        return [(box, get().reshape(box_shape(box))) for box, get in self.items.get(path, ())]
+        out = []
+        for i, (box, _, view) in enumerate(self.items.get(path, ())):
+            key = self.key(path, i)
+            arr = self.stager.get(key) if key in self.stager else view()
+            out.append((box, arr.reshape(box_shape(box))))
+        return out
 
-    def snapshot(self) -> FragmentList:
-        """Copies of every fragment, for a save that runs while the engine trains on."""
-        return FragmentList([Fragment(path, box, np.array(get(), copy=True))
-                             for path, held in self.items.items() for box, get in held])
+    def _staged_keys(self, path: str) -> list[str]:
+        return [k for k in (self.key(path, i) for i in range(len(self.items.get(path, ()))))
+                if k in self.stager]
+
+    def schedule(self, keys: Sequence[str]) -> None:
+        """The pipeline's write order: copying may start (the caller's stream first)."""
+        self.stager.schedule([k for path in keys for k in self._staged_keys(path)])
+
+    def release(self, key: str) -> None:
+        """The pipeline is done with tensor ``key``: its fragments' buffers return."""
+        for k in self._staged_keys(key):
+            self.stager.release(k)
+
+    def stop(self) -> None:
+        """Copies end and every buffer returns to the pool (after success or failure)."""
+        self.stager.stop()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every fragment's tensor (what a snapshot copies)."""
+        return [tensor for held in self.items.values() for _, tensor, _ in held]
+
+    def snapshot(self, snap: Snapshot, recorder: Recorder | None = None) -> FragmentList:
+        """Copies of every fragment into ``snap``'s host buffers, for a save that runs
+        while the engine trains on (each copy enqueued after the caller's stream;
+        ``snap.guard()`` then makes that stream wait for them, ``snap.wait()`` the
+        host)."""
+        return FragmentList([
+            Fragment(path, box,
+                     snap.add(self.key(path, i), tensor, recorder).reshape(box_shape(box)))
+            for path, held in self.items.items() for i, (box, tensor, _) in enumerate(held)])
 
 
 @dataclass
@@ -112,20 +179,6 @@ class Collected:
         return values
 
 
-def _flat_view(tensor: torch.Tensor) -> Callable[[int, int], Getter]:
-    """Getters of element ranges of a (contiguous) tensor, as numpy views."""
-
-    def getter(a: int, b: int) -> Getter:
-        return lambda: to_numpy(tensor.detach().view(-1)[a:b])
-
-    return getter
-
-
-def _scalar(tensor: torch.Tensor) -> Getter:
-    """A getter of a whole (small) tensor."""
-    return lambda: to_numpy(tensor.detach())
-
-
 def _box_view(tensor: torch.Tensor, local: Box) -> Getter:
     return lambda: to_numpy(tensor.detach())[as_slices(local)]
 
@@ -134,21 +187,23 @@ def _add_flat(out: Collected, path: str, placed: Placed, start: int, numel: int,
               tensor: torch.Tensor, offset: int) -> None:
     """Elements [start, start + numel) of ``placed``'s local tensor, which lie at
     ``offset`` in the flat ``tensor``, as fragments of ``path``."""
-    view = _flat_view(tensor)
+    flat = tensor.detach().view(-1)
     for rel, box in placed.flat_pieces(start, start + numel):
         a = offset + rel
-        out.source.add(path, box, view(a, a + box_size(box)))
+        out.source.add(path, box, flat[a:a + box_size(box)])
 
 
 def _add_whole(out: Collected, path: str, placed: Placed, tensor: torch.Tensor) -> None:
     for piece in placed.lmap.pieces:
-        out.source.add(path, piece.glob, _box_view(tensor, piece.local))
+        out.source.add(path, piece.glob, tensor.detach()[as_slices(piece.local)],
+                       _box_view(tensor, piece.local))
 
 
 def collect(engine: Any, h: Holdings, client_state: Mapping[str, Any] | None,
-            rank: int) -> Collected:
-    """This rank's specs, fragments and group values (no values are read yet)."""
-    out = Collected()
+            rank: int, staging: Staging | None = None) -> Collected:
+    """This rank's specs, fragments and group values (no values are read yet; device
+    tensors will be copied through ``staging``)."""
+    out = Collected(source=EngineFragments(staging))
     inner = inner_optimizer(engine)
     slots = h.slots_of()
     trained = h.trained
@@ -181,7 +236,7 @@ def collect(engine: Any, h: Holdings, client_state: Mapping[str, Any] | None,
                     _add_flat(out, where, placed, slot.start, slot.numel, value, slot.offset)
                 elif isinstance(value, torch.Tensor) and value.dim() == 0:
                     out.spec(where, (), value.dtype, "optimizer_state")
-                    out.source.add(where, (), _scalar(value))
+                    out.source.add(where, (), value.detach())
                 elif isinstance(value, torch.Tensor):
                     raise UnsupportedFeatureError(
                         f"an optimizer state of shape {list(value.shape)}, neither the shape of "
@@ -233,7 +288,7 @@ def _training(out: Collected, engine: Any, client_state: Mapping[str, Any]) -> N
             path = names.path_of("training", key)
             tensor = value.detach().cpu().contiguous()
             out.spec(path, tuple(tensor.shape), tensor.dtype, "training_state")
-            out.source.add(path, tuple((0, n) for n in tensor.shape), _scalar(tensor))
+            out.source.add(path, tuple((0, n) for n in tensor.shape), tensor)
         else:
             values[key] = to_json(value, where=where)
 
@@ -325,13 +380,17 @@ def _write_latest(path: str | os.PathLike[str], tag: str) -> None:
 
 
 class _Background:
-    """One save at a time in a background thread, over its own gloo group."""
+    """One save at a time in a background thread, over its own gloo group; snapshots
+    in host buffers (pinned where CUDA is available) reused from save to save."""
 
     def __init__(self) -> None:
         self.group: ProcessGroup | None = checkpoint_group()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-ds-save")
         self.pending: Future[DistributedSaveResult] | None = None
         self.lock = threading.Lock()
+        #: a snapshot holds the rank's whole share until written: no bound
+        self.buffers = HostBufferPool(None)
+        self.copier: Copier = DeviceCopier()
 
     def wait(self) -> DistributedSaveResult | None:
         pending, self.pending = self.pending, None
@@ -364,6 +423,7 @@ def save(
     workers: int | None = None,
     durable: bool = True,
     metadata: Mapping[str, Any] | None = None,
+    staging: Staging | None = None,
 ) -> DistributedSaveResult | Future[DistributedSaveResult]:
     """Collective: save ``engine`` (every rank calls it) into a UCP checkpoint at ``path``
     (``path/tag`` with a tag, and then ``path/latest`` names it, as DeepSpeed does).
@@ -373,6 +433,14 @@ def save(
     ``rule_params``: how a tensor-parallel model's tensors are split. With ``async_``
     every rank copies what it holds and returns a future at once; the write runs in the
     background over a separate gloo group (:func:`wait` waits for it).
+
+    Tensors on a device (a GPU) reach host memory as in ``save_distributed``: a
+    synchronous save copies them through ``staging``'s bounded pool of pinned buffers,
+    each ahead of its write (:class:`~ucpformat.torch.staging.Staging`, default: the
+    shared pool); an asynchronous one copies every fragment into pinned buffers kept
+    from save to save, on a side stream with one event per copy, and the caller's stream
+    waits for those events (not the device) before training goes on (``staging``'s
+    ``copier`` and ``recorder`` apply to it too).
     """
     global _background
     from ucpformat.layout.rules import RuleSet
@@ -385,7 +453,7 @@ def save(
     try:
         rule_set = rules if isinstance(rules, RuleSet) or rules is None else RuleSet.load(rules)
         h = holdings(engine, Naming(rule_set, dict(rule_params or {})))
-        collected = collect(engine, h, client_state, comm.rank)
+        collected = collect(engine, h, client_state, comm.rank, staging)
     except BaseException as exc:  # reported collectively
         error = exc
     param_groups, hyper = _gather_param_groups(comm, collected, error)
@@ -410,17 +478,34 @@ def save(
         return result
 
     if not async_:
-        return finish(run_pipeline(location, comm, source=collected.source, **kwargs))
+        try:
+            return finish(run_pipeline(location, comm, source=collected.source, **kwargs))
+        finally:
+            collected.source.stop()  # every staging buffer returns, whatever happened
     if _background is None:
         _background = _Background()  # collective: a new process group
     background = _background
     with background.lock:
         background.wait()
-        snapshot = collected.source.snapshot()
+        copier = staging.copier if staging is not None and staging.copier else background.copier
+        recorder = staging.recorder if staging is not None else None
+        snap = Snapshot(background.buffers, copier)
+        try:
+            copier.begin(collected.source.tensors())
+            snapshot = collected.source.snapshot(snap, recorder)
+            snap.guard(recorder)  # the caller's stream waits for each copy
+        except BaseException:
+            snap.wait()
+            snap.release()
+            raise
         bg_comm = communicator(background.group)
 
         def run() -> DistributedSaveResult:
-            return finish(run_pipeline(location, bg_comm, source=snapshot, **kwargs))
+            try:
+                snap.wait()  # the host waits for each copy's event
+                return finish(run_pipeline(location, bg_comm, source=snapshot, **kwargs))
+            finally:
+                snap.release()  # the buffers serve the next snapshot
 
         background.pending = background.pool.submit(run)
         return background.pending

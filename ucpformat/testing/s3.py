@@ -4,17 +4,47 @@
 bucket ``ucp-test`` and yields fsspec ``storage_options`` for s3fs that point at it, with
 short timeouts and few retries (every request is bounded); the server stops on exit.
 Nothing but 127.0.0.1 is ever contacted.
+
+moto checks a conditional PUT (``If-None-Match: *``) and stores the object in two steps
+that two of its request threads can interleave, so that two conditional PUTs of one key
+both succeed and the later one wins. S3 lets the first to finish win and refuses the
+other (412), and the one-writer-per-location guarantees on object stores (spec section
+11.4) rest on that: the server started here makes moto's object writes one at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 BUCKET = "ucp-test"
+#: Held by every object write (PUT, POST, DELETE of a key) of the servers started here.
+_OBJECT_WRITES = threading.Lock()
+
+
+def serialise_object_writes() -> None:
+    """Make moto's conditional writes atomic as S3's are: each PUT, POST (the completion
+    of a multipart upload) and DELETE of an object runs alone (in this process)."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "_ucp_serialised", False):
+        return
+    for name in ("_key_response_put", "_key_response_post", "_key_response_delete"):
+        original = getattr(S3Response, name)
+
+        @functools.wraps(original)  # the original stays reachable as __wrapped__
+        def one_at_a_time(self: Any, *args: Any, _original: Any = original, **kwargs: Any
+                          ) -> Any:
+            with _OBJECT_WRITES:
+                return _original(self, *args, **kwargs)
+
+        setattr(S3Response, name, one_at_a_time)
+    S3Response._ucp_serialised = True  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -25,6 +55,7 @@ def s3_server() -> Iterator[dict[str, Any]]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    serialise_object_writes()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

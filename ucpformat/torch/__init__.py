@@ -53,6 +53,7 @@ from ucpformat.torch.state import (  # noqa: E402
 if TYPE_CHECKING:
     from ucpformat.torch.async_save import AsyncSaver, save_async, wait_async
     from ucpformat.torch.distributed import load_distributed, save_distributed
+    from ucpformat.torch.staging import HostBufferPool, Staging
 
 _LAZY = {
     "AsyncSaver": "ucpformat.torch.async_save",
@@ -60,11 +61,13 @@ _LAZY = {
     "wait_async": "ucpformat.torch.async_save",
     "load_distributed": "ucpformat.torch.distributed",
     "save_distributed": "ucpformat.torch.distributed",
+    "HostBufferPool": "ucpformat.torch.staging",
+    "Staging": "ucpformat.torch.staging",
 }
 
 
 #: Submodules reachable as attributes (``ucpformat.torch.dcp.UCPWriter``), imported on use.
-_LAZY_SUBMODULES = ("dcp", "dcp_keys")
+_LAZY_SUBMODULES = ("dcp", "dcp_keys", "staging")
 
 
 def __getattr__(name: str) -> Any:
@@ -80,9 +83,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncSaver",
+    "HostBufferPool",
     "LoadResult",
     "MetaTensorWarning",
     "SafeOpen",
+    "Staging",
     "data_type",
     "from_numpy",
     "load",

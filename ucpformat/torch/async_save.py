@@ -22,8 +22,19 @@ whose collectives run at the same time on the main thread: the saver uses its ow
 group, made at construction by :func:`ucpformat.torch.comm.checkpoint_group` (every rank
 must construct the saver, in the same order relative to other group creations). Pass
 ``group=`` to use another. gloo suits the job on GPU clusters too: a snapshot is in
-host memory. The staging buffers are pinned when the source is on a GPU, and the copy
-is complete (the device synchronized) before ``save`` returns.
+host memory.
+
+The snapshot (:class:`ucpformat.torch.staging.Snapshot`) copies into buffers of a
+:class:`~ucpformat.torch.staging.HostBufferPool` (pinned when CUDA is available; by
+default unbounded, as a snapshot holds the rank's whole local state until written),
+kept from save to save. A CUDA tensor is copied on a side stream that first waits for
+the caller's current stream, with one event per tensor; before ``save`` returns, the
+caller's current stream is made to wait for every copy's event (no device-wide
+synchronisation): training goes on at once, and any kernel it queues on that stream
+afterwards (an optimizer step modifying a parameter) runs only once the copy of that
+state is complete. The background thread waits for the events before writing. Work on
+other streams must wait for the caller's stream as usual. CPU tensors are copied before
+``save`` returns.
 """
 
 from __future__ import annotations
@@ -35,49 +46,43 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from ucpformat.comm import Communicator
 from ucpformat.distributed import DistributedSaveResult
 from ucpformat.storage import Store
 from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator
-from ucpformat.torch.convert import to_numpy
-from ucpformat.torch.distributed import collect_state, fragments_of, write_collected
+from ucpformat.torch.distributed import (
+    collect_state,
+    fragments_of,
+    local_tensors,
+    write_collected,
+)
+from ucpformat.torch.staging import Copier, DeviceCopier, HostBufferPool, Recorder, Snapshot
 from ucpformat.torch.state import Stateful
-
-
-class _Staging:
-    """Host buffers for snapshots, one per tensor path, reused from save to save."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.used_device = False
-
-    def copy(self, path: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-        buf = self.buffers.get(path)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda" and torch.cuda.is_available()
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-            self.buffers[path] = buf
-        on_device = tensor.device.type != "cpu"
-        self.used_device = self.used_device or on_device
-        buf.copy_(tensor, non_blocking=on_device)
-        return to_numpy(buf, name=path)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
 class AsyncSaver:
     """Saves checkpoints in the background, one at a time, over its own process group."""
 
-    def __init__(self, group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup | None = None,
+        *,
+        pool: HostBufferPool | None = None,
+        copier: Copier | None = None,
+        recorder: Recorder | None = None,
+    ) -> None:
+        """``pool``: the snapshot's host buffers (default: unbounded, pinned when CUDA is
+        available); a bounded pool that cannot hold a snapshot makes ``save`` raise
+        :class:`~ucpformat.errors.ResourceLimitError` before anything is copied.
+        ``copier`` and ``recorder``: see :mod:`ucpformat.torch.staging` (tests)."""
         self._group = group if group is not None else checkpoint_group()
         self._comm: Communicator = communicator(self._group)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-async-save")
-        self._staging = _Staging()
+        self.staging_pool = pool if pool is not None else HostBufferPool(None)
+        self._copier: Copier = copier if copier is not None else DeviceCopier()
+        self._recorder = recorder
         self._pending: Future[DistributedSaveResult] | None = None
         self._lock = threading.Lock()
         #: Seconds the last ``save`` call blocked its caller once the previous save was
@@ -94,7 +99,7 @@ class AsyncSaver:
     @property
     def staging_bytes(self) -> int:
         """Host memory held by the staging buffers (about the rank's local state)."""
-        return self._staging.nbytes
+        return self.staging_pool.stats.allocated_bytes
 
     def save(
         self,
@@ -122,18 +127,49 @@ class AsyncSaver:
             state = collect_state(
                 model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
             )
-            specs, frags = fragments_of(state, self._comm.rank, self._staging.copy)
-            if self._staging.used_device and torch.cuda.is_available():
-                torch.cuda.synchronize()
+            snap = Snapshot(self.staging_pool, self._copier)
+            try:
+                self._check_room(state)
+                self._copier.begin(local_tensors(state, self._comm.rank))
+                specs, frags = fragments_of(
+                    state, self._comm.rank,
+                    lambda key, tensor: snap.add(key, tensor, self._recorder))
+                snap.guard(self._recorder)  # training's stream waits for each copy
+            except BaseException:
+                snap.wait()
+                snap.release()
+                raise
             state.items = []  # the live tensors are not needed any more
             future = self._pool.submit(
-                write_collected, path, self._comm, state, specs, frags,
-                metadata=metadata, **save_kwargs,
-            )
+                self._write, snap, path, state, specs, frags, metadata, save_kwargs)
             self._pending = future
             self.last_wait_s = t1 - t0
             self.last_blocked_s = time.perf_counter() - t1
             return future
+
+    def _check_room(self, state: Any) -> None:
+        cap = self.staging_pool.capacity_bytes
+        if cap is None:
+            return
+        need = sum(self.staging_pool.buffer_bytes(t.numel() * t.element_size())
+                   for t in local_tensors(state, self._comm.rank))
+        if need > cap:
+            from ucpformat.errors import ResourceLimitError
+
+            raise ResourceLimitError(
+                f"the snapshot needs {need} bytes of host buffers; the staging pool is "
+                f"bounded to {cap} (give AsyncSaver a larger pool, or None for no bound)"
+            )
+
+    def _write(self, snap: Snapshot, path: Any, state: Any, specs: Any, frags: Any,
+               metadata: Mapping[str, Any] | None,
+               save_kwargs: dict[str, Any]) -> DistributedSaveResult:
+        try:
+            snap.wait()  # the host waits for each copy's event
+            return write_collected(path, self._comm, state, specs, frags,
+                                   metadata=metadata, **save_kwargs)
+        finally:
+            snap.release()  # the buffers serve the next snapshot
 
     def wait(self) -> DistributedSaveResult | None:
         """Wait for the save in flight, if any; its result (raises its error)."""
@@ -151,7 +187,7 @@ class AsyncSaver:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
-            self._staging.buffers.clear()
+            self.staging_pool.clear()
 
     def __enter__(self) -> AsyncSaver:
         return self

@@ -12,7 +12,10 @@ NCCL (GPU) both support:
 * ``barrier``: ``torch.distributed.barrier``.
 
 NCCL needs device tensors; the communicator stages the bytes on the group's device
-(``cuda:<current device>`` for NCCL, the CPU otherwise). A checkpoint is best written
+(:func:`collective_device`: ``cuda:<current device>`` for NCCL, the CPU for gloo and
+for a group with a CPU backend, such as ``"cpu:gloo,cuda:nccl"``). Nothing else in the
+pipeline depends on the backend: the exchanged cells and gathered descriptions are
+bytes in host memory either way. A checkpoint is best written
 over a separate gloo group (:func:`checkpoint_group`): its byte buffers are in host
 memory already, and it never interleaves with the training's collectives (which
 matters for asynchronous saves, whose collectives run in a background thread).
@@ -48,11 +51,7 @@ class TorchCommunicator:
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         if device is None:
-            backend = str(dist.get_backend(group)).lower()
-            if "nccl" in backend and torch.cuda.is_available():
-                device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                device = torch.device("cpu")
+            device = collective_device(str(dist.get_backend(group)))
         self.device = torch.device(device)
 
     @property
@@ -127,6 +126,30 @@ class TorchCommunicator:
         dist.barrier(group=self.group)
 
 
+def collective_device(backend: str, *, cuda_available: bool | None = None,
+                      current_device: int | None = None) -> torch.device:
+    """The device on which a group of ``backend`` runs byte collectives.
+
+    The CPU when the backend takes CPU tensors (gloo, mpi, or a per-device map with a
+    ``cpu`` entry: ``"cpu:gloo,cuda:nccl"``); the current CUDA device for NCCL (or a map
+    with only a ``cuda`` entry). NCCL without CUDA raises ``RuntimeError``.
+    """
+    name = backend.lower().strip()
+    if ":" in name:  # a per-device map
+        entries = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        if "cpu" in entries:
+            return torch.device("cpu")
+        name = entries.get("cuda", name)
+    if name != "nccl":
+        return torch.device("cpu")
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if not available:
+        raise RuntimeError("the process group's backend is NCCL, which needs CUDA tensors, "
+                           "but CUDA is not available")
+    index = torch.cuda.current_device() if current_device is None else current_device
+    return torch.device("cuda", index)
+
+
 def communicator(group: ProcessGroup | None = None) -> Communicator:
     """A communicator for ``group``; one of a single process when torch.distributed is off."""
     if not dist.is_available() or not dist.is_initialized():
@@ -152,4 +175,4 @@ def checkpoint_group(ranks: list[int] | None = None) -> ProcessGroup | None:
     return group
 
 
-__all__ = ["TorchCommunicator", "checkpoint_group", "communicator"]
+__all__ = ["TorchCommunicator", "checkpoint_group", "collective_device", "communicator"]

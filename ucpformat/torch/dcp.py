@@ -47,9 +47,11 @@ the inner chunks that overlap them.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +126,8 @@ from ucpformat.torch.dcp_keys import (
     record_to_json,
 )
 from ucpformat.torch.planner import like
+from ucpformat.torch.reads import DeviceStaging
+from ucpformat.torch.staging import DeviceUploads, Staging, host_array
 from ucpformat.torch.state import qualified_name, unwrap
 from ucpformat.writer import (
     WriteClaim,
@@ -200,6 +204,10 @@ class UCPWriter(StorageWriter):
     ranks that hold them (over ``process_group``, default: the default group, which must
     be the group DCP saves with). ``0`` never moves data between ranks: shards then follow
     every chunk boundary, however small.
+
+    ``staging``: how tensors on a device (a GPU) reach host memory: through a bounded
+    pool of pinned buffers, the next tensor copied while the previous one is written
+    (:class:`ucpformat.torch.staging.Staging`; default: the shared default pool).
     """
 
     def __init__(
@@ -219,8 +227,10 @@ class UCPWriter(StorageWriter):
         workers: int | None = None,
         durable: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        staging: Staging | None = None,
     ) -> None:
         super().__init__()
+        self.staging = staging if staging is not None else Staging()
         self.path: CheckpointId | None = path
         self.overwrite = overwrite
         self.key_map = key_map or KeyMap()
@@ -431,7 +441,7 @@ class UCPWriter(StorageWriter):
         except BaseException as exc:
             error = exc
         source = _ItemFragments(planner, items_of, share.key_of,
-                                tasks.arrays if tasks is not None else {})
+                                tasks.arrays if tasks is not None else {}, self.staging)
         # the coordinator holds the destination from prepare_global_plan (mark) on
         claim = self._state.claim if self._is_coordinator and self._state else None
         received = exchange_and_prepare(
@@ -440,7 +450,7 @@ class UCPWriter(StorageWriter):
         # A failure from here on is DCP's to gather: the coordinator's writer removes what
         # the ranks wrote in its next reset (no rank may still be writing then).
         stored = write(store, tasks, source, received.inbox, workers=self.workers,
-                       hash_algorithm=self.hash_algorithm, claim=claim)
+                       hash_algorithm=self.hash_algorithm, claim=claim)  # stops the staging
         by_path: dict[str, list[StoredObject]] = {}
         for obj, written in zip(tasks.objects, stored, strict=True):
             by_path.setdefault(obj.path, []).append(written)
@@ -613,31 +623,75 @@ class UCPWriter(StorageWriter):
 
 class _ItemFragments:
     """A rank's DCP write items as a :class:`ucpformat.pipeline.FragmentSource`: each
-    tensor's chunks resolved through the planner when the pipeline asks for them."""
+    tensor's chunks resolved through the planner when the pipeline asks for them; chunks
+    on a device are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
+    (one key per chunk), ahead of the write step and released after it."""
 
     def __init__(self, planner: SavePlanner, items_of: Mapping[str, Sequence[WriteItem]],
-                 key_of: Mapping[str, str], arrays: Mapping[str, ArrayMeta]) -> None:
+                 key_of: Mapping[str, str], arrays: Mapping[str, ArrayMeta],
+                 staging: Staging) -> None:
         self._planner = planner
         self._items_of = items_of
         self._key_of = key_of
         self._arrays = arrays
+        self._staging = staging
+        self._stager = staging.stager({})
+        self._resolved: dict[str, list[tuple[Box, str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
 
     def boxes(self) -> list[tuple[str, Box]]:
         return [(path, _item_box(item)) for path, key in self._key_of.items()
                 for item in self._items_of.get(key, [])]
 
+    def _resolve(self, path: str) -> list[tuple[Box, str, torch.Tensor]]:
+        """(box, staging key, tensor) of each chunk of ``path``, resolved once."""
+        with self._lock:
+            found = self._resolved.get(path)
+            if found is not None:
+                return found
+            key = self._key_of[path]
+            out = []
+            for i, item in enumerate(self._items_of.get(key, [])):
+                data = self._planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
+                    raise WriteError("resolve_data returned no tensor", tensor=path)
+                chunk = f"{path}#{i}"
+                if self._staging.stages(data):
+                    self._stager.add(chunk, data)
+                out.append((_item_box(item), chunk, data))
+            self._resolved[path] = out
+            return out
+
     def fragments(self, path: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
         meta = self._arrays[path]
-        key = self._key_of[path]
         out = []
-        for item in self._items_of.get(key, []):
-            box = _item_box(item)
-            data = self._planner.resolve_data(item)
-            if not isinstance(data, torch.Tensor):  # pragma: no cover - DCP contract
-                raise WriteError("resolve_data returned no tensor", tensor=path)
-            arr = to_numpy(data, name=key).reshape(box_shape(box))
-            out.append((box, arr.astype(meta.dtype.numpy, copy=False)))
+        for box, chunk, data in self._resolve(path):
+            arr = self._stager.get(chunk) if chunk in self._stager \
+                else to_numpy(data, name=self._key_of[path])
+            out.append((box, arr.reshape(box_shape(box)).astype(meta.dtype.numpy, copy=False)))
         return out
+
+    def schedule(self, keys: Sequence[str]) -> None:
+        chunks = [chunk for path in keys for _, chunk, _ in self._resolve(path)]
+        self._stager.schedule([c for c in chunks if c in self._stager])
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            chunks = self._resolved.pop(key, [])
+        for _, chunk, _ in chunks:
+            if chunk in self._stager:
+                self._stager.release(chunk)
+
+    def stop(self) -> None:
+        self._stager.stop()
+
+
+def _item_bounds(item: ReadItem) -> tuple[list[int], list[int]]:
+    """The box of the stored tensor a read item asks for: ``[lo, hi)``."""
+    base = item.storage_index.offset or ()
+    lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
+        if base else [int(o) for o in item.storage_offsets]
+    return lo, [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
 
 
 def _item_box(item: WriteItem) -> Box:
@@ -747,6 +801,12 @@ class UCPReader(StorageReader):
     ``training`` at the top level; :meth:`KeyMap.torchtitan` for torchtitan's keys).
     Each tensor is one DCP chunk; each rank reads only the inner chunks that overlap the
     regions its state dict needs.
+
+    A target that is a contiguous CPU tensor of the stored type is itself the read
+    buffer; a contiguous GPU target of the stored type is filled from pinned host
+    buffers, copied while the next reads run (``staging``, a
+    :class:`ucpformat.torch.reads.DeviceStaging`; see docs/gpu.md); other targets get a
+    copy of what was read.
     """
 
     def __init__(
@@ -756,8 +816,10 @@ class UCPReader(StorageReader):
         key_map: KeyMap | None = None,
         workers: int | None = None,
         max_read_bytes: int | None = None,
+        staging: DeviceStaging | None = None,
     ) -> None:
         super().__init__()
+        self.staging = staging if staging is not None else DeviceStaging()
         self.path: CheckpointId | None = path
         self.key_map = key_map or KeyMap()
         self.workers = workers
@@ -861,12 +923,9 @@ class UCPReader(StorageReader):
             else:
                 tensor_items.append(item)
 
-        def read(item: ReadItem) -> np.ndarray[Any, Any]:
+        def read(item: ReadItem, out: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
             entry = self._entry(item.storage_index.fqn)
-            base = item.storage_index.offset or ()
-            lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
-                if base else [int(o) for o in item.storage_offsets]
-            hi = [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
+            lo, hi = _item_bounds(item)
             if entry.tensor is not None:
                 assert entry.group is not None
                 value = lookup(ckpt.values(entry.group), entry.pointer, where=entry.key)
@@ -877,22 +936,70 @@ class UCPReader(StorageReader):
                                       f"says {list(dims)}", path=entry.key)
                 return full[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
             assert entry.array is not None
-            return ckpt[entry.array].read_region(lo, hi)
+            return ckpt[entry.array].read_region(lo, hi, out=out)
 
+        def direct(item: ReadItem, target: torch.Tensor) -> str | None:
+            """How the target is filled: "memory" (read into it), "device" (through the
+            pinned pool) or None (a copy of what was read)."""
+            entry = self._entry(item.storage_index.fqn)
+            if entry.array is None or tuple(target.shape) != tuple(
+                    int(n) for n in item.lengths):
+                return None
+            stored = torch_dtype(ckpt.arrays[entry.array].dtype, tensor=entry.array)
+            plain = target.layout == torch.strided and target.is_contiguous() and not (
+                target.is_conj() or target.is_neg())
+            if not plain or target.dtype != stored:
+                return None
+            if self.staging.stages(target.device):
+                return "device"
+            return "memory" if target.device.type == "cpu" else None
+
+        uploads: DeviceUploads | None = None
         window = 4 * (self.workers or default_workers())
         with ThreadPoolExecutor(self.workers or default_workers()) as pool:
-            for start in range(0, len(tensor_items), window):
-                batch = tensor_items[start:start + window]
-                for item, region in zip(batch, pool.map(read, batch), strict=True):
-                    target = planner.resolve_tensor(item).detach()
-                    source = from_numpy(region, name=item.storage_index.fqn)
-                    if tuple(target.shape) != tuple(source.shape):
-                        raise LoadError(
-                            f"read {tuple(source.shape)} for a target of {tuple(target.shape)}",
-                            tensor=item.dest_index.fqn,
-                        )
-                    target.copy_(source)
-                    planner.commit_tensor(item, target)
+            try:
+                for start in range(0, len(tensor_items), window):
+                    batch = tensor_items[start:start + window]
+                    targets = [planner.resolve_tensor(item).detach() for item in batch]
+                    ways = [direct(item, t) for item, t in zip(batch, targets, strict=True)]
+                    outs: list[np.ndarray[Any, Any] | None] = []
+                    hosts: list[torch.Tensor | None] = []
+                    for target, way in zip(targets, ways, strict=True):
+                        host = None
+                        if way == "device":
+                            if uploads is None:
+                                uploads = DeviceUploads(self.staging.the_pool(),
+                                                        self.staging.copier,
+                                                        self.staging.recorder)
+                            host = uploads.host_view(target)
+                        hosts.append(host)
+                        outs.append(to_numpy(target, name=None) if way == "memory" else
+                                    host_array(host, name="") if host is not None else None)
+                    regions = pool.map(read, batch, outs)
+                    for item, target, region, host, out in zip(batch, targets, regions, hosts,
+                                                               outs, strict=True):
+                        if host is not None:
+                            assert uploads is not None
+                            uploads.upload(target, host, functools.partial(
+                                planner.commit_tensor, item, target))
+                            continue
+                        if region is not out:
+                            source = from_numpy(region, name=item.storage_index.fqn)
+                            if tuple(target.shape) != tuple(source.shape):
+                                raise LoadError(
+                                    f"read {tuple(source.shape)} for a target of "
+                                    f"{tuple(target.shape)}", tensor=item.dest_index.fqn,
+                                )
+                            target.copy_(source)
+                        planner.commit_tensor(item, target)
+                    if uploads is not None:
+                        uploads.end_batch(str(start))
+                if uploads is not None:
+                    uploads.finish()
+            except BaseException:
+                if uploads is not None:
+                    uploads.abort()
+                raise
         return _done(None)
 
     # -- helpers ----------------------------------------------------------------------------

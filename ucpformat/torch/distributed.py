@@ -56,7 +56,7 @@ from ucpformat.errors import (
     LayoutError,
     LoadError,
 )
-from ucpformat.layout.boxes import LocalMap, Piece, as_slices, box_size, full_box
+from ucpformat.layout.boxes import Box, LocalMap, Piece, as_slices, box_shape, box_size, full_box
 from ucpformat.layout.dtensor import (
     Placement,
     Replicate,
@@ -65,6 +65,7 @@ from ucpformat.layout.dtensor import (
     dtensor_local_map,
     placement_to_json,
 )
+from ucpformat.pipeline import FragmentSource
 from ucpformat.reader import Checkpoint
 from ucpformat.storage import Store
 from ucpformat.torch.assign import (
@@ -95,6 +96,7 @@ from ucpformat.torch.planner import (
     tree_to_torch,
 )
 from ucpformat.torch.reads import StagedReads, TensorRead, partly_changed, read_tensors, whole
+from ucpformat.torch.staging import Stager, Staging
 from ucpformat.torch.state import (
     LoadResult,
     Stateful,
@@ -383,12 +385,13 @@ def _plain_copy(path: str, t: torch.Tensor) -> np.ndarray[Any, Any]:
     return to_numpy(t, name=path)
 
 
-def fragments_of(
-    state: _State, rank: int, snapshot: Snapshot = _plain_copy
-) -> tuple[list[TensorSpec], list[Fragment]]:
-    """The tensor specs and this rank's fragments (values from ``snapshot``)."""
+def _local_parts(
+    state: _State, rank: int
+) -> tuple[list[TensorSpec], list[tuple[str, torch.Tensor, tuple[Piece, ...]]]]:
+    """The tensor specs, and (path, local tensor, its non-empty pieces) of what this rank
+    holds."""
     specs: list[TensorSpec] = []
-    frags: list[Fragment] = []
+    parts: list[tuple[str, torch.Tensor, tuple[Piece, ...]]] = []
     for item in state.items:
         t = item.tensor
         dt = data_type(t.dtype, tensor=item.path)
@@ -405,13 +408,65 @@ def fragments_of(
                 pieces = ()
         specs.append(TensorSpec(item.path, tuple(int(n) for n in t.shape), dt.name, {"ucp": ucp}))
         pieces = tuple(p for p in pieces if box_size(p.glob))
-        if not pieces:
-            continue
-        arr = snapshot(item.path, local.detach())
-        for p in pieces:
-            data = arr[as_slices(p.local)] if arr.ndim else arr
-            frags.append(Fragment(item.path, p.glob, data))
+        if pieces:
+            parts.append((item.path, local.detach(), pieces))
+    return specs, parts
+
+
+def local_tensors(state: _State, rank: int) -> list[torch.Tensor]:
+    """The local tensors (a DTensor's local shard) whose values this rank saves (what a
+    snapshot copies)."""
+    return [t for _, t, _ in _local_parts(state, rank)[1]]
+
+
+def _pieces_of(arr: np.ndarray[Any, Any], pieces: Sequence[Piece]) -> list[tuple[Box, Any]]:
+    return [(p.glob, arr[as_slices(p.local)] if arr.ndim else arr) for p in pieces]
+
+
+def fragments_of(
+    state: _State, rank: int, snapshot: Snapshot = _plain_copy
+) -> tuple[list[TensorSpec], list[Fragment]]:
+    """The tensor specs and this rank's fragments (values from ``snapshot``)."""
+    specs, parts = _local_parts(state, rank)
+    frags = [Fragment(path, box, data) for path, local, pieces in parts
+             for box, data in _pieces_of(snapshot(path, local), pieces)]
     return specs, frags
+
+
+class StagedFragments:
+    """A rank's fragments as a :class:`~ucpformat.pipeline.FragmentSource` whose device
+    tensors are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
+    when the pipeline needs them (bounded memory, copies overlapped with the write);
+    the other tensors' values are numpy views."""
+
+    def __init__(self, parts: Sequence[tuple[str, torch.Tensor, tuple[Piece, ...]]],
+                 staging: Staging) -> None:
+        self._pieces = {path: pieces for path, _, pieces in parts}
+        self._order = [path for path, _, _ in parts]
+        self._plain = {path: t for path, t, _ in parts if not staging.stages(t)}
+        self.stager: Stager = staging.stager(
+            {path: t for path, t, _ in parts if path not in self._plain})
+
+    def boxes(self) -> list[tuple[str, Box]]:
+        return [(path, p.glob) for path in self._order for p in self._pieces[path]]
+
+    def fragments(self, path: str) -> list[tuple[Box, np.ndarray[Any, Any]]]:
+        pieces = self._pieces.get(path, ())
+        if not pieces:
+            return []
+        plain = self._plain.get(path)
+        arr = to_numpy(plain, name=path) if plain is not None else self.stager.get(path)
+        return [(box, data.reshape(box_shape(box))) for box, data in _pieces_of(arr, pieces)]
+
+    def schedule(self, keys: Sequence[str]) -> None:
+        self.stager.schedule([k for k in keys if k in self.stager])
+
+    def release(self, key: str) -> None:
+        if key in self.stager:
+            self.stager.release(key)
+
+    def stop(self) -> None:
+        self.stager.stop()
 
 
 # -- save -------------------------------------------------------------------------------------
@@ -427,6 +482,7 @@ def save_distributed(
     extra: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     group: ProcessGroup | None = None,
+    staging: Staging | None = None,
     **save_kwargs: Any,
 ) -> DistributedSaveResult:
     """Collective: every rank of ``group`` calls it; one consolidated checkpoint results.
@@ -438,13 +494,22 @@ def save_distributed(
     :func:`ucpformat.torch.comm.checkpoint_group`). ``save_kwargs`` go to
     :func:`ucpformat.distributed.save_distributed` (``overwrite``, ``compression``,
     ``hash_algorithm``, ...). Without torch.distributed it saves as one process.
+
+    Local tensors on a device (a GPU) are copied to host memory through a bounded pool
+    of pinned buffers while earlier ones are written (``staging``: see
+    :class:`ucpformat.torch.staging.Staging`).
     """
     comm = communicator(group)
     state = collect_state(
         model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
     )
-    specs, frags = fragments_of(state, comm.rank)
-    return write_collected(path, comm, state, specs, frags, metadata=metadata, **save_kwargs)
+    specs, parts = _local_parts(state, comm.rank)
+    source = StagedFragments(parts, staging if staging is not None else Staging())
+    try:
+        return write_collected(path, comm, state, specs, source, metadata=metadata,
+                               **save_kwargs)
+    finally:
+        source.stop()
 
 
 def write_collected(
@@ -452,7 +517,7 @@ def write_collected(
     comm: Communicator,
     state: _State,
     specs: list[TensorSpec],
-    frags: list[Fragment],
+    frags: list[Fragment] | FragmentSource,
     *,
     metadata: Mapping[str, Any] | None = None,
     **save_kwargs: Any,
@@ -743,10 +808,12 @@ def load_distributed(
 
 
 __all__ = [
+    "StagedFragments",
     "collect_state",
     "fragments_of",
     "load_distributed",
     "local_map_of",
+    "local_tensors",
     "placements_of",
     "save_distributed",
 ]

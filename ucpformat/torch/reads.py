@@ -5,8 +5,12 @@ for go to :meth:`ucpformat.Checkpoint.read_regions` together, so the checkpoint'
 read the inner chunks of small and large tensors alike in parallel.
 
 A read either makes a **new** tensor (no target): the chunks land in the new tensor's own
-memory, nothing is copied after the read (on another device: read into host memory, then
-moved, in batches of :data:`STAGED_BATCH_BYTES`). Or it fills a **target**, a tensor that
+memory, nothing is copied after the read. On another device (a GPU) they land in the
+buffers of a bounded pool of pinned host memory (:mod:`ucpformat.torch.staging`, at
+most :data:`DEVICE_POOL_BYTES`), a batch at a time (half the pool), and each batch is
+copied to the device asynchronously, on a side stream with one event per batch, while
+the next batch is read; the caller's stream waits for those events, never the whole
+device. Or it fills a **target**, a tensor that
 already holds live state (a model's parameter, an optimizer's state), in one of two ways:
 
 * **staged** (the default): the target must not change unless every read of the load has
@@ -15,8 +19,9 @@ already holds live state (a model's parameter, an optimizer's state), in one of 
   :meth:`StagedReads.apply`, once the caller has checked everything else. Staging holds
   one host copy of what the targets receive until then, and costs that copy.
 * **in place** (``in_place=True``): a target that is a contiguous CPU tensor of the stored
-  data type is itself the read buffer (no copy, no staging); other targets are read into
-  host memory and copied in right after their batch (batches of
+  data type is itself the read buffer (no copy, no staging); a contiguous GPU target of
+  the stored type is filled from the pinned pool, as new tensors on a device are; other
+  targets are read into host memory and copied in right after their batch (batches of
   :data:`STAGED_BATCH_BYTES`). A failed read then leaves the targets read so far changed,
   some of them partly: the error says so and names them (:attr:`StagedReads.written`).
 """
@@ -36,10 +41,50 @@ from ucpformat.errors import LoadError, UCPError, restated
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
 from ucpformat.reader import Checkpoint
 from ucpformat.torch.convert import from_numpy, to_numpy, torch_dtype
+from ucpformat.torch.staging import (
+    Copier,
+    DeviceUploads,
+    HostBufferPool,
+    Recorder,
+    host_array,
+    host_copy,
+)
 
 #: Host bytes read per batch for new tensors on another device before they are moved
 #: there, and (in place) for targets that cannot be read into directly.
 STAGED_BATCH_BYTES = 1 << 30
+#: Bound of the pinned pool through which new tensors reach a device (two batches).
+DEVICE_POOL_BYTES = 512 << 20
+
+_device_pool: HostBufferPool | None = None
+
+
+@dataclass
+class DeviceStaging:
+    """How new tensors reach a device (the ``staging=`` argument of :func:`read_tensors`):
+    the pinned ``pool`` (default: one shared pool of :data:`DEVICE_POOL_BYTES`), each
+    batch half of it; ``cpu=True`` stages reads bound for the CPU too (tests);
+    ``copier`` and ``recorder``: see :mod:`ucpformat.torch.staging`. The recorder sees
+    ``("read", batch)`` before each batch is read and ``("copied", batch)`` once its
+    copies are complete."""
+
+    pool: HostBufferPool | None = None
+    cpu: bool = False
+    copier: Copier | None = None
+    recorder: Recorder | None = None
+
+    def the_pool(self) -> HostBufferPool:
+        global _device_pool
+        if self.pool is not None:
+            return self.pool
+        if _device_pool is None:
+            _device_pool = HostBufferPool(DEVICE_POOL_BYTES)
+        return _device_pool
+
+    def stages(self, device: str | torch.device | None) -> bool:
+        if device is None:
+            return False
+        return self.cpu or torch.device(device).type not in ("cpu", "meta")
 
 _MAX_NAMED = 20
 
@@ -73,6 +118,8 @@ class StagedReads:
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: In place: the node paths whose targets were written by the read (in read order).
     written: list[str] = field(default_factory=list)
+    #: How :meth:`apply` moves staged data to targets on a device (None: plain copies).
+    device: DeviceStaging | None = None
 
     @property
     def staged_bytes(self) -> int:
@@ -82,10 +129,59 @@ class StagedReads:
     def apply(self) -> None:
         """Copy the staged data into the targets (data type and device kept) and release
         it. Every byte was read and checked before: this step does not fail on the
-        checkpoint's account."""
+        checkpoint's account.
+
+        Contiguous targets on a device (a GPU) of the staged data's type are filled
+        through the pinned pool of :attr:`device`: the staged bytes are copied into a
+        pool buffer, then to the device asynchronously, batch k + 1 copied into pinned
+        memory while batch k goes to the device (:func:`upload_staged`); the caller's
+        stream waits for those copies. Other targets take a plain copy."""
+        how = self.device
+        to_device = [(t, d) for t, d in self.staged if how is not None
+                     and how.stages(t.device) and _uploadable(t, d)]
+        chosen = {id(t) for t, _ in to_device}
+        if to_device:
+            assert how is not None
+            upload_staged(to_device, how)
         for target, data in self.staged:
-            copy_into(target, data)
+            if id(target) not in chosen:
+                copy_into(target, data)
         self.staged.clear()
+
+
+def _uploadable(target: torch.Tensor, data: torch.Tensor) -> bool:
+    """A target the pinned pool can fill: contiguous and of the staged data's type."""
+    return target.layout == torch.strided and target.is_contiguous() and not (
+        target.is_conj() or target.is_neg()) and target.dtype == data.dtype
+
+
+def upload_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  how: DeviceStaging) -> None:
+    """Copy each host tensor into its device target through the pinned pool of ``how``:
+    host memory into a pool buffer, then the buffer to the device asynchronously, in
+    batches of half the pool, each batch's buffers returned once its copies are complete
+    (:class:`~ucpformat.torch.staging.DeviceUploads`). The recorder sees ``("copied",
+    "apply <k>")`` once batch k is on the device."""
+    pool = how.the_pool()
+    uploads = DeviceUploads(pool, how.copier, how.recorder)
+    limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
+    size = index = 0
+    try:
+        for target, data in pairs:
+            n = target.numel() * target.element_size()
+            if size and size + n > limit:
+                uploads.end_batch(f"apply {index}")
+                index, size = index + 1, 0
+            host = uploads.host_view(target)
+            host_copy(host, data)
+            uploads.upload(target, host)
+            size += n
+        if size:
+            uploads.end_batch(f"apply {index}")
+        uploads.finish()
+    except BaseException:
+        uploads.abort()
+        raise
 
 
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
@@ -144,6 +240,7 @@ def read_tensors(
     *,
     batch_bytes: int = STAGED_BATCH_BYTES,
     in_place: bool = False,
+    staging: DeviceStaging | None = None,
 ) -> StagedReads:
     """Read every request as one batch (where memory allows).
 
@@ -152,9 +249,28 @@ def read_tensors(
     ``in_place``: targets are filled by the read itself (:meth:`StagedReads.apply` has
     nothing left to do); a failure raises the error restated by :func:`partly_changed`
     when a target was written.
+
+    New tensors for a device (and, in place, contiguous device targets of the stored
+    type) go through pinned host buffers, their copies to the device overlapped with the
+    next reads (``staging``, see :class:`DeviceStaging`).
     """
+    how = staging if staging is not None else DeviceStaging()
     tensors: list[torch.Tensor | None] = [None] * len(reads)
-    result = StagedReads([])
+    result = StagedReads([], device=how)
+    to_device = [i for i, r in enumerate(reads) if (
+        how.stages(r.device) if r.target is None
+        else in_place and how.stages(r.target.device) and _device_target(ckpt, r))]
+    if to_device:
+        try:
+            moved = _read_to_device(ckpt, [reads[i] for i in to_device], how, result.written)
+        except BaseException as exc:
+            if result.written:
+                raise partly_changed(exc, result.written) from exc
+            raise
+        for i, tensor in zip(to_device, moved, strict=True):
+            tensors[i] = tensor
+    chosen = set(to_device)
+    rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
     pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None]] = []
     held = 0  # host bytes of this batch that are not their final tensors' own memory
 
@@ -189,7 +305,7 @@ def read_tensors(
             raise
         result.written.extend(direct)
 
-    for i, read in enumerate(reads):
+    for i, read in rest:
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
         out = None
@@ -212,13 +328,69 @@ def read_tensors(
     return result
 
 
+def _device_target(ckpt: Checkpoint, read: TensorRead) -> bool:
+    """A target the pinned pool can fill directly: contiguous, of the stored type."""
+    t = read.target
+    return t is not None and t.is_contiguous() and not t.is_conj() and not t.is_neg() \
+        and t.dtype == torch_dtype(ckpt.arrays[read.path].dtype.name, tensor=read.path)
+
+
+def _read_to_device(
+    ckpt: Checkpoint, reads: Sequence[TensorRead], how: DeviceStaging, written: list[str]
+) -> list[torch.Tensor]:
+    """New tensors on their devices (or the given device targets, in place), read through
+    the pinned pool: batch k + 1 is read while batch k is copied to the device
+    (:class:`~ucpformat.torch.staging.DeviceUploads`; the paths of targets whose copies
+    were enqueued are added to ``written``); the caller's stream waits for every copy."""
+    pool = how.the_pool()
+    uploads = DeviceUploads(pool, how.copier, how.recorder)
+    record = how.recorder or (lambda event, key: None)
+    limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
+    outs: list[torch.Tensor] = []
+    plans: list[tuple[TensorRead, LocalMap, torch.Tensor]] = []
+    for read in reads:
+        meta = ckpt.arrays[read.path]
+        lm = read.local if read.local is not None else whole(meta.shape)
+        dst = read.target.detach() if read.target is not None else torch.empty(
+            lm.local_shape, dtype=torch_dtype(meta.dtype, tensor=read.path), device=read.device)
+        outs.append(dst)
+        plans.append((read, lm, dst))
+    batches: list[list[tuple[TensorRead, LocalMap, torch.Tensor]]] = [[]]
+    size = 0
+    for plan in plans:
+        n = plan[2].numel() * plan[2].element_size()
+        if batches[-1] and size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(plan)
+        size += n
+    try:
+        for index, batch in enumerate(batches):
+            hosts = [uploads.host_view(dst) for _, _, dst in batch]
+            record("read", str(index))
+            read_locals(ckpt, [(read.path, lm, host_array(host, name=read.path))
+                               for (read, lm, _), host in zip(batch, hosts, strict=True)])
+            written.extend(read.path for read, _, _ in batch if read.target is not None)
+            for (_, _, dst), host in zip(batch, hosts, strict=True):
+                uploads.upload(dst, host)
+            uploads.end_batch(str(index))
+        uploads.finish()
+    except BaseException:
+        uploads.abort()
+        raise
+    return outs
+
+
 __all__ = [
+    "DEVICE_POOL_BYTES",
     "STAGED_BATCH_BYTES",
+    "DeviceStaging",
     "StagedReads",
     "TensorRead",
     "copy_into",
     "named",
     "partly_changed",
     "read_tensors",
+    "upload_staged",
     "whole",
 ]

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from ucpformat import names
@@ -72,7 +71,8 @@ from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
 from ucpformat.torch.rng import from_layout as rng_from_layout
 from ucpformat.torch.rng import rng_state, set_rng_state
 from ucpformat.torch.rng import to_layout as rng_layout
-from ucpformat.writer import Group, SaveResult
+from ucpformat.torch.staging import Staging, deferred_of
+from ucpformat.writer import ArrayValue, Group, SaveResult
 from ucpformat.writer import save as _save
 
 
@@ -286,14 +286,25 @@ def optimizer_fqns(
 # -- save -----------------------------------------------------------------------------
 
 
-def _tree_to_numpy(value: Any, *, where: str) -> Any:
+#: What a save stores for a tensor: a numpy array, or a placeholder that staging fills
+#: (arguments: the tensor, where it is stored).
+ArrayOf = Callable[[torch.Tensor, str], ArrayValue]
+
+
+def numpy_of(tensor: torch.Tensor, where: str) -> ArrayValue:
+    """The default :data:`ArrayOf`: the tensor's values as numpy (a view on the CPU)."""
+    return to_numpy(tensor, name=where)
+
+
+def _tree_to_numpy(value: Any, *, where: str, convert: ArrayOf = numpy_of) -> Any:
     """Tensors -> numpy arrays (any depth of mappings); other values -> JSON-ready."""
     if isinstance(value, torch.Tensor):
-        return to_numpy(value, name=where)
+        return convert(value, where)
     if isinstance(value, Mapping):
         if not any(isinstance(v, torch.Tensor | Mapping) for v in value.values()):
             return to_json(value, where=where)
-        return {str(k): _tree_to_numpy(v, where=f"{where}/{k}") for k, v in value.items()}
+        return {str(k): _tree_to_numpy(v, where=f"{where}/{k}", convert=convert)
+                for k, v in value.items()}
     if isinstance(value, list | tuple) and _holds_tensor(value):
         raise InvalidValueError(
             "tensors inside a list cannot be stored as arrays; use a mapping "
@@ -310,8 +321,10 @@ def state_of(
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
     rng: bool | Mapping[str, Any] = False,
+    convert: ArrayOf = numpy_of,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The mapping ``ucpformat.save`` writes, and the role of each array path."""
+    """The mapping ``ucpformat.save`` writes, and the role of each array path; each
+    tensor becomes ``convert(tensor, where)``."""
     state: dict[str, Any] = {}
     roles: dict[str, str] = {}
     if isinstance(model, torch.nn.Module):
@@ -336,7 +349,7 @@ def state_of(
             if fqn in aliases:  # tied: stored once, under its first name
                 continue
             if isinstance(value, torch.Tensor):
-                group[fqn] = to_numpy(value, name=where)
+                group[fqn] = convert(value, where)
                 if params is not None:
                     roles[names.path_of("model", fqn)] = \
                         "parameter" if fqn in params else "buffer"
@@ -344,7 +357,7 @@ def state_of(
                 group[fqn] = to_json(value, where=where)
         state["model"] = group
     if optimizer is not None:
-        state["optimizer"] = _optimizer_state(optimizer, model)
+        state["optimizer"] = _optimizer_state(optimizer, model, convert)
     training = Group()
     if step is not None:
         training["step"] = int(step)
@@ -356,14 +369,15 @@ def state_of(
         if key in training:
             raise InvalidValueError(f"extra[{key!r}] would replace training/{key}",
                                     path="training")
-        training[key] = _tree_to_numpy(value, where=f"training/{key}")
+        training[key] = _tree_to_numpy(value, where=f"training/{key}", convert=convert)
     if training:
         state["training"] = training
     return state, roles
 
 
 def _optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module | Mapping[str, Any] | None
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | Mapping[str, Any] | None,
+    convert: ArrayOf = numpy_of,
 ) -> dict[str, Any]:
     osd = optimizer.state_dict()
     fqns = optimizer_fqns(optimizer, model)
@@ -394,7 +408,7 @@ def _optimizer_state(
                 raise InvalidValueError(f"state names must be strings, got {key!r}",
                                         path=f"optimizer/state/{fqn}")
             if isinstance(value, torch.Tensor):
-                entry[key] = to_numpy(value, name=where)
+                entry[key] = convert(value, where)
             else:
                 if _holds_tensor(value):
                     raise InvalidValueError(
@@ -430,6 +444,7 @@ def save(
     extra: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     rng: bool | Mapping[str, Any] = False,
+    staging: Staging | None = None,
     **save_kwargs: Any,
 ) -> SaveResult:
     """Save a model, optimizer, LR scheduler, step and extra training state.
@@ -442,14 +457,31 @@ def save(
     apart by role) or a mapping of names to tensors, a state dict (stored as it is, with
     no role). ``extra`` entries go into ``training/`` (tensors as arrays; other values as
     JSON). ``save_kwargs`` go to ``ucpformat.save`` (``overwrite``, ``compression``, ...).
-    Tensors on other devices are copied to the CPU one by one.
+
+    Tensors on other devices (a GPU) are copied to host memory through a bounded pool of
+    (pinned) buffers, the next one while the previous one is written
+    (:mod:`ucpformat.torch.staging`; ``staging`` sets the pool, default
+    :func:`~ucpformat.torch.staging.default_pool`). CPU tensors are written from their
+    own memory.
     """
+    how = staging if staging is not None else Staging()
+    staged: dict[str, torch.Tensor] = {}
+
+    def convert(tensor: torch.Tensor, where: str) -> ArrayValue:
+        if not how.stages(tensor):
+            return to_numpy(tensor, name=where)
+        if type(tensor).__name__ == "DTensor":  # refused as the plain path refuses it
+            to_numpy(tensor, name=where)
+        staged[where] = tensor
+        return deferred_of(where, tensor)
+
     state, roles = state_of(
-        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra, rng=rng
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra, rng=rng,
+        convert=convert,
     )
     user_hook = save_kwargs.pop("array_attributes", None)
 
-    def attributes(node_path: str, array: np.ndarray[Any, Any]) -> Mapping[str, Any]:
+    def attributes(node_path: str, array: ArrayValue) -> Mapping[str, Any]:
         top = node_path.partition("/")[0]
         role = roles.get(node_path) or {
             "optimizer": "optimizer_state", "training": "training_state", "model": None
@@ -459,7 +491,9 @@ def save(
             attrs["ucp"] = {"role": role, **dict(attrs.get("ucp", {}))}
         return attrs
 
-    return _save(path, state, metadata=metadata, array_attributes=attributes, **save_kwargs)
+    feed = how.stager(staged) if staged else None
+    return _save(path, state, metadata=metadata, array_attributes=attributes, feed=feed,
+                 **save_kwargs)
 
 
 # -- load -----------------------------------------------------------------------------
