@@ -233,6 +233,38 @@ def test_link_attack_harness_quick() -> None:
     assert not figures.failures, figures.failures
 
 
+@pytest.mark.distributed
+def test_link_attack_harness_distributed_quick() -> None:
+    """UCP-1.0-R089, UCP-1.0-R091 for distributed saves: every link planting of the
+    writer kinds, saved to by two gloo ranks (save_distributed and the DCP plugin in
+    turn): nothing outside touched; refused only with a requirement, the location as it
+    was (make stress runs 20 of each)."""
+    pytest.importorskip("torch.distributed")
+    figures = links.run(0, seed=7, dist_trials=1)
+    out = figures.as_dict()
+    assert out["trials"] == len(links.DIST_KINDS)
+    assert out["outside touched (trials)"] == 0
+    assert not figures.failures, figures.failures
+    assert {label.split(" (")[1] for label in figures.trials} == {"distributed)", "dcp)"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("defect", "kinds"), [
+    ("follow_links", ("dist-dir-link", "dist-overwrite-dir-link")),
+    ("marker_in_place", ("dist-marker-hard-link", "dist-marker-link")),
+])
+def test_link_attack_harness_notices_a_distributed_save_following_links(
+    defect: str, kinds: tuple[str, ...]
+) -> None:
+    """The distributed link trials fail when a fixed defect of issue 13 is put back in
+    the writers: a symbolic link to a directory followed (1), the in-progress marker
+    written in place through a link (10)."""
+    pytest.importorskip("torch.distributed")
+    figures = links.run(0, seed=7, dist_trials=1, dist_kinds=kinds,
+                        gloo_setup=f"tests.reliability.regressions:{defect}")
+    assert figures.as_dict()["outside touched (trials)"] == len(kinds), figures.failures
+
+
 def test_link_attacks_without_openat2(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Linux's openat2 is missing (old kernels, other systems, seccomp), the store
     walks every path one component at a time: the same attacks, the same outcome."""

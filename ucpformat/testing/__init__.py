@@ -11,10 +11,13 @@
   coverage-guided
   counterpart;
 - :mod:`~ucpformat.testing.links`: symbolic and hard links planted in and around a
-  checkpoint, against writers, readers (swapped during reads) and the manager (UCP-1.0-R091,
-  UCP-1.0-R089);
+  checkpoint, against writers (single-process and distributed), readers (swapped during
+  reads) and the manager (UCP-1.0-R091, UCP-1.0-R089);
 - :mod:`~ucpformat.testing.concurrency`: two writers saving into one location at once
-  (UCP-1.0-R059), on a file system and on S3;
+  (UCP-1.0-R059), on a file system and on S3, and distributed writers (process groups
+  over gloo) against each other and a single process, with a reader during overwrites;
+- :mod:`~ucpformat.testing.gloo_writers`: process groups of gloo ranks, kept up between
+  trials, that run a distributed save (``save_distributed``, the DCP plugin) on command;
 - :mod:`~ucpformat.testing.failed_saves`: stray files and full disks: what a failed save
   leaves behind, and whether its retry succeeds (UCP-1.0-R049);
 - :mod:`~ucpformat.testing.s3`: a local S3-compatible server (moto) on loopback.

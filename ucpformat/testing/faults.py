@@ -620,7 +620,8 @@ def run_fork_trial(
 # -- torch.distributed (gloo) trials ---------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a process group's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -683,7 +684,7 @@ def run_gloo_trial(
     timeout: float = 60.0,
 ) -> None:
     target = workdir / f"gloo-{uuid.uuid4().hex[:8]}"
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
@@ -749,7 +750,7 @@ def _gloo_raising(
     trial: Trial, target: Path, seed_b: int, timeout: float
 ) -> list[str | None] | None:
     """The same over two gloo processes (``--worker --fail-reads``)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(

@@ -16,6 +16,15 @@ and the bytes of every file there are compared before and after. Kinds:
   (``marker-hard-link``, ``marker-link``); the streaming writer (``streaming-dir-link``);
   and a directory of the destination swapped for a link again and again while a save
   runs (``race-save``);
+- distributed saves (``--dist-trials``): the plantings of the writer kinds but the
+  streaming writer and the race (``dist-dir-link``, ``dist-overwrite-dir-link``, ...),
+  saved to by a process group of two ranks over ``torch.distributed`` (gloo), each
+  writing the stored objects it owns, with :func:`~ucpformat.distributed.save_distributed`
+  and the DCP plugin in turn (:mod:`ucpformat.testing.gloo_writers`); a refused
+  distributed save must leave the location entry for entry as it was (links not
+  followed), so that a checkpoint there survives, and ``dist-refused-links`` saves
+  without ``overwrite`` onto a checkpoint with the links of an ``overwrite-`` kind, which
+  must be refused;
 - the checkpoint manager: a ``step-*`` entry that is a link to a checkpoint outside the
   run directory, and a ``step-*`` directory of other files, during rotation
   (``manager-step-link``, ``manager-foreign-step``);
@@ -30,8 +39,8 @@ or *wrong* (other values: read through a link); a trial is *outside-touched* if 
 under ``outside`` was opened, listed, written or deleted. Every figure but refused, saved
 and read must be zero.
 
-Run ``python -m ucpformat.testing.links --trials 20 --reads 3000`` (``make stress``); the
-test suite runs a quick mode.
+Run ``python -m ucpformat.testing.links --trials 20 --reads 3000 --dist-trials 20`` (``make
+stress``); the test suite runs a quick mode.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from ucpformat.testing.common import (
     tree_bytes,
 )
 from ucpformat.testing.faults import FaultyStore
+from ucpformat.testing.gloo_writers import SaveOrder, WriterGroup, expected
 from ucpformat.writer import StreamingWriter, save
 
 WRITER_KINDS = (
@@ -75,15 +85,24 @@ WRITER_KINDS = (
     "overwrite-hard-link", "marker-hard-link", "marker-link", "streaming-dir-link",
     "race-save",
 )
+#: Distributed saves (two ranks over gloo) into the same plantings as the writer kinds.
+OVERWRITE_KINDS = ("overwrite-dir-link", "overwrite-nested-link", "overwrite-file-link",
+                   "overwrite-hard-link")
+DIST_KINDS = ("dist-dir-link", *(f"dist-{k}" for k in OVERWRITE_KINDS), "dist-marker-hard-link",
+              "dist-marker-link", "dist-refused-links")
 MANAGER_KINDS = ("manager-step-link", "manager-foreign-step")
 READER_KINDS = ("reader-swap-file", "reader-swap-dir")
 KINDS = WRITER_KINDS + MANAGER_KINDS + READER_KINDS
+#: The distributed writers, in turn.
+DIST_WRITERS = ("distributed", "dcp")
 
 
 @dataclass
 class Trial:
     kind: str
+    writer: str = ""  # dist- kinds: distributed | dcp
     outcome: str = ""  # refused | saved | wrong (writers); read (readers)
+    rule: str = ""  # dist- kinds, refused: the requirement the refusal named
     outside: list[str] = field(default_factory=list)  # what touched the outside
     reads: Counter[str] = field(default_factory=Counter)  # readers: read/refused/wrong
     problems: list[str] = field(default_factory=list)
@@ -164,9 +183,10 @@ def _save_outcome(trial: Trial, run: Callable[[], object], location: Path,
 # -- writers ---------------------------------------------------------------------------------
 
 
-def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
-    trial = Trial(kind)
-    new = small_state(rng.randrange(1000))
+def plant(kind: str, site: Site, rng: random.Random) -> bool:
+    """Plant the links of a writer ``kind`` into ``site.ckpt``; whether the save then
+    passes ``overwrite=True`` (a ``dist-`` kind plants what the kind without it does)."""
+    kind = kind.removeprefix("dist-")
     ckpt = site.ckpt
     overwrite = True
     if kind == "dir-link":
@@ -199,6 +219,14 @@ def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
         else:
             shutil.rmtree(target)
             target.symlink_to(_counterpart(site, target), target_is_directory=True)
+    return overwrite
+
+
+def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
+    trial = Trial(kind)
+    new = small_state(rng.randrange(1000))
+    ckpt = site.ckpt
+    overwrite = plant(kind, site, rng)
     with site.watched(trial):
         if kind == "streaming-dir-link":
             _save_outcome(trial, lambda: _streaming_save(ckpt, new), ckpt, _model_only(new))
@@ -208,6 +236,66 @@ def writer_trial(kind: str, site: Site, rng: random.Random) -> Trial:
                 lambda: save(ckpt, new, overwrite=overwrite, durable=False, **SMALL_CHUNKING),
                 ckpt, new,
             )
+    return trial
+
+
+def location_entries(root: Path) -> dict[str, str | bytes]:
+    """Every entry under ``root``, links not followed: a file's bytes, a link's target
+    (``-> target``), a directory's name (``dir``)."""
+    out: dict[str, str | bytes] = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            out[key] = f"-> {os.readlink(path)}"
+        elif path.is_dir():
+            out[key] = "dir"
+        elif path.stat().st_nlink > 1:  # a hard link: its bytes may be outside's
+            out[key] = f"hard link, inode {path.stat().st_ino}"
+        else:
+            out[key] = path.read_bytes()
+    return out
+
+
+def distributed_trial(kind: str, site: Site, rng: random.Random, group: WriterGroup,
+                      writer: str) -> Trial:
+    """A ``dist-`` kind: the links of the kind without the prefix, saved to by every
+    rank of a distributed save (``writer``: ``distributed`` or ``dcp``, see
+    :mod:`ucpformat.testing.gloo_writers`). Refused, the location must be as it was.
+    ``dist-refused-links``: the links of an ``overwrite-`` kind, saved to without
+    ``overwrite``: the save must be refused (a checkpoint is committed there)."""
+    trial = Trial(kind, writer=writer)
+    seed = rng.randrange(1000)
+    refuse = kind == "dist-refused-links"
+    overwrite = plant(rng.choice(OVERWRITE_KINDS) if refuse else kind, site, rng) and not refuse
+    before = location_entries(site.ckpt)
+    with site.watched(trial):
+        answers = group.save(SaveOrder(writer, str(site.ckpt), seed, overwrite))
+    outcomes = {a.outcome for a in answers}
+    why = next((a.why for a in answers if a.why), "")
+    if outcomes == {"saved"}:
+        try:
+            with open_checkpoint(site.ckpt) as ckpt:
+                diffs = differences(ckpt.to_dict(), expected(writer, seed))
+        except UCPError as exc:
+            diffs = [f"does not open: {exc}"]
+        trial.outcome = "saved" if not diffs else "wrong"
+        if diffs:
+            trial.problems.append(f"saved, but loads something else: {diffs[:2]}")
+        if refuse:
+            trial.problems.append("saved over a committed checkpoint without overwrite")
+    elif outcomes == {"refused"}:
+        trial.outcome = "refused"
+        trial.rule = next((a.rule for a in answers if a.rule), "")
+        if not trial.rule:
+            trial.problems.append(f"refused without a requirement: {why[:300]}")
+        after = location_entries(site.ckpt)
+        if after != before:
+            changed = sorted(k for k in set(before) | set(after)
+                             if before.get(k) != after.get(k))
+            trial.problems.append(f"refused, but the location changed: {changed[:3]}")
+    else:
+        trial.outcome = "refused"
+        trial.problems.append(f"the ranks said {[a.outcome for a in answers]}: {why[:300]}")
     return trial
 
 
@@ -375,17 +463,21 @@ class Figures:
     outcomes: dict[str, Counter[str]] = field(default_factory=dict)
     outside_touched: Counter[str] = field(default_factory=Counter)
     reads: Counter[str] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)  # dist- kinds: by rule
     failures: list[str] = field(default_factory=list)
 
     def add(self, trial: Trial) -> None:
-        self.trials[trial.kind] += 1
-        self.outcomes.setdefault(trial.kind, Counter())[trial.outcome] += 1
+        if trial.rule:
+            self.refusals[f"{trial.kind}: {trial.rule}"] += 1
+        label = f"{trial.kind} ({trial.writer})" if trial.writer else trial.kind
+        self.trials[label] += 1
+        self.outcomes.setdefault(label, Counter())[trial.outcome] += 1
         if trial.outside:
-            self.outside_touched[trial.kind] += 1
+            self.outside_touched[label] += 1
             trial.problems.append(f"outside touched: {trial.outside[:3]}")
         self.reads.update(trial.reads)
         if trial.problems:
-            self.failures.append(f"{trial.kind}: {'; '.join(trial.problems)}")
+            self.failures.append(f"{label}: {'; '.join(trial.problems)}")
 
     @property
     def failed(self) -> int:
@@ -402,12 +494,16 @@ class Figures:
             ),
             "outcomes per kind": {k: dict(sorted(v.items()))
                                   for k, v in sorted(self.outcomes.items())},
+            "distributed refusals by rule": dict(sorted(self.refusals.items())),
         }
 
 
 def run(trials: int, *, reads: int = 1000, seed: int = 0,
-        kinds: Sequence[str] = KINDS, progress: bool = False) -> Figures:
-    """``trials`` trials of every kind; reader trials make ``reads`` reads each."""
+        kinds: Sequence[str] = KINDS, dist_trials: int = 0, dist_kinds: Sequence[str] = DIST_KINDS,
+        progress: bool = False, gloo_timeout: float = 60.0, gloo_setup: str = "") -> Figures:
+    """``trials`` trials of every kind; reader trials make ``reads`` reads each; then
+    ``dist_trials`` trials of every distributed kind, their writers in turn
+    (``gloo_timeout``, ``gloo_setup``: see :class:`~ucpformat.testing.gloo_writers.WriterGroup`)."""
     rng = random.Random(seed)
     figures = Figures()
     for i in range(trials):
@@ -425,6 +521,17 @@ def run(trials: int, *, reads: int = 1000, seed: int = 0,
             figures.add(trial)
         if progress:
             print(f"  round {i + 1}/{trials}: {figures.failed} failed", flush=True)
+    if dist_trials and dist_kinds:
+        with WriterGroup(2, timeout=gloo_timeout, setup=gloo_setup) as group:
+            for i in range(dist_trials):
+                for k, kind in enumerate(dist_kinds):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        site = Site(Path(tmp), rng.randrange(10**6))
+                        writer = DIST_WRITERS[(i + k) % len(DIST_WRITERS)]
+                        figures.add(distributed_trial(kind, site, rng, group, writer))
+                if progress:
+                    print(f"  distributed round {i + 1}/{dist_trials}: {figures.failed} failed",
+                          flush=True)
     return figures
 
 
@@ -435,6 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reads", type=int, default=3000, help="reads per reader trial")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--dist-trials", type=int, default=0,
+                        help="trials of every distributed kind (two gloo ranks)")
+    parser.add_argument("--dist-kinds", nargs="*", default=list(DIST_KINDS), choices=DIST_KINDS)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if not OutsideWatch.available():
@@ -442,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
     start = time.perf_counter()
     figures = run(args.trials, reads=args.reads, seed=args.seed, kinds=args.kinds,
+                  dist_trials=args.dist_trials, dist_kinds=args.dist_kinds,
                   progress=not args.json)
     out = figures.as_dict()
     out["seconds"] = round(time.perf_counter() - start, 1)
