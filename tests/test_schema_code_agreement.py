@@ -518,3 +518,18 @@ def test_members_zarr_does_not_define_agree(
         assert (schema_rules, code_rule) == (set(), None)
     else:
         assert code_rule == rule and rule in schema_rules, (schema_rules, code_rule)
+
+
+def test_a_consolidated_entry_for_the_empty_path_is_refused_by_both(
+    corpus: dict[str, list[Any]]
+) -> None:
+    """UCP-1.0-R010: every node of the consolidated metadata has a name; an entry for the
+    empty path (the root's own) is refused by the schema and, since hypothesis found the
+    code accepting it, by the code too."""
+    _, doc = _pick(corpus, "root", "")
+    doc = copy.deepcopy(doc)
+    nodes = doc["consolidated_metadata"]["metadata"]
+    nodes[""] = copy.deepcopy(next(n for n in nodes.values() if n["node_type"] == "group"))
+    assert any(v.rule == "UCP-1.0-R010" for v in schemas.violations("root", doc))
+    exc = code_check("root", "", doc)
+    assert exc is not None and exc.rule == "UCP-1.0-R010"
