@@ -90,6 +90,8 @@ OVERWRITE_KINDS = ("overwrite-dir-link", "overwrite-nested-link", "overwrite-fil
                    "overwrite-hard-link")
 DIST_KINDS = ("dist-dir-link", *(f"dist-{k}" for k in OVERWRITE_KINDS), "dist-marker-hard-link",
               "dist-marker-link", "dist-refused-links")
+#: Saves a race-save trial makes, at most, for its attacker to swap at least once.
+RACE_ATTEMPTS = 5
 MANAGER_KINDS = ("manager-step-link", "manager-foreign-step")
 READER_KINDS = ("reader-swap-file", "reader-swap-dir")
 KINDS = WRITER_KINDS + MANAGER_KINDS + READER_KINDS
@@ -341,25 +343,34 @@ def race_trial(site: Site, rng: random.Random) -> Trial:
                 os.rename(hidden, path)
             time.sleep(rng.uniform(0.0, 0.003))
 
-    thread = threading.Thread(target=attacker, daemon=True)
-    store = FaultyStore(LocalStore(site.ckpt, durable=False), delay=0.001)
+    # A save can end before the attacker's thread is first scheduled (a loaded machine):
+    # then it is saved again over itself, up to RACE_ATTEMPTS times, until the attacker
+    # has swapped at least once during a save.
     with site.watched(trial):
-        thread.start()
-        try:
-            save(store, new, durable=False, workers=2, **SMALL_CHUNKING)
-            trial.outcome = "saved"
-        except UCPError as exc:
-            trial.outcome = "refused"
-            if not exc.rule and "the save failed" not in str(exc):
-                trial.problems.append(f"refused without saying why: {exc}")
-        except Exception as exc:
-            trial.outcome = "refused"
-            trial.problems.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            stop.set()
-            thread.join()
+        for attempt in range(RACE_ATTEMPTS):
+            stop.clear()
+            thread = threading.Thread(target=attacker, daemon=True)
+            store = FaultyStore(LocalStore(site.ckpt, durable=False), delay=0.001)
+            thread.start()
+            try:
+                save(store, new, durable=False, workers=2, overwrite=attempt > 0,
+                     **SMALL_CHUNKING)
+                trial.outcome = "saved"
+            except UCPError as exc:
+                trial.outcome = "refused"
+                if not exc.rule and "the save failed" not in str(exc):
+                    trial.problems.append(f"refused without saying why: {exc}")
+            except Exception as exc:
+                trial.outcome = "refused"
+                trial.problems.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                stop.set()
+                thread.join()
+            if swaps:
+                break
     if swaps == 0:
-        trial.problems.append("the attacker never swapped the directory")
+        trial.problems.append(f"the attacker never swapped the directory in {RACE_ATTEMPTS} "
+                              "saves")
     return trial
 
 
