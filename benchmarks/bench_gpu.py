@@ -183,12 +183,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
             try:
                 offset = 0
                 for view, (k, t) in zip(common.raw_bytes(pinned), state.items(), strict=True):
-                    pos = 0
-                    while pos < len(view):
-                        n = os.preadv(fd, [view[pos:]], offset + pos)
-                        if n == 0:
-                            raise OSError("short read")
-                        pos += n
+                    common.pread_exactly(fd, view, offset)
                     offset += len(view)
                     moved.append(pinned[k].to(t.device, non_blocking=True))
             finally:

@@ -77,6 +77,17 @@ def raw_write(path: str, state: Mapping[str, Any]) -> None:
         os.close(dir_fd)
 
 
+def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` with the bytes of ``fd`` from ``offset`` (OSError if the file ends
+    first)."""
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n == 0:
+            raise OSError("short read")
+        pos += n
+
+
 def raw_read(path: str, layout: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[Any]:
     """The read limit: the same bytes, in order, into newly allocated arrays that are
     kept (as a real load keeps them: their pages are faulted in like a loader's)."""
@@ -87,12 +98,7 @@ def raw_read(path: str, layout: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> 
         for shape, dtype in layout:
             arr = np.empty(shape, dtype)
             view = memoryview(arr.reshape(-1).view(np.uint8))
-            pos = 0
-            while pos < len(view):
-                n = os.preadv(fd, [view[pos:]], offset + pos)
-                if n == 0:
-                    raise OSError("short read")
-                pos += n
+            pread_exactly(fd, view, offset)
             offset += len(view)
             out.append(arr)
     finally:

@@ -158,3 +158,30 @@ def write_explicit(
                   groups=[GroupMeta(g) for g in sorted(groups)], objects=objects,
                   root_ucp={"producer": default_producer()}, hash_algorithm=hash_algorithm)
     return path
+
+
+# -- staging ------------------------------------------------------------------------
+
+
+class FailingCopier:
+    """A copier of :class:`ucpformat.torch.staging.Staging` that copies on the CPU and
+    fails (a lost device) on its ``bad``-th copy (never if ``bad`` is 0)."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad, self.n = bad, 0
+
+    def begin(self, tensors: Any) -> None:
+        pass
+
+    def copy(self, dst: Any, src: Any) -> Any:
+        self.n += 1
+        if self.n == self.bad:
+            raise RuntimeError("device lost")
+        dst.copy_(src)
+        return None
+
+    def wait(self, done: Any) -> None:
+        pass
+
+    def guard(self, done: Any) -> None:
+        pass

@@ -726,7 +726,7 @@ class LocalStore(Store):
     def delete(self, key: str) -> None:
         directory = self._unlink(key)
         if directory is not None and self.durable:
-            self._fsync_dir(directory)
+            self._fsync_in(directory, ())
 
     def delete_keys(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -813,20 +813,6 @@ class LocalStore(Store):
                     os.fsync(file_fd)
                 finally:
                     os.close(file_fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _fsync_dir(self, dir_key: str) -> None:
-        try:
-            if not dir_key:
-                fd = self._open_location(create=False)
-            else:
-                with self._directory(f"{dir_key}/x", create=False) as (parent, _):
-                    fd = os.dup(parent)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        try:
             os.fsync(fd)
         finally:
             os.close(fd)

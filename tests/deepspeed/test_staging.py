@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ucpformat  # noqa: E402
+from tests.helpers import FailingCopier  # noqa: E402
 from ucpformat.comm import SingleProcess  # noqa: E402
 from ucpformat.deepspeed.save import EngineFragments  # noqa: E402
 from ucpformat.errors import UCPError, WriteError  # noqa: E402
@@ -111,32 +112,9 @@ def test_engine_fragments_on_the_cpu_are_not_copied_by_default(tmp_path: Path) -
     assert pool.stats.allocations == 0  # numpy views of the engine's memory, as before
 
 
-class _FailingCopier:
-    """Copies on the CPU; fails on the copy of the ``bad``-th tensor."""
-
-    def __init__(self, bad: int) -> None:
-        self.bad, self.n = bad, 0
-
-    def begin(self, tensors: Any) -> None:
-        pass
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        self.n += 1
-        if self.n == self.bad:
-            raise RuntimeError("device lost")
-        dst.copy_(src)
-        return None
-
-    def wait(self, done: Any) -> None:
-        pass
-
-    def guard(self, done: Any) -> None:
-        pass
-
-
 def test_a_failed_copy_of_an_engine_fragment_commits_nothing(tmp_path: Path) -> None:
     pool = HostBufferPool(1 << 20, pin=False)
-    src, specs, _ = _engine_like(Staging(pool=pool, cpu=True, copier=_FailingCopier(3)))
+    src, specs, _ = _engine_like(Staging(pool=pool, cpu=True, copier=FailingCopier(3)))
     with pytest.raises(WriteError, match="device lost"):
         run_pipeline(tmp_path / "ckpt", SingleProcess(), specs=specs, source=src,
                      durable=False)
@@ -149,7 +127,7 @@ def test_a_failed_copy_of_an_engine_fragment_commits_nothing(tmp_path: Path) -> 
 def test_the_snapshot_of_engine_fragments_is_a_copy_in_reused_buffers(tmp_path: Path) -> None:
     pool = HostBufferPool(None, pin=False)
     src, specs, expected = _engine_like(Staging(pool=HostBufferPool(1, pin=False)))
-    copier = _FailingCopier(0)  # never fails
+    copier = FailingCopier(0)  # never fails
     snap = Snapshot(pool, copier)
     frags = src.snapshot(snap)
     snap.guard()

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import ucpformat  # noqa: E402
+from tests.helpers import FailingCopier  # noqa: E402
 from tests.torch import dist_workers as w  # noqa: E402
 from ucpformat.errors import ResourceLimitError, UCPError, WriteError  # noqa: E402
 from ucpformat.storage import LocalStore  # noqa: E402
@@ -220,35 +221,12 @@ def test_every_dtype_round_trips_bit_exactly_through_staging(tmp_path: Path) -> 
     assert pool.stats.peak_allocated_bytes <= 2 * ALIGN_BYTES
 
 
-class _FailingCopier:
-    """Copies on the CPU; fails on the copy of ``bad``."""
-
-    def __init__(self, bad: int) -> None:
-        self.bad, self.n = bad, 0
-
-    def begin(self, tensors: Any) -> None:
-        pass
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        self.n += 1
-        if self.n == self.bad:
-            raise RuntimeError("device lost")
-        dst.copy_(src)
-        return None
-
-    def wait(self, done: Any) -> None:
-        pass
-
-    def guard(self, done: Any) -> None:
-        pass
-
-
 def test_a_failed_copy_fails_the_save_and_commits_nothing(tmp_path: Path) -> None:
     model = _model()
     pool = HostBufferPool(1 << 20, pin=False)
     with pytest.raises(WriteError, match="device lost") as info:
         save(tmp_path / "ckpt", model=model,
-             staging=Staging(pool=pool, cpu=True, copier=_FailingCopier(3)))
+             staging=Staging(pool=pool, cpu=True, copier=FailingCopier(3)))
     assert info.value.tensor == "model/1.weight"  # the third tensor, named
     assert not (tmp_path / "ckpt" / "zarr.json").exists()
     with pytest.raises(UCPError):
