@@ -789,14 +789,30 @@ class LocalStore(Store):
         files_in: dict[str, list[str]] = {d: [] for d in dirs}
         for key in files:
             files_in.setdefault(key.rpartition("/")[0], []).append(key.rpartition("/")[2])
-        _parallel(lambda d: self._fsync_in(d, files_in[d]), sorted(files_in), self.SYNC_THREADS)
+        try:  # one descriptor of the location for the whole flush, shared by its threads
+            location = self._open_location(create=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # removed since: nothing left to make durable
+        try:
+            _parallel(lambda d: self._fsync_in(d, files_in[d], location=location),
+                      sorted(files_in), self.SYNC_THREADS)
+        finally:
+            os.close(location)
 
-    def _fsync_in(self, dir_key: str, leaves: Sequence[str]) -> None:
+    def _fsync_in(self, dir_key: str, leaves: Sequence[str], *, location: int | None = None
+                  ) -> None:
         """fsync the files ``leaves`` of the directory ``dir_key``, written earlier through
         other descriptors (Linux flushes a file's pages whichever descriptor wrote them),
-        then the directory itself. What was deleted since needs nothing."""
+        then the directory itself. What was deleted since needs nothing. ``location``: a
+        descriptor of the location to open the directory from (one ``openat2``)."""
+        fd = -1
+        if location is not None and _OPENAT2 is not None:
+            with contextlib.suppress(OSError):  # the walk below says what went wrong
+                fd = _OPENAT2(location, dir_key or ".", _DIR_FLAGS)
         try:
-            if not dir_key:
+            if fd >= 0:
+                pass
+            elif not dir_key:
                 fd = self._open_location(create=False)
             else:
                 with self._directory(f"{dir_key}/x", create=False) as (parent, _):
