@@ -1648,6 +1648,14 @@ def _(d: Damage) -> None:
         "training/../rng", root["consolidated_metadata"]["metadata"].pop("training/rng")))
 
 
+@invalid("name-empty-path", "open", ["010"],
+         "The consolidated metadata has an entry for the empty path (a copy of the group "
+         "training): the root is not one of its own nodes, and every node has a name.")
+def _(d: Damage) -> None:
+    d.edit_root(lambda root: root["consolidated_metadata"]["metadata"].__setitem__(
+        "", root["consolidated_metadata"]["metadata"]["training"]))
+
+
 @invalid("name-nul", "open", ["010"],
          "The node name fc%00bias decodes to a name with U+0000, which is no logical name.")
 def _(d: Damage) -> None:
