@@ -551,17 +551,18 @@ def _write(
             return stored
 
         pool = ThreadPoolExecutor(workers or default_workers())
-        try:
-            objects = list(pool.map(run, tasks.objects))
-        except BaseException:
-            feeds.stop(source)  # threads waiting for a tensor's values raise at once
-            # the first failure ends this rank's share: the objects not yet started are
-            # not written (on a full disk, each would only fail in turn)
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        finally:
-            pool.shutdown(wait=True)
-    store.flush()
+        with store.batch():  # the writer threads share what the store opens
+            try:
+                objects = list(pool.map(run, tasks.objects))
+            except BaseException:
+                feeds.stop(source)  # threads waiting for a tensor's values raise at once
+                # the first failure ends this rank's share: the objects not yet started
+                # are not written (on a full disk, each would only fail in turn)
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            finally:
+                pool.shutdown(wait=True)
+            store.flush()
     return objects
 
 
