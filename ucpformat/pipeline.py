@@ -467,6 +467,8 @@ class _Resolved:
 
     def __init__(self, source: FragmentSource, objects: Iterable[ObjectPlan]) -> None:
         self._source = source
+        # asked once: an isinstance check of a runtime protocol costs tens of microseconds
+        self._prefetching = source if isinstance(source, feeds.Prefetching) else None
         self._total = Counter(o.path for o in objects)
         self._done = {p: itertools.count(1) for p in self._total}  # next() is atomic
         self._locks = {p: threading.Lock() for p in self._total}
@@ -485,7 +487,8 @@ class _Resolved:
     def done(self, path: str) -> None:
         if next(self._done[path]) == self._total[path]:
             self._cache.pop(path, None)
-            feeds.release(self._source, path)
+            if self._prefetching is not None:
+                self._prefetching.release(path)
 
 
 def write(

@@ -1158,11 +1158,15 @@ def _load_openat2() -> Callable[..., int] | None:
 
     sys_openat2 = 437  # the same number on every architecture (added in Linux 5.6)
     resolve = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+    size = ctypes.c_size_t(ctypes.sizeof(OpenHow))
+    # the kernel only reads the struct: one per (flags, mode), shared by every thread
+    hows: dict[tuple[int, int], Any] = {}
 
     def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-        how = OpenHow(flags, mode, resolve)
-        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
-                     ctypes.c_size_t(ctypes.sizeof(how)))
+        how = hows.get((flags, mode))
+        if how is None:
+            how = hows[flags, mode] = ctypes.byref(OpenHow(flags, mode, resolve))
+        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), how, size)
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
