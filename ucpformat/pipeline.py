@@ -740,60 +740,64 @@ def save(
     what it holds. Rank 0 is the coordinator; ``root_values`` and ``metadata`` are its.
     Raises on every rank if any rank fails; then nothing is committed."""
     store = open_store(path, durable=durable)
-    coordinator = comm.rank == 0
-    # 1. describe
-    error: BaseException | None = None
-    description: dict[str, Any] = {}
-    root_ucp: dict[str, Any] = {}
-    try:
-        description = describe(specs, source.boxes(), group_attributes)
+    # the whole save in one batch: every write, the commit and a failure's clean-up go
+    # to the directory the coordinator claimed (Store.batch), whatever is put at the
+    # path meanwhile
+    with store.batch():
+        coordinator = comm.rank == 0
+        # 1. describe
+        error: BaseException | None = None
+        description: dict[str, Any] = {}
+        root_ucp: dict[str, Any] = {}
+        try:
+            description = describe(specs, source.boxes(), group_attributes)
+            if coordinator:
+                root_ucp = build_root_ucp(metadata=metadata, values=root_values,
+                                          saved_by={"world_size": comm.world_size})
+        except BaseException as exc:  # reported collectively below
+            error = exc
+        blobs = gather_bytes(comm, encode_description({**(description or _NOTHING),
+                                                        "error": error_report(error)}))
+        # 2. plan: the coordinator alone, which then marks the destination; each rank
+        # receives its share (or the describe failures, or the plan's error). A failure is
+        # carried to the agreement after the exchange (step 4).
+        plan: Plan | None = None
+        shares: dict[int, bytes] | None = None
+        claim: WriteClaim | None = None  # the coordinator's hold on the location
         if coordinator:
-            root_ucp = build_root_ucp(metadata=metadata, values=root_values,
-                                      saved_by={"world_size": comm.world_size})
-    except BaseException as exc:  # reported collectively below
-        error = exc
-    blobs = gather_bytes(comm, encode_description({**(description or _NOTHING),
-                                                    "error": error_report(error)}))
-    # 2. plan: the coordinator alone, which then marks the destination; each rank
-    # receives its share (or the describe failures, or the plan's error). A failure is
-    # carried to the agreement after the exchange (step 4).
-    plan: Plan | None = None
-    shares: dict[int, bytes] | None = None
-    claim: WriteClaim | None = None  # the coordinator's hold on the location
-    if coordinator:
-        plan, shares, claim, error = plan_shares(
-            blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
-    mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error)
-    tasks, error = mine.tasks, mine.error
-    # 3 to 5. exchange, agree, un-commit
-    received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
-    assert tasks is not None  # agreed: every rank has its share of the plan
-    # 6. write
-    objects: list[StoredObject] = []
-    error = None
-    try:
-        objects = write(store, tasks, source, received.inbox, workers=workers,
-                        hash_algorithm=hash_algorithm, progress=progress and coordinator,
-                        claim=claim)
-    except BaseException as exc:
-        error = exc
-    # what each rank wrote goes to the coordinator alone; whether it failed, to every rank
-    written = gather_bytes(comm, json.dumps(
-        [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
-    failed = gather_failures(comm, error)
-    with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
-        raise_if_failed(failed, "writing shards", error)
-    # 7. commit
-    every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
-    commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
-           hash_algorithm=hash_algorithm)
-    return DistributedSaveResult(
-        store.location,
-        mine.tensors,
-        len(objects),
-        sum(o.nbytes for o in objects),
-        received.received_bytes,
-    )
+            plan, shares, claim, error = plan_shares(
+                blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
+        mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error)
+        tasks, error = mine.tasks, mine.error
+        # 3 to 5. exchange, agree, un-commit
+        received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
+        assert tasks is not None  # agreed: every rank has its share of the plan
+        # 6. write
+        objects: list[StoredObject] = []
+        error = None
+        try:
+            objects = write(store, tasks, source, received.inbox, workers=workers,
+                            hash_algorithm=hash_algorithm, progress=progress and coordinator,
+                            claim=claim)
+        except BaseException as exc:
+            error = exc
+        # what each rank wrote goes to the coordinator alone; whether it failed, to every rank
+        written = gather_bytes(comm, json.dumps(
+            [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
+        failed = gather_failures(comm, error)
+        with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
+            raise_if_failed(failed, "writing shards", error)
+        # 7. commit
+        every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
+        commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
+               hash_algorithm=hash_algorithm)
+        return DistributedSaveResult(
+            store.location,
+            mine.tensors,
+            len(objects),
+            sum(o.nbytes for o in objects),
+            received.received_bytes,
+        )
 
 
 __all__ = [

@@ -341,17 +341,19 @@ class LocalStore(Store):
     def batch(self) -> Iterator[None]:
         """Hold the location for a batch of calls: one descriptor of its directory, opened
         at the first call that needs it, serves every call of every thread until the
-        last hold ends (each call opened and closed its own: two system calls, each
+        last batch ends (each call opened and closed its own: two system calls, each
         releasing the GIL that the other writer threads wait for), and the directories
-        made or met under it are remembered, so that a new directory is made from the
-        deepest one known instead of from the location.
+        made or met meanwhile are remembered, so that a new directory is made from the
+        deepest one known instead of from the location. Batches nest.
 
-        What is written under a hold goes to the directory that was opened, whatever is
-        at the location's path since; a flush, an atomic write and the end of the last
-        hold check that the path still names that directory, and raise
-        :class:`~ucpformat.errors.ConcurrentWriteError` (UCP-1.0-R059) if it was
-        replaced. The descriptor is closed once the last hold has ended and no call
-        still uses it (never while one does: its number could name another file)."""
+        What is written in a batch goes to the directory that was opened, whatever is at
+        the location's path since (a removed location is not made again); an atomic write
+        (a commit) and the end of the last batch check that the path still names that
+        directory, and raise :class:`~ucpformat.errors.ConcurrentWriteError`
+        (UCP-1.0-R059) if it does not. A save is one batch from before its claim to its
+        end, so that all of it goes to the directory it claimed. The descriptor is
+        closed once the last batch has ended and no call uses it any more (never while
+        one does: its number could name another file by then)."""
         with self._lock:
             held = self._held
             if held is None:
@@ -431,8 +433,7 @@ class LocalStore(Store):
             raise ConcurrentWriteError(
                 "the checkpoint location was removed or replaced while this save was writing "
                 "there: what it wrote went to the directory it had opened, not to the one "
-                "now at this path; nothing is committed", rule="UCP-1.0-R059",
-                path=self.location,
+                "now at this path", rule="UCP-1.0-R059", path=self.location,
             )
 
     @contextlib.contextmanager
@@ -957,7 +958,6 @@ class LocalStore(Store):
                       sorted(files_in), self.SYNC_THREADS)
         finally:
             self._release_location(location, held)
-        self._check_held(held)  # made durable where the path no longer leads: say so
 
     def _fsync_in(self, dir_key: str, leaves: Sequence[str], *, location: int | None = None
                   ) -> None:

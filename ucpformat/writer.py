@@ -797,22 +797,25 @@ def save(
     ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
                          created=created)
     store = open_store(path, durable=durable)
-    with _storage_errors(store, untouched=True):
-        claim = prepare_destination(store, overwrite=overwrite)
-    with explain_failure(store, claim), _storage_errors(store):
-        objects = write_arrays(
-            store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
-            progress=progress, feed=feed,
-        )
-        commit(
-            store,
-            arrays=[m for m, _ in the_plan.arrays],
-            groups=the_plan.groups,
-            objects=objects,
-            root_ucp=ucp,
-            hash_algorithm=hash_algorithm,
-            claim=claim,
-        )
+    # the whole save in one batch: every write, the commit and a failure's clean-up go
+    # to the directory it claimed (Store.batch), whatever is put at the path meanwhile
+    with _storage_errors(store), store.batch():
+        with _storage_errors(store, untouched=True):
+            claim = prepare_destination(store, overwrite=overwrite)
+        with explain_failure(store, claim), _storage_errors(store):
+            objects = write_arrays(
+                store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
+                progress=progress, feed=feed,
+            )
+            commit(
+                store,
+                arrays=[m for m, _ in the_plan.arrays],
+                groups=the_plan.groups,
+                objects=objects,
+                root_ucp=ucp,
+                hash_algorithm=hash_algorithm,
+                claim=claim,
+            )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
 
 
