@@ -453,12 +453,16 @@ class LocalStore(Store):
         fd = location  # the directory reached so far (each one closed once left)
         try:
             fd, start = self._walk_start(location, parts, held, missed)
-            made = False  # the last directory was made here: the next one is new too
+            # made first, then opened: the directory below the last one made here (new
+            # too), and the first one walked after a missed one-call open (new, likely)
+            made = create and missed
             for i in range(start, len(parts) - 1):
                 part = parts[i]
                 if made:
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(part, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        made = False
                     nxt = self._open_dir(fd, parts, i)
                 else:
                     try:
@@ -967,8 +971,10 @@ class LocalStore(Store):
         descriptor of the location to open the directory from (one ``openat2``)."""
         fd = -1
         if location is not None and _OPENAT2 is not None:
-            with contextlib.suppress(OSError):  # the walk below says what went wrong
+            try:  # noqa: SIM105 - no contextlib.suppress per directory of every flush
                 fd = _OPENAT2(location, dir_key or ".", _DIR_FLAGS)
+            except OSError:
+                pass  # the walk below says what went wrong
         try:
             if fd >= 0:
                 pass
