@@ -428,6 +428,7 @@ def _s(x: float) -> str:
 
 
 def run(quick: bool = False, *, dps: Sequence[int] | None = None,
+        fsdp_dps: Sequence[int] | None = None,
         moe: bool = True, fsdp: bool = True, dcp: bool = True,
         model: L.Transformer | None = None,
         directory: str | Path | None = None,
@@ -447,7 +448,7 @@ def run(quick: bool = False, *, dps: Sequence[int] | None = None,
         if fsdp:
             shallow = dataclasses.replace(llama, name=f"{llama.name}-{FSDP_DCP_LAYERS}L",
                                           layers=FSDP_DCP_LAYERS)
-            for dp in QUICK_FSDP_DP if quick else FULL_FSDP_DP:
+            for dp in fsdp_dps or (QUICK_FSDP_DP if quick else FULL_FSDP_DP):
                 scenarios += [L.fsdp2(shallow, dp, 8), L.fsdp2(llama, dp, 8)]
         for sc in scenarios:
             cpu = time.process_time()
