@@ -4,8 +4,8 @@ No processes and no data: :mod:`benchmarks.scale_layouts` builds what every rank
 large run would describe (specs and fragment boxes, from the project's layout geometry),
 and this module runs the code a distributed save and a resharded load run on it:
 
-* **save, one rank**: :func:`ucpformat.saveplan.describe` and
-  :func:`~ucpformat.saveplan.encode_description` (what it sends the coordinator), then
+* **save, one rank**: :func:`ucpformat.description.describe` and
+  :func:`~ucpformat.description.encode_description` (what it sends the coordinator), then
   :func:`ucpformat.pipeline.take_share` of what the coordinator sends back;
 * **save, the coordinator**: :func:`ucpformat.pipeline.plan_shares` (decode every
   description, coverage check, shard grids, owners and replica balancing, every rank's
@@ -51,6 +51,14 @@ from typing import Any, TypeVar
 
 from benchmarks import Table
 from benchmarks import scale_layouts as L
+from ucpformat.description import (
+    boxes_off_mesh,
+    decode_descriptions,
+    describe,
+    encode_description,
+    encode_own_part,
+    encode_shared_part,
+)
 from ucpformat.engine.grid import inner_chunk_ranges, objects_overlapping
 from ucpformat.engine.write import StoredObject
 from ucpformat.layout.boxes import LocalMap, Piece
@@ -59,17 +67,7 @@ from ucpformat.layout.sharding import ParallelConfig, local_map
 from ucpformat.layout.zero import flat_partition
 from ucpformat.pipeline import plan_shares, take_share
 from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.saveplan import (
-    Plan,
-    PlanOptions,
-    boxes_off_mesh,
-    decode_descriptions,
-    describe,
-    encode_description,
-    encode_own_part,
-    encode_shared_part,
-    plan_from_descriptions,
-)
+from ucpformat.saveplan import Plan, PlanOptions, plan_from_descriptions
 from ucpformat.storage import LocalStore
 from ucpformat.writer import commit
 
@@ -234,7 +232,7 @@ ckpt_holder: list[Checkpoint] = []
 
 
 def encode_all(ranks: Sequence[L.SimRank]) -> list[bytes]:
-    """Every rank's :func:`~ucpformat.saveplan.encode_description`, as
+    """Every rank's :func:`~ucpformat.description.encode_description`, as
     ``encode_shared_part + encode_own_part`` (what the function is): the shared part
     (specs, tensors on meshes) encoded once for the ranks that share those lists, as
     thousands of real ranks would each encode the same bytes."""

@@ -1,7 +1,7 @@
 """Synthetic per-rank states of large training runs: specs and fragment boxes, no data.
 
 Each scenario builds, for every rank of a parallel layout, what that rank would tell the
-distributed save pipeline (:func:`ucpformat.saveplan.describe`): the specs of the tensors
+distributed save pipeline (:func:`ucpformat.description.describe`): the specs of the tensors
 it knows and the boxes of the fragments it holds, computed with the project's own layout
 geometry (:func:`ucpformat.layout.sharding.local_map`, :func:`ucpformat.layout.zero.flat_partition`,
 :func:`ucpformat.layout.dtensor.dtensor_local_map`). Ranks that hold the same thing (data
@@ -20,7 +20,7 @@ Scenarios:
 * ``fsdp2``: Hugging Face names, FSDP2 x TP on a 2-D (dp, tp) mesh: every tensor (fp32
   parameters, Adam moments) a DTensor with ``_StridedShard`` on dim 0 for column-parallel
   weights (rank order is not offset order); each rank describes the DTensors by the mesh
-  and their placements (:class:`~ucpformat.saveplan.MeshTensor`, shared by every rank)
+  and their placements (:class:`~ucpformat.description.MeshTensor`, shared by every rank)
   and its place in the mesh, or, with ``compact=False``, by its fragments' boxes.
 """
 
@@ -31,12 +31,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ucpformat import names
+from ucpformat.description import MeshPosition, MeshTensor
 from ucpformat.layout.boxes import Box, LocalMap, Piece, box_size
 from ucpformat.layout.dtensor import Placement, Replicate, Shard, StridedShard, dtensor_local_map
 from ucpformat.layout.semantics import Part, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.zero import flat_partition
-from ucpformat.saveplan import MeshPosition, MeshTensor, TensorSpec
+from ucpformat.saveplan import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ import pytest
 
 from benchmarks import scale_layouts as L
 from ucpformat import dtypes
+from ucpformat.description import describe, encode_description
 from ucpformat.layout.boxes import Box, box_shape
-from ucpformat.saveplan import PlanOptions, describe, encode_description
+from ucpformat.saveplan import PlanOptions
 
 
 def _gloo_available() -> bool:

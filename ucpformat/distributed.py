@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.comm import Communicator
+from ucpformat.description import MeshPosition, MeshTensor
 from ucpformat.engine import chunking
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
@@ -30,8 +31,6 @@ from ucpformat.pipeline import save as run_pipeline
 from ucpformat.reader import Checkpoint, Region
 from ucpformat.saveplan import (
     DEFAULT_MIN_SHARD_BYTES,
-    MeshPosition,
-    MeshTensor,
     PlanOptions,
     TensorSpec,
     check_coverage,

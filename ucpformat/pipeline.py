@@ -13,11 +13,12 @@ values as group attributes.
 ====  ==========  ============================  ==========================================
 step  name        who                           what
 ====  ==========  ============================  ==========================================
-1     describe    every rank, then collective   :func:`ucpformat.saveplan.describe`: the
+1     describe    every rank, then collective   :func:`ucpformat.description.describe`: the
                                                 specs, boxes and group attributes a rank
                                                 knows (no values), sent to the coordinator
                                                 alone (:func:`~ucpformat.comm.gather_bytes`
-                                                of :func:`~ucpformat.saveplan.encode_description`).
+                                                of its
+                                                :func:`~ucpformat.description.encode_description`).
 2     plan        the coordinator, then         :func:`plan_shares`: the plan
                   collective                    (:func:`ucpformat.saveplan.plan_from_descriptions`),
                                                 then the coordinator marks the destination
@@ -109,6 +110,14 @@ from ucpformat.comm import (
     gather_failures,
     scatter_bytes,
 )
+from ucpformat.description import (
+    MeshPosition,
+    MeshTensor,
+    boxes_off_mesh,
+    decode_descriptions,
+    describe,
+    encode_description,
+)
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     LayoutError,
@@ -121,19 +130,13 @@ from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains
 from ucpformat.metadata import ArrayMeta, build_root_ucp
 from ucpformat.progress import ProgressCallback, byte_progress
 from ucpformat.saveplan import (
-    MeshPosition,
-    MeshTensor,
     ObjectPlan,
     Plan,
     PlanOptions,
     RankTasks,
     TensorSpec,
     array_meta,
-    boxes_off_mesh,
     class_members,
-    decode_descriptions,
-    describe,
-    encode_description,
     plan_from_descriptions,
 )
 from ucpformat.storage import Store, open_store
@@ -636,10 +639,11 @@ def plan_shares(
     overwrite: bool,
     own: BaseException | None = None,
 ) -> tuple[Plan | None, dict[int, bytes], WriteClaim | None, BaseException | None]:
-    """Step 2 on the coordinator, from every rank's :func:`~ucpformat.saveplan.encode_description`:
-    the plan, what each rank receives (its :class:`RankTasks`; or the ranks that failed
-    to describe; or the plan's error), its hold on the location (:func:`mark`; None if
-    it did not mark it), and its own failure (``own``: before this step)."""
+    """Step 2 on the coordinator, from every rank's
+    :func:`~ucpformat.description.encode_description`: the plan, what each rank
+    receives (its :class:`RankTasks`; or the ranks that failed to describe; or the
+    plan's error), its hold on the location (:func:`mark`; None if it did not mark it),
+    and its own failure (``own``: before this step)."""
     world = len(blobs)
     plan: Plan | None = None
     error = own
@@ -701,7 +705,7 @@ def take_share(
     tasks, or the error it carries to the exchange (the plan's, which every rank raises
     alike); raises at once, on every rank, if a rank failed to describe itself.
     ``plan``: the coordinator's own (None on the other ranks); ``description``: what
-    this rank described (:func:`~ucpformat.saveplan.describe`), from which it expands
+    this rank described (:func:`~ucpformat.description.describe`), from which it expands
     its share of the classes of tensors on meshes."""
     doc = json.loads(share or b"{}")
     raise_if_failed([(int(r), str(e)) for r, e in doc.get("failed", ())],

@@ -15,23 +15,25 @@ from typing import Any
 import pytest
 
 from benchmarks import scale_layouts as L
-from ucpformat.errors import LayoutError, WriteError
-from ucpformat.layout.dtensor import Replicate, Shard
-from ucpformat.saveplan import (
+from ucpformat.description import (
     Description,
     MeshPosition,
     MeshTensor,
-    PlanOptions,
-    RankTasks,
-    TensorSpec,
-    array_meta,
     boxes_off_mesh,
-    class_members,
     decode_descriptions,
     describe,
     encode_description,
     encode_own_part,
     encode_shared_part,
+)
+from ucpformat.errors import LayoutError, WriteError
+from ucpformat.layout.dtensor import Replicate, Shard
+from ucpformat.saveplan import (
+    PlanOptions,
+    RankTasks,
+    TensorSpec,
+    array_meta,
+    class_members,
     plan_from_descriptions,
 )
 

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from ucpformat import names
 from ucpformat.comm import Communicator, gather_failures
+from ucpformat.description import MeshPosition, MeshTensor
 from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
 from ucpformat.distributed import save_distributed as _core_save_distributed
 from ucpformat.errors import (
@@ -70,7 +71,6 @@ from ucpformat.layout.dtensor import (
 )
 from ucpformat.pipeline import FragmentSource
 from ucpformat.reader import Checkpoint
-from ucpformat.saveplan import MeshPosition, MeshTensor
 from ucpformat.storage import Store
 from ucpformat.torch.assign import (
     AssignGroup,
@@ -544,7 +544,7 @@ def write_collected(
 
 
 def mesh_name(mesh: DeviceMesh) -> str:
-    """A device mesh's name for :class:`~ucpformat.saveplan.MeshPosition`: from the
+    """A device mesh's name for :class:`~ucpformat.description.MeshPosition`: from the
     global ranks at its positions (so the same on every rank of the mesh, and different
     for a mesh of other ranks or another shape)."""
     ranks = json.dumps(mesh.mesh.tolist()).encode()
@@ -580,7 +580,7 @@ def mesh_layout(
 ) -> tuple[list[MeshPosition], list[MeshTensor]]:
     """The DTensors of ``state`` described by their device mesh (:func:`root_layout`):
     this rank's place in each mesh and each DTensor's placements (the coordinator
-    derives every rank's fragments from them, :class:`~ucpformat.saveplan.MeshTensor`).
+    derives every rank's fragments from them, :class:`~ucpformat.description.MeshTensor`).
     A DTensor whose mesh has ranks outside the checkpoint's process ``group`` (default:
     the world), or this rank not in it, is left to its fragments' boxes: the mesh's
     positions would lack a rank of the save."""
