@@ -4,8 +4,8 @@ No processes and no data: :mod:`benchmarks.scale_layouts` builds what every rank
 large run would describe (specs and fragment boxes, from the project's layout geometry),
 and this module runs the code a distributed save and a resharded load run on it:
 
-* **save, one rank**: :func:`ucpformat.saveplan.describe` and
-  :func:`~ucpformat.saveplan.encode_description` (what it sends the coordinator), then
+* **save, one rank**: :func:`ucpformat.description.describe` and
+  :func:`~ucpformat.description.encode_description` (what it sends the coordinator), then
   :func:`ucpformat.pipeline.take_share` of what the coordinator sends back;
 * **save, the coordinator**: :func:`ucpformat.pipeline.plan_shares` (decode every
   description, coverage check, shard grids, owners and replica balancing, every rank's
@@ -51,6 +51,14 @@ from typing import Any, TypeVar
 
 from benchmarks import Table
 from benchmarks import scale_layouts as L
+from ucpformat.description import (
+    boxes_off_mesh,
+    decode_descriptions,
+    describe,
+    encode_description,
+    encode_own_part,
+    encode_shared_part,
+)
 from ucpformat.engine.grid import inner_chunk_ranges, objects_overlapping
 from ucpformat.engine.write import StoredObject
 from ucpformat.layout.boxes import LocalMap, Piece
@@ -59,14 +67,7 @@ from ucpformat.layout.sharding import ParallelConfig, local_map
 from ucpformat.layout.zero import flat_partition
 from ucpformat.pipeline import plan_shares, take_share
 from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.saveplan import (
-    Plan,
-    PlanOptions,
-    decode_descriptions,
-    describe,
-    encode_description,
-    plan_from_descriptions,
-)
+from ucpformat.saveplan import Plan, PlanOptions, plan_from_descriptions
 from ucpformat.storage import LocalStore
 from ucpformat.writer import commit
 
@@ -77,14 +78,14 @@ MiB = 1 << 20
 FULL_DP = (8, 32, 128)
 QUICK_DP = (1,)
 QUICK_LLAMA = dataclasses.replace(L.LLAMA_405B, name="Llama-405B-16L", layers=16)
-#: FSDP2 x TP (TP 8): data-parallel degrees of 1,024 / 4,096 / 16,384 ranks; the model
-#: keeps the 405B shape but only FSDP_LAYERS of its layers, because every rank holds a
-#: piece of every tensor (126 layers at 16,384 ranks: 56 M fragments, beyond one process
-#: of this machine in the 15 minutes of the full mode); every figure but the root's grows
-#: linearly with the layers.
+#: FSDP2 x TP (TP 8): data-parallel degrees of 1,024 / 4,096 / 16,384 ranks, the whole
+#: 405B model, each rank describing the DTensors by mesh and placements. DCP sees every
+#: rank's boxes (56 M write items for the whole model at 16,384 ranks, beyond one
+#: process of this machine in the 15 minutes of the full mode): it plans the same
+#: layout on FSDP_DCP_LAYERS layers, beside ours on the same layers.
 FULL_FSDP_DP = (128, 512, 2048)
 QUICK_FSDP_DP = (16,)
-FSDP_LAYERS = 2
+FSDP_DCP_LAYERS = 2
 #: The "before" protocol (every rank plans everything) is run for the dense model at every
 #: scale, for the others up to this many ranks (it is the coordinator's plan again).
 BEFORE_MAX_RANKS = 4096
@@ -145,12 +146,20 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
     world = sc.world
     cpu = time.process_time()
     ranks, build_s = timed(lambda: list(sc.ranks()))
-    # one rank: the rank with the most fragments (the slowest describes the longest)
-    probe = max(ranks, key=lambda r: len(r.boxes))
-    blob, rank_describe_s, rank_describe_peak = measured(
-        lambda: encode_description({**describe(probe.specs, probe.boxes), "error": ""}))
-    blobs, encode_s = timed(lambda: [
-        encode_description({**describe(r.specs, r.boxes), "error": ""}) for r in ranks])
+    # one rank: the rank with the most fragments (the slowest describes the longest); its
+    # step 1 as the pipeline runs it (its fragments checked against its mesh places)
+    probe = max(ranks, key=lambda r: (len(r.boxes), r.rank))
+    probe_boxes = probe.all_boxes()
+
+    def describe_probe() -> tuple[dict[str, Any], bytes]:
+        boxes = boxes_off_mesh(probe_boxes, probe.specs, probe.meshes, probe.on_mesh)
+        doc = {**describe(probe.specs, boxes, meshes=probe.meshes, on_mesh=probe.on_mesh),
+               "error": ""}
+        return doc, encode_description(doc)
+
+    (probe_doc, blob), rank_describe_s, rank_describe_peak = measured(describe_probe)
+    blobs, encode_s = timed(lambda: encode_all(ranks))
+    assert blobs[probe.rank] == blob
     ranks.clear()
     simulate_cpu_s = time.process_time() - cpu
     gc.collect()
@@ -163,7 +172,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
         raise RuntimeError(f"the simulated plan failed: {error}")
     share = shares[probe.rank] if probe.rank else b"{}"
     mine, rank_share_s, rank_share_peak = measured(
-        lambda: take_share(share, None if probe.rank else plan, probe.rank, None))
+        lambda: take_share(share, None if probe.rank else plan, probe.rank, None, probe_doc))
     assert mine.tasks is not None
     written = objects_of(plan)
     per_rank_written = max(len(json.dumps([[o.key, o.nbytes, None] for o in tasks_objects]))
@@ -195,7 +204,7 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
         "coord_received": sum(len(b) for b in blobs), "coord_sent": sum(map(len, shares.values())),
         "commit_s": commit_s, "commit_cpu_s": commit_cpu_s, "commit_peak": commit_peak,
         "root_bytes": root_bytes, "manifest_bytes": manifest_bytes,
-        "moves": len(plan.moves), "open_s": open_s, "open_peak": open_peak,
+        "moves": plan.move_count(), "open_s": open_s, "open_peak": open_peak,
     }
     del root
     if before:
@@ -222,10 +231,30 @@ def save_figures(sc: L.Scenario, scratch: Path, *, before: bool) -> dict[str, An
 ckpt_holder: list[Checkpoint] = []
 
 
+def encode_all(ranks: Sequence[L.SimRank]) -> list[bytes]:
+    """Every rank's :func:`~ucpformat.description.encode_description`, as
+    ``encode_shared_part + encode_own_part`` (what the function is): the shared part
+    (specs, tensors on meshes) encoded once for the ranks that share those lists, as
+    thousands of real ranks would each encode the same bytes."""
+    shared: dict[tuple[int, int], bytes] = {}
+    out = []
+    for r in ranks:
+        key = (id(r.specs), id(r.on_mesh))
+        if key not in shared:
+            shared[key] = encode_shared_part(describe(r.specs, [], on_mesh=r.on_mesh,
+                                                      meshes=r.meshes))
+        own = {**describe((), r.boxes, meshes=r.meshes), "error": ""}
+        out.append(shared[key] + encode_own_part(own))
+    return out
+
+
 def _objects_by_owner(plan: Plan, written: Sequence[StoredObject]) -> list[list[StoredObject]]:
     by_key = {o.key: o for o in written}
-    return [[by_key[plan.tensors[o.path].meta.object_key(o.coords)] for o in objs]
-            for objs in plan.owned.values()]
+    out: dict[int, list[StoredObject]] = {}
+    for tp in plan.tensors.values():
+        for o in tp.objects:
+            out.setdefault(o.owner, []).append(by_key[tp.meta.object_key(o.coords)])
+    return list(out.values())
 
 
 # -- load ----------------------------------------------------------------------------------
@@ -326,7 +355,7 @@ def dcp_figures(sc: L.Scenario,
                     chunk=ChunkStorageMetadata(torch.Size([a for a, _ in box]),
                                                torch.Size([b - a for a, b in box])),
                     properties=props[path], size=shapes[path]))
-            for path, box in r.boxes
+            for path, box in r.all_boxes()
         ]
         plans.append(SavePlan(items, planner_data={}))
     build_s = time.perf_counter() - t0
@@ -397,6 +426,7 @@ def _s(x: float) -> str:
 
 
 def run(quick: bool = False, *, dps: Sequence[int] | None = None,
+        fsdp_dps: Sequence[int] | None = None,
         moe: bool = True, fsdp: bool = True, dcp: bool = True,
         model: L.Transformer | None = None,
         directory: str | Path | None = None,
@@ -414,10 +444,10 @@ def run(quick: bool = False, *, dps: Sequence[int] | None = None,
         if moe:
             scenarios += [L.megatron(L.MIXTRAL_8X7B, 2, 4, dp * 16, ep=8) for dp in dps]
         if fsdp:
-            shallow = dataclasses.replace(llama, name=f"{llama.name}-{FSDP_LAYERS}L",
-                                          layers=FSDP_LAYERS)
-            scenarios += [L.fsdp2(shallow, dp, 8)
-                          for dp in (QUICK_FSDP_DP if quick else FULL_FSDP_DP)]
+            shallow = dataclasses.replace(llama, name=f"{llama.name}-{FSDP_DCP_LAYERS}L",
+                                          layers=FSDP_DCP_LAYERS)
+            for dp in fsdp_dps or (QUICK_FSDP_DP if quick else FULL_FSDP_DP):
+                scenarios += [L.fsdp2(shallow, dp, 8), L.fsdp2(llama, dp, 8)]
         for sc in scenarios:
             cpu = time.process_time()
             row = save_figures(sc, scratch,
@@ -426,7 +456,7 @@ def run(quick: bool = False, *, dps: Sequence[int] | None = None,
             big = L.load_config(sc.model, 4, 8, max(1, sc.world // 256))
             one_rank = L.load_config(sc.model, 1, 1, 1)
             dcp_loads: list[float] = []
-            if dcp:
+            if dcp and (sc.kind != "fsdp2" or sc.model.layers <= FSDP_DCP_LAYERS):
                 targets = [big, one_rank] if largest else [big] if sc.kind == "megatron" else []
                 figures, dcp_loads = dcp_figures(sc, targets)
                 row.update(figures)

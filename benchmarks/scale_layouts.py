@@ -1,7 +1,7 @@
 """Synthetic per-rank states of large training runs: specs and fragment boxes, no data.
 
 Each scenario builds, for every rank of a parallel layout, what that rank would tell the
-distributed save pipeline (:func:`ucpformat.saveplan.describe`): the specs of the tensors
+distributed save pipeline (:func:`ucpformat.description.describe`): the specs of the tensors
 it knows and the boxes of the fragments it holds, computed with the project's own layout
 geometry (:func:`ucpformat.layout.sharding.local_map`, :func:`ucpformat.layout.zero.flat_partition`,
 :func:`ucpformat.layout.dtensor.dtensor_local_map`). Ranks that hold the same thing (data
@@ -19,7 +19,9 @@ Scenarios:
   ranks;
 * ``fsdp2``: Hugging Face names, FSDP2 x TP on a 2-D (dp, tp) mesh: every tensor (fp32
   parameters, Adam moments) a DTensor with ``_StridedShard`` on dim 0 for column-parallel
-  weights (rank order is not offset order).
+  weights (rank order is not offset order); each rank describes the DTensors by the mesh
+  and their placements (:class:`~ucpformat.description.MeshTensor`, shared by every rank)
+  and its place in the mesh, or, with ``compact=False``, by its fragments' boxes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ucpformat import names
-from ucpformat.layout.boxes import Box, LocalMap, Piece
+from ucpformat.description import MeshPosition, MeshTensor
+from ucpformat.layout.boxes import Box, LocalMap, Piece, box_size
 from ucpformat.layout.dtensor import Placement, Replicate, Shard, StridedShard, dtensor_local_map
 from ucpformat.layout.semantics import Part, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
@@ -143,11 +146,27 @@ def hf_params(model: Transformer) -> list[tuple[Param, str]]:
 @dataclass
 class SimRank:
     """What one rank tells the pipeline: the specs it knows (shared between ranks that
-    know the same) and its fragments' boxes."""
+    know the same), its fragments' boxes, and the tensors it lays out on device meshes
+    (``on_mesh``, shared between the ranks of a mesh) with its place in each mesh."""
 
     rank: int
     specs: Sequence[TensorSpec]
     boxes: list[tuple[str, Box]]
+    meshes: Sequence[MeshPosition] = ()
+    on_mesh: Sequence[MeshTensor] = ()
+
+    def all_boxes(self) -> list[tuple[str, Box]]:
+        """Every fragment's box, those of the tensors on meshes included (their pieces
+        of :func:`~ucpformat.layout.dtensor.dtensor_local_map`)."""
+        place = {m.name: m for m in self.meshes}
+        shape = {s.path: s.shape for s in self.specs}
+        out = list(self.boxes)
+        for t in self.on_mesh:
+            m = place[t.mesh]
+            local = dtensor_local_map(shape[t.path], m.shape, t.placements, m.coords,
+                                      tensor=t.path)
+            out += [(t.path, p.glob) for p in local.pieces if box_size(p.glob)]
+        return out
 
 
 @dataclass
@@ -160,6 +179,7 @@ class Scenario:
     kind: str  # "megatron", "moe" or "fsdp2"
     cfg: ParallelConfig | None = None  # megatron and moe
     mesh: tuple[int, int] | None = None  # fsdp2: (dp, tp)
+    compact: bool = True  # fsdp2: tensors described on their mesh, not by boxes
 
     def ranks(self) -> Iterator[SimRank]:
         if self.kind == "fsdp2":
@@ -195,14 +215,19 @@ def megatron(model: Transformer, tp: int, pp: int, dp: int, *, ep: int = 1) -> S
     return Scenario(f"{model.name} {kind} {cfg.world}", model, cfg.world, kind, cfg=cfg)
 
 
-def fsdp2(model: Transformer, dp: int, tp: int) -> Scenario:
-    return Scenario(f"{model.name} fsdp2 {dp * tp}", model, dp * tp, "fsdp2", mesh=(dp, tp))
+def fsdp2(model: Transformer, dp: int, tp: int, *, compact: bool = True) -> Scenario:
+    """FSDP2 x TP; ``compact``: each rank describes the DTensors by mesh and placements
+    (else by its fragments' boxes, one per tensor)."""
+    return Scenario(f"{model.name} fsdp2 {dp * tp}", model, dp * tp, "fsdp2", mesh=(dp, tp),
+                    compact=compact)
 
 
 #: The optimizer's per-parameter arrays beside the bf16 weights (ZeRO-1 layouts).
 ZERO_STATES = ("master", "exp_avg", "exp_avg_sq")
 #: FSDP2 keeps fp32 parameters sharded; the optimizer's moments beside them.
 FSDP_STATES = ("exp_avg", "exp_avg_sq")
+#: The name of the FSDP2 x TP device mesh (every rank is in it).
+FSDP_MESH = "dp_tp"
 
 
 def model_path(name: str) -> str:
@@ -266,6 +291,14 @@ def _fsdp2_ranks(sc: Scenario) -> Iterator[SimRank]:
     specs = [_spec(model_path(p.name), p, "float32", "parameter") for p, _ in params]
     specs += [_spec(state_path(p.name, s), p, "float32", "optimizer_state")
               for p, _ in params for s in FSDP_STATES]
+    if sc.compact:
+        on_mesh = [MeshTensor(path, FSDP_MESH, tuple(fsdp2_placements(style, tp)))
+                   for p, style in params
+                   for path in (model_path(p.name), *(state_path(p.name, s) for s in FSDP_STATES))]
+        for rank in range(sc.world):
+            place = MeshPosition(FSDP_MESH, (dp, tp), (rank // tp, rank % tp))
+            yield SimRank(rank, specs, [], (place,), on_mesh)
+        return
     for rank in range(sc.world):
         coords = (rank // tp, rank % tp)
         boxes: list[tuple[str, Box]] = []
@@ -305,6 +338,7 @@ def load_targets(model: Transformer, cfg: ParallelConfig, rank: int
 
 
 __all__ = [
+    "FSDP_MESH",
     "FSDP_STATES",
     "LLAMA_405B",
     "MIXTRAL_8X7B",

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("engine.*",)),
     ("metadata", ("metadata",)),
     ("checkpoint API", ("", "reader", "writer", "feed", "validation", "rng", "manager")),
-    ("distributed pipeline", ("comm", "saveplan", "pipeline", "distributed",
+    ("distributed pipeline", ("comm", "description", "saveplan", "pipeline", "distributed",
                               "layout.framework")),
     ("torch", ("torch.*",)),
     ("frameworks", ("conversion", "importers.*", "exporters.*", "deepspeed.*",

@@ -202,6 +202,28 @@ def test_scale_benchmark_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+def test_scale_benchmark_fsdp_on_a_mesh(tmp_path: Path) -> None:
+    """FSDP2 x TP, DTensors described by mesh: the whole model and 2 of its layers (what
+    DCP plans beside it), and what a rank sends and receives stays small."""
+    from benchmarks import bench_scale
+    from benchmarks import scale_layouts as L
+
+    tiny = L.Transformer("tiny", layers=6, hidden=64, heads=8, kv_heads=8, head_dim=8,
+                         ffn=128, vocab=512)
+    tables = bench_scale.run(dps=(1,), fsdp_dps=(4,), model=tiny, moe=False,
+                             directory=tmp_path)
+    rows = [r for r in tables[0].data["save"] if "FSDP2" in r["layout"]]
+    assert [(r["ranks"], r["arrays"]) for r in rows] == [(32, 3 * (2 * 9 + 3)),
+                                                          (32, 3 * (6 * 9 + 3))]
+    shallow, whole = rows
+    assert "dcp_global_s" in shallow and "dcp_global_s" not in whole
+    for r in rows:
+        assert r["rank_received"] < r["before_rank_received"] and r["objects"] >= r["arrays"]
+    # a rank's share grows with the classes of alike tensors, not with the layers
+    assert whole["share_bytes"] < 2 * shallow["share_bytes"]
+
+
+@pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_deepspeed_benchmark_runs(tmp_path: Path) -> None:

@@ -3,10 +3,11 @@
 ``benchmarks/bench_scale.py`` simulates thousands of ranks in one process (descriptions
 from :mod:`benchmarks.scale_layouts`, the coordinator's :func:`ucpformat.pipeline.plan_shares`,
 each rank's :func:`ucpformat.pipeline.take_share`). Here 4 gloo processes save the same
-layout (a small Llama-shaped model, TP 2 x DP 2 with flat ZeRO-1 partitions of the fp32
-states, fine shards so that boundary cells move) with real values, recording the share
-each rank received; the simulation must hand every rank exactly that share, and the
-checkpoint must hold the values.
+layouts with real values, recording the share each rank received; the simulation must
+hand every rank exactly that share, and the checkpoint must hold the values. The
+layouts: a small Llama-shaped model under TP 2 x DP 2 with flat ZeRO-1 partitions of the
+fp32 states, and under FSDP2 x TP on a (2, 2) mesh described by mesh and placements;
+fine shards, so that cells move.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import pytest
 
 from benchmarks import scale_layouts as L
 from ucpformat import dtypes
+from ucpformat.description import describe, encode_description
 from ucpformat.layout.boxes import Box, box_shape
-from ucpformat.saveplan import PlanOptions, describe, encode_description
+from ucpformat.saveplan import PlanOptions
 
 
 def _gloo_available() -> bool:
@@ -38,8 +40,7 @@ TINY = L.Transformer("tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=
 OPTIONS = PlanOptions(None, chunk_bytes=256, shard_bytes=2048, min_shard_bytes=1024)
 
 
-def scenario() -> L.Scenario:
-    return L.megatron(TINY, 2, 1, 2)
+SCENARIOS = {"zero1": lambda: L.megatron(TINY, 2, 1, 2), "fsdp2": lambda: L.fsdp2(TINY, 2, 2)}
 
 
 def values(shape: tuple[int, ...], box: Box, dtype: str) -> np.ndarray[Any, Any]:
@@ -50,16 +51,16 @@ def values(shape: tuple[int, ...], box: Box, dtype: str) -> np.ndarray[Any, Any]
     return np.asarray(flat, dtype=np.float32).astype(dtypes.by_name(dtype).numpy)
 
 
-def save_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+def save_rank(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
     """Worker: save this rank's part of the layout over gloo; the share it received."""
     import ucpformat.pipeline as pipeline
     from ucpformat.distributed import Fragment, save_distributed
     from ucpformat.torch.comm import TorchCommunicator
 
-    sim = next(r for r in scenario().ranks() if r.rank == rank)
+    sim = next(r for r in SCENARIOS[kind]().ranks() if r.rank == rank)
     spec_of = {s.path: s for s in sim.specs}
     frags = [Fragment(p, box, values(spec_of[p].shape, box, spec_of[p].dtype).reshape(-1))
-             for p, box in sim.boxes]
+             for p, box in sim.all_boxes()]
     seen: dict[str, Any] = {}
     real = pipeline.take_share
 
@@ -71,19 +72,21 @@ def save_rank(rank: int, world: int, root: str) -> dict[str, Any]:
 
     pipeline.take_share = recording  # type: ignore[assignment]
     save_distributed(root, TorchCommunicator(), specs=sim.specs, fragments=frags,
-                     chunk_bytes=OPTIONS.chunk_bytes, shard_bytes=OPTIONS.shard_bytes,
+                     meshes=sim.meshes, on_mesh=sim.on_mesh, chunk_bytes=OPTIONS.chunk_bytes,
+                     shard_bytes=OPTIONS.shard_bytes,
                      min_shard_bytes=OPTIONS.min_shard_bytes, durable=False)
     return seen
 
 
-def simulated_shares() -> list[dict[str, Any]]:
+def simulated_shares(kind: str) -> list[dict[str, Any]]:
     """Each rank's share as the benchmark computes it, in one process."""
     from ucpformat.pipeline import plan_shares, take_share
     from ucpformat.storage import LocalStore
 
-    sc = scenario()
-    blobs = [encode_description({**describe(r.specs, r.boxes), "error": ""})
-             for r in sc.ranks()]
+    sc = SCENARIOS[kind]()
+    docs = [{**describe(r.specs, r.boxes, meshes=r.meshes, on_mesh=r.on_mesh), "error": ""}
+            for r in sc.ranks()]
+    blobs = [encode_description(d) for d in docs]
 
     class NoStore(LocalStore):  # the plan's destination is never written here
         def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
@@ -96,32 +99,34 @@ def simulated_shares() -> list[dict[str, Any]]:
     assert error is None and plan is not None
     out = []
     for rank in range(sc.world):
-        share = take_share(shares[rank], plan if rank == 0 else None, rank, None)
+        share = take_share(shares[rank], plan if rank == 0 else None, rank, None, docs[rank])
         assert share.tasks is not None
         out.append(share.tasks.to_json())
     return out
 
 
-def test_the_simulated_plan_moves_boundary_cells() -> None:
+@pytest.mark.parametrize("kind", sorted(SCENARIOS))
+def test_the_simulated_plan_moves_boundary_cells(kind: str) -> None:
     """The layout is one that exercises the exchange (else the comparison proves less)."""
-    shares = simulated_shares()
+    shares = simulated_shares(kind)
     assert any(s["sends"] for s in shares) and all(s["objects"] for s in shares)
 
 
 @pytest.mark.torch
 @pytest.mark.distributed
 @pytest.mark.skipif(not GLOO, reason="needs torch.distributed with gloo")
-def test_simulated_plans_equal_a_real_gloo_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", sorted(SCENARIOS))
+def test_simulated_plans_equal_a_real_gloo_save(tmp_path: Path, kind: str) -> None:
     import ucpformat
     from ucpformat.torch.launch import spawn
 
-    real = spawn(save_rank, 4, str(tmp_path / "ckpt"), timeout=240)
-    simulated = simulated_shares()
+    real = spawn(save_rank, 4, str(tmp_path / "ckpt"), kind, timeout=240)
+    simulated = simulated_shares(kind)
     for rank in range(4):
         assert json.dumps(real[rank]["tasks"], sort_keys=True) == json.dumps(
             simulated[rank], sort_keys=True), f"rank {rank}"
     ckpt = ucpformat.open(tmp_path / "ckpt")
-    specs = {s.path: s for r in scenario().ranks() for s in r.specs}
+    specs = {s.path: s for r in SCENARIOS[kind]().ranks() for s in r.specs}
     assert set(ckpt) == set(specs)
     for path, spec in specs.items():
         full = tuple((0, n) for n in spec.shape)

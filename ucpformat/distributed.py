@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.comm import Communicator
+from ucpformat.description import MeshPosition, MeshTensor
 from ucpformat.engine import chunking
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
@@ -47,6 +48,8 @@ def save_distributed(
     specs: Sequence[TensorSpec],
     fragments: Sequence[Fragment] | FragmentSource,
     group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    meshes: Sequence[MeshPosition] = (),
+    on_mesh: Sequence[MeshTensor] = (),
     root_values: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     compression: str | Mapping[str, Any] | None = None,
@@ -70,6 +73,12 @@ def save_distributed(
 
     ``fragments`` are the values in memory, or a :class:`~ucpformat.pipeline.FragmentSource`
     that gives them when asked (a staging area copying them from a device).
+
+    Tensors laid out over device meshes as DTensors are (``on_mesh``, with this rank's
+    place in each mesh in ``meshes``) are described by their mesh and placements
+    instead of their fragments' boxes (their fragments must be the rank's local part):
+    at thousands of ranks holding a piece of every tensor (FSDP), this keeps what the
+    coordinator receives and plans from growing with ranks times tensors.
     """
     return run_pipeline(
         path,
@@ -77,6 +86,8 @@ def save_distributed(
         specs=specs,
         source=FragmentList(fragments) if isinstance(fragments, Sequence) else fragments,
         group_attributes=group_attributes,
+        meshes=meshes,
+        on_mesh=on_mesh,
         root_values=root_values,
         metadata=metadata,
         options=PlanOptions(compression, chunk_bytes, shard_bytes, min_shard_bytes),
@@ -168,6 +179,8 @@ __all__ = [
     "DEFAULT_MIN_SHARD_BYTES",
     "DistributedSaveResult",
     "Fragment",
+    "MeshPosition",
+    "MeshTensor",
     "TensorSpec",
     "check_coverage",
     "choose_grid",

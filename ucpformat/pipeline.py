@@ -13,11 +13,12 @@ values as group attributes.
 ====  ==========  ============================  ==========================================
 step  name        who                           what
 ====  ==========  ============================  ==========================================
-1     describe    every rank, then collective   :func:`ucpformat.saveplan.describe`: the
+1     describe    every rank, then collective   :func:`ucpformat.description.describe`: the
                                                 specs, boxes and group attributes a rank
                                                 knows (no values), sent to the coordinator
                                                 alone (:func:`~ucpformat.comm.gather_bytes`
-                                                of :func:`~ucpformat.saveplan.encode_description`).
+                                                of its
+                                                :func:`~ucpformat.description.encode_description`).
 2     plan        the coordinator, then         :func:`plan_shares`: the plan
                   collective                    (:func:`ucpformat.saveplan.plan_from_descriptions`),
                                                 then the coordinator marks the destination
@@ -109,6 +110,14 @@ from ucpformat.comm import (
     gather_failures,
     scatter_bytes,
 )
+from ucpformat.description import (
+    MeshPosition,
+    MeshTensor,
+    boxes_off_mesh,
+    decode_descriptions,
+    describe,
+    encode_description,
+)
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     LayoutError,
@@ -126,9 +135,8 @@ from ucpformat.saveplan import (
     PlanOptions,
     RankTasks,
     TensorSpec,
-    decode_descriptions,
-    describe,
-    encode_description,
+    array_meta,
+    class_members,
     plan_from_descriptions,
 )
 from ucpformat.storage import Store, open_store
@@ -635,10 +643,11 @@ def plan_shares(
     overwrite: bool,
     own: BaseException | None = None,
 ) -> tuple[Plan | None, dict[int, bytes], WriteClaim | None, BaseException | None]:
-    """Step 2 on the coordinator, from every rank's :func:`~ucpformat.saveplan.encode_description`:
-    the plan, what each rank receives (its :class:`RankTasks`; or the ranks that failed
-    to describe; or the plan's error), its hold on the location (:func:`mark`; None if
-    it did not mark it), and its own failure (``own``: before this step)."""
+    """Step 2 on the coordinator, from every rank's
+    :func:`~ucpformat.description.encode_description`: the plan, what each rank
+    receives (its :class:`RankTasks`; or the ranks that failed to describe; or the
+    plan's error), its hold on the location (:func:`mark`; None if it did not mark it),
+    and its own failure (``own``: before this step)."""
     world = len(blobs)
     plan: Plan | None = None
     error = own
@@ -690,12 +699,18 @@ class Share:
 
 
 def take_share(
-    share: bytes, plan: Plan | None, rank: int, error: BaseException | None
+    share: bytes,
+    plan: Plan | None,
+    rank: int,
+    error: BaseException | None,
+    description: Mapping[str, Any] | None = None,
 ) -> Share:
     """What a rank does with what the coordinator sent it (:func:`plan_shares`): its
     tasks, or the error it carries to the exchange (the plan's, which every rank raises
     alike); raises at once, on every rank, if a rank failed to describe itself.
-    ``plan``: the coordinator's own (None on the other ranks)."""
+    ``plan``: the coordinator's own (None on the other ranks); ``description``: what
+    this rank described (:func:`~ucpformat.description.describe`), from which it expands
+    its share of the classes of tensors on meshes."""
     doc = json.loads(share or b"{}")
     raise_if_failed([(int(r), str(e)) for r, e in doc.get("failed", ())],
                     "describing fragments", error)
@@ -705,7 +720,18 @@ def take_share(
         return Share(plan.tasks(rank), len(plan.tensors), error)
     if "tasks" not in doc:
         return Share(None, 0, error or WriteError("the coordinator sent no tasks to this rank"))
-    return Share(RankTasks.from_json(doc["tasks"]), int(doc["tensors"]), error)
+    try:
+        tasks = RankTasks.from_json(doc["tasks"])
+        if tasks.classes:
+            sharded = (description or {}).get("sharded", ())
+            on_mesh = {str(entry[0]) for entry in sharded}
+            spec_of = {s["path"]: TensorSpec.from_json(s)
+                       for s in (description or {}).get("specs", ()) if s["path"] in on_mesh}
+            tasks.expand(class_members(spec_of, sharded),
+                         lambda path, ct: array_meta(spec_of[path], ct.grid, ct.compression))
+    except BaseException as exc:  # carried to the exchange: no rank waits for this one
+        return Share(None, 0, error or exc)
+    return Share(tasks, int(doc["tensors"]), error)
 
 
 # -- all steps ---------------------------------------------------------------------------------
@@ -727,6 +753,8 @@ def save(
     specs: Sequence[TensorSpec],
     source: FragmentSource,
     group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    meshes: Sequence[MeshPosition] = (),
+    on_mesh: Sequence[MeshTensor] = (),
     root_values: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     options: PlanOptions | None = None,
@@ -738,7 +766,11 @@ def save(
 ) -> DistributedSaveResult:
     """Every step, collectively: every rank passes the specs of the tensors it knows and
     what it holds. Rank 0 is the coordinator; ``root_values`` and ``metadata`` are its.
-    Raises on every rank if any rank fails; then nothing is committed."""
+    Tensors laid out on device meshes (``on_mesh``; this rank's place in each mesh:
+    ``meshes``) are described by their layout, not their fragments' boxes: the
+    coordinator plans each class of alike tensors once, and the collectives carry no
+    box per tensor and rank. Raises on every rank if any rank fails; then nothing is
+    committed."""
     store = open_store(path, durable=durable)
     # the whole save in one batch: every write, the commit and a failure's clean-up go
     # to the directory the coordinator claimed (Store.batch), whatever is put at the
@@ -750,7 +782,8 @@ def save(
         description: dict[str, Any] = {}
         root_ucp: dict[str, Any] = {}
         try:
-            description = describe(specs, source.boxes(), group_attributes)
+            description = describe(specs, boxes_off_mesh(source.boxes(), specs, meshes, on_mesh),
+                                   group_attributes, meshes=meshes, on_mesh=on_mesh)
             if coordinator:
                 root_ucp = build_root_ucp(metadata=metadata, values=root_values,
                                           saved_by={"world_size": comm.world_size})
@@ -767,7 +800,7 @@ def save(
         if coordinator:
             plan, shares, claim, error = plan_shares(
                 blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
-        mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error)
+        mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error, description)
         tasks, error = mine.tasks, mine.error
         # 3 to 5. exchange, agree, un-commit
         received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)

@@ -1,10 +1,11 @@
 """The plan of a distributed save: which rank writes which stored object, which cells move.
 
-Every rank describes what it holds (:func:`describe`: the specs of the tensors it knows
-and the boxes of its fragments, no data); from all descriptions one plan results
-(:func:`plan_from_descriptions`, or :func:`make_plan` from boxes gathered otherwise, as
-the DCP plugin's coordinator does). The plan is a pure function of the descriptions, so
-every rank that computes it gets the same one:
+Every rank describes what it holds (:func:`ucpformat.description.describe`: the specs of
+the tensors it knows and the boxes of its fragments, or, for tensors on device meshes,
+its place in each mesh and their placements; no data); from all descriptions one plan
+results (:func:`plan_from_descriptions`, or :func:`make_plan` from boxes gathered
+otherwise, as the DCP plugin's coordinator does). The plan is a pure function of the
+descriptions, so every rank that computes it gets the same one:
 
 1. coverage: every element of every tensor is held by at least one rank, and ranks
    holding the same element hold replicas (spec UCP-1.0-R131);
@@ -17,30 +18,41 @@ every rank that computes it gets the same one:
    owner receives the missing cells from the ranks that hold them before writing —
    never two writers per shard (UCP-1.0-R130).
 
+Tensors on a mesh laid out alike (:func:`class_key`) are planned once per class
+(:class:`ClassPlan`), whatever their number.
+
 :meth:`Plan.tasks` cuts the plan into each rank's share (:class:`RankTasks`: the objects
-it writes, the cells it sends and receives), which :mod:`ucpformat.pipeline` carries out.
+it writes, the cells it sends and receives; a class's share once for all its members),
+which :mod:`ucpformat.pipeline` carries out.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
-import json
 import math
-import struct
-import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues, names
+from ucpformat import dtypes
+from ucpformat.description import (
+    Description,
+    TensorSpec,
+    dumps,
+)
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords
 from ucpformat.errors import LayoutError, WriteError
 from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
+from ucpformat.layout.dtensor import (
+    Placement,
+    Replicate,
+    dtensor_local_map,
+    placement_from_json,
+)
 from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
 from ucpformat.writer import zero_bits
 
@@ -51,28 +63,6 @@ from ucpformat.writer import zero_bits
 #: smaller than an inner chunk are the tiny ones) 1.3 s with 1,059 files; no exchange at
 #: all 1.3 s with 1,299 files.
 DEFAULT_MIN_SHARD_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A consolidated tensor: node path, full shape, data type, attributes."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    attributes: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "attributes": dict(self.attributes),
-        }
-
-    @staticmethod
-    def from_json(doc: Mapping[str, Any]) -> TensorSpec:
-        return TensorSpec(doc["path"], tuple(doc["shape"]), doc["dtype"], doc.get("attributes", {}))
 
 
 @dataclass(frozen=True)
@@ -107,13 +97,56 @@ class TensorPlan:
 
 
 @dataclass
+class ClassTasks:
+    """A rank's share of a :class:`ClassPlan`, the same in every member of the class:
+    the stored objects it writes (``objects``; their path is irrelevant), the cells it
+    sends (owner, cell) and receives (sender, cell). ``count``: the members, ``grid``
+    and ``compression``: their arrays' (each rank builds the members' metadata from its
+    own specs, :func:`array_meta`)."""
+
+    key: str
+    count: int
+    grid: chunking.Chunking
+    compression: str | Mapping[str, Any] | None
+    objects: list[ObjectPlan] = field(default_factory=list)
+    sends: list[tuple[int, Box]] = field(default_factory=list)
+    recvs: list[tuple[int, Box]] = field(default_factory=list)
+
+    def to_json(self) -> list[Any]:
+        return [self.key, self.count, list(self.grid.chunk_shape),
+                None if self.grid.shard_shape is None else list(self.grid.shard_shape),
+                self.compression,
+                [[list(o.coords), _box_json(o.region), [[r, _box_json(c)] for r, c in o.remote]]
+                 for o in self.objects],
+                [[r, _box_json(c)] for r, c in self.sends],
+                [[r, _box_json(c)] for r, c in self.recvs]]
+
+    @staticmethod
+    def from_json(doc: Sequence[Any], rank: int) -> ClassTasks:
+        key, count, chunk, shard, compression, objects, sends, recvs = doc
+        return ClassTasks(
+            str(key), int(count),
+            chunking.Chunking(tuple(int(n) for n in chunk),
+                              None if shard is None else tuple(int(n) for n in shard)),
+            compression,
+            [ObjectPlan("", tuple(int(c) for c in coords), _box(region), rank,
+                        tuple((int(r), _box(c)) for r, c in remote))
+             for coords, region, remote in objects],
+            [(int(r), _box(c)) for r, c in sends],
+            [(int(r), _box(c)) for r, c in recvs],
+        )
+
+
+@dataclass
 class RankTasks:
     """One rank's share of a plan.
 
     ``arrays``: the metadata of every array it writes or sends cells of; ``objects``:
     the stored objects it writes; ``sends`` (owner, path, cell) and ``recvs`` (sender,
     path, cell), both in the order every rank agrees on (the plan's
-    :meth:`Plan.transfers`).
+    :meth:`Plan.transfers`). ``classes``: its share of the plan's classes of tensors on
+    meshes, compact, as the coordinator sends it; :meth:`expand` adds them to the rest
+    (the pipeline works on expanded tasks).
     """
 
     rank: int
@@ -121,6 +154,7 @@ class RankTasks:
     objects: list[ObjectPlan] = field(default_factory=list)
     sends: list[tuple[int, str, Box]] = field(default_factory=list)
     recvs: list[tuple[int, str, Box]] = field(default_factory=list)
+    classes: list[ClassTasks] = field(default_factory=list)
 
     def send_sizes(self) -> dict[int, int]:
         """Bytes this rank sends to each owner, as the plan says."""
@@ -136,11 +170,34 @@ class RankTasks:
             out[peer] = out.get(peer, 0) + box_size(cell) * self.arrays[path].dtype.itemsize
         return out
 
+    def expand(
+        self,
+        members: Mapping[str, Sequence[str]],
+        meta_of: Callable[[str, ClassTasks], ArrayMeta],
+    ) -> None:
+        """Add each class's tasks to the rest, member by member (in place): ``members``:
+        each class's member paths in order (:func:`class_members`), ``meta_of``: a
+        member's array metadata. Raises when this rank's classes differ from the
+        coordinator's (a bug, or ranks that described different things)."""
+        for ct in self.classes:
+            paths = members.get(ct.key, ())
+            if len(paths) != ct.count:
+                raise WriteError(
+                    f"the coordinator planned {ct.count} tensors laid out as {ct.key}; "
+                    f"rank {self.rank} described {len(paths)}")
+            for path in paths:
+                self.arrays[path] = meta_of(path, ct)
+                self.objects += [ObjectPlan(path, o.coords, o.region, self.rank, o.remote)
+                                 for o in ct.objects]
+                self.sends += [(owner, path, cell) for owner, cell in ct.sends]
+                self.recvs += [(sender, path, cell) for sender, cell in ct.recvs]
+        self.classes = []
+
     def to_json(self, array_docs: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A JSON document (array metadata as ``zarr.json``), e.g. for another process.
         ``array_docs``: the ``zarr.json`` documents by path, made once for many shares."""
         docs = array_docs or {}
-        return {
+        out = {
             "rank": self.rank,
             "arrays": {p: docs[p] if p in docs else m.to_zarr_json()
                        for p, m in self.arrays.items()},
@@ -149,6 +206,9 @@ class RankTasks:
             "sends": [[r, p, _box_json(c)] for r, p, c in self.sends],
             "recvs": [[r, p, _box_json(c)] for r, p, c in self.recvs],
         }
+        if self.classes:
+            out["classes"] = [ct.to_json() for ct in self.classes]
+        return out
 
     def to_json_bytes(self, array_docs: Mapping[str, bytes]) -> bytes:
         """:meth:`to_json` as compact JSON bytes (``json.dumps`` with ``(",", ":")``
@@ -156,14 +216,13 @@ class RankTasks:
         ``zarr.json`` encoded so, once for every share that names it): the coordinator
         encodes thousands of shares, and re-encoding the same documents in each was a
         quarter of its time at 16,384 ranks."""
-        def dumps(value: Any) -> bytes:  # tuples encode as JSON lists, as to_json's lists
-            return json.dumps(value, separators=(",", ":")).encode()
-
         arrays = b",".join(dumps(p) + b":" + array_docs[p] for p in self.arrays)
         objects = dumps([[o.path, o.coords, o.region, o.remote] for o in self.objects])
+        classes = (b',"classes":' + dumps([ct.to_json() for ct in self.classes])
+                   if self.classes else b"")
         return b"".join((
             b'{"rank":', dumps(self.rank), b',"arrays":{', arrays, b'},"objects":', objects,
-            b',"sends":', dumps(self.sends), b',"recvs":', dumps(self.recvs), b"}",
+            b',"sends":', dumps(self.sends), b',"recvs":', dumps(self.recvs), classes, b"}",
         ))
 
     @staticmethod
@@ -177,6 +236,7 @@ class RankTasks:
              for p, coords, region, remote in doc["objects"]],
             [(int(r), str(p), _box(c)) for r, p, c in doc["sends"]],
             [(int(r), str(p), _box(c)) for r, p, c in doc["recvs"]],
+            [ClassTasks.from_json(c, rank) for c in doc.get("classes", ())],
         )
 
 
@@ -189,38 +249,63 @@ def _box(doc: Iterable[Sequence[int]]) -> Box:
 
 
 @dataclass
+class ClassPlan:
+    """Tensors on one mesh laid out alike (placements, shape, data type, split
+    dimensions): planned once, for every member alike. ``objects``: the stored objects
+    whose writer is the same in every member (the one rank holding the region, or the
+    rank the region's cells are gathered to; their path: the first member's);
+    ``moves``: (owner, sender, cell) in every member. The objects that several ranks
+    hold whole have their writers balanced member by member (in :attr:`Plan.owned`)."""
+
+    key: str
+    paths: list[str]
+    grid: chunking.Chunking
+    compression: str | Mapping[str, Any] | None
+    objects: list[ObjectPlan]
+    moves: list[tuple[int, int, Box]]
+
+
+@dataclass
 class Plan:
     """Every array's metadata and stored objects, and the groups; ``owned``: each rank's
     objects, ``moves``: (owner, sender, tensor path, cell) of every cell that moves, in
-    the order every rank agrees on (both filled by :func:`make_plan`)."""
+    the order every rank agrees on (both filled by :func:`make_plan`), except those of
+    the ``classes`` of tensors on meshes, which hold their own."""
 
     tensors: dict[str, TensorPlan]
     groups: dict[str, GroupMeta]
     world_size: int = 1
     owned: dict[int, list[ObjectPlan]] = field(default_factory=dict)
     moves: list[tuple[int, int, str, Box]] = field(default_factory=list)
+    classes: list[ClassPlan] = field(default_factory=list)
 
     def transfers(self) -> list[tuple[int, int, str, Box]]:
         """(owner, sender, tensor path, cell) in the order every rank agrees on."""
-        return list(self.moves)
+        return [*self.moves, *((owner, sender, path, cell) for c in self.classes
+                               for path in c.paths for owner, sender, cell in c.moves)]
 
     def object_count(self) -> int:
         return sum(len(tp.objects) for tp in self.tensors.values())
+
+    def move_count(self) -> int:
+        """How many cells move (:meth:`transfers` without listing them)."""
+        return len(self.moves) + sum(len(c.moves) * len(c.paths) for c in self.classes)
 
     def object_keys(self) -> set[str]:
         """The storage key of every stored object the plan writes."""
         return {tp.meta.object_key(o.coords) for tp in self.tensors.values() for o in tp.objects}
 
     def tasks(self, rank: int) -> RankTasks:
-        """The share of ``rank``: what it writes, sends and receives."""
-        return self._tasks([rank])[rank]
+        """The share of ``rank``: what it writes, sends and receives (expanded)."""
+        return self._tasks([rank], expand=True)[rank]
 
     def all_tasks(self) -> list[RankTasks]:
-        """Every rank's share (for a coordinator that hands each rank its own)."""
-        by_rank = self._tasks(range(self.world_size))
+        """Every rank's share, compact (for a coordinator that hands each rank its own:
+        each rank expands its own, :meth:`RankTasks.expand`)."""
+        by_rank = self._tasks(range(self.world_size), expand=False)
         return [by_rank[r] for r in range(self.world_size)]
 
-    def _tasks(self, ranks: Iterable[int]) -> dict[int, RankTasks]:
+    def _tasks(self, ranks: Iterable[int], *, expand: bool) -> dict[int, RankTasks]:
         out = {r: RankTasks(r) for r in ranks}
         for rank, tasks in out.items():
             tasks.objects = list(self.owned.get(rank, ()))
@@ -233,136 +318,30 @@ class Plan:
             if theirs is not None:
                 theirs.sends.append((owner, path, cell))
                 theirs.arrays.setdefault(path, self.tensors[path].meta)
+        for c in self.classes:
+            shares: dict[int, ClassTasks] = {}
+
+            def share(rank: int, c: ClassPlan = c, shares: dict[int, ClassTasks] = shares
+                      ) -> ClassTasks:
+                ct = shares.get(rank)
+                if ct is None:
+                    ct = shares[rank] = ClassTasks(c.key, len(c.paths), c.grid, c.compression)
+                    out[rank].classes.append(ct)
+                return ct
+
+            for o in c.objects:
+                if o.owner in out:
+                    share(o.owner).objects.append(o)
+            for owner, sender, cell in c.moves:
+                if owner in out:
+                    share(owner).recvs.append((sender, cell))
+                if sender in out:
+                    share(sender).sends.append((owner, cell))
+        if expand:
+            members = {c.key: c.paths for c in self.classes}
+            for tasks in out.values():
+                tasks.expand(members, lambda path, _: self.tensors[path].meta)
         return out
-
-
-# -- describing what a rank holds -------------------------------------------------------
-
-
-def describe(
-    specs: Sequence[TensorSpec],
-    boxes: Iterable[tuple[str, Box]],
-    group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """What one rank tells the others (JSON): the specs it knows, its fragments' boxes,
-    its group attributes (``attributes.ucp`` by group path). Raises on a bad name."""
-    listed = []
-    for path, box in boxes:
-        names.check_path(path)
-        listed.append([path, [list(x) for x in box]])
-    return {
-        "specs": [s.to_json() for s in specs],
-        "boxes": listed,
-        "groups": {
-            g: jsonvalues.encode(dict(a), where=g) for g, a in (group_attributes or {}).items()
-        },
-    }
-
-
-#: The headers of :func:`encode_description`: the length of its compressed specs; then,
-#: inside the rest, the byte lengths of its three sections (paths, rest, boxes) and the
-#: dimensions of its widest box.
-_SPECS_LENGTH = struct.Struct("<Q")
-_HEADER = struct.Struct("<QQQI")
-
-
-def encode_description(description: Mapping[str, Any]) -> bytes:
-    """A :func:`describe` document as bytes for the coordinator, compressed.
-
-    The specs (JSON) compressed on their own, then the rest compressed: the paths its
-    boxes name (JSON), the rest of the document (JSON: group attributes, error report)
-    and the boxes as int64 records (path index, number of dimensions, then start and stop
-    per dimension, zero-padded to the widest box). Data-parallel replicas send the same
-    specs and paths, which :func:`decode_descriptions` decompresses and parses once;
-    the boxes need no parsing."""
-    paths: dict[str, int] = {}
-    listed = description["boxes"]
-    dims = max((len(box) for _, box in listed), default=0)
-    flat: list[int] = []
-    for path, box in listed:
-        flat += (paths.setdefault(path, len(paths)), len(box))
-        for a, b in box:
-            flat += (int(a), int(b))
-        flat += (0,) * (2 * (dims - len(box)))
-    sections = (
-        _dumps(list(paths)),
-        _dumps({k: v for k, v in description.items() if k not in ("specs", "boxes")}),
-        np.asarray(flat, dtype="<i8").tobytes(),
-    )
-    specs = zlib.compress(_dumps(description["specs"]), 1)
-    rest = zlib.compress(_HEADER.pack(*map(len, sections), dims) + b"".join(sections), 1)
-    return _SPECS_LENGTH.pack(len(specs)) + specs + rest
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-@dataclass(frozen=True)
-class Description:
-    """One rank's description as the coordinator holds it (:func:`decode_descriptions`).
-
-    ``specs`` and ``paths`` are shared by ranks that sent the same; ``boxes`` holds one
-    int64 record per fragment: index in ``paths``, number of dimensions, then start and
-    stop per dimension (zero-padded)."""
-
-    specs: Sequence[Mapping[str, Any]]
-    paths: Sequence[str]
-    boxes: np.ndarray[Any, np.dtype[np.int64]]
-    groups: Mapping[str, Any]
-    error: str = ""
-
-    @staticmethod
-    def of(doc: Mapping[str, Any] | Description) -> Description:
-        """A :func:`describe` document (or a Description, as it is) as a Description."""
-        if isinstance(doc, Description):
-            return doc
-        return decode_descriptions([encode_description(doc)])[0]
-
-    def box_list(self) -> list[tuple[str, Box]]:
-        """(tensor path, box) of every fragment, as listed."""
-        return [(self.paths[p], tuple(zip(c[0:2 * n:2], c[1:2 * n:2], strict=True)))
-                for p, n, *c in self.boxes.tolist()]
-
-
-def decode_descriptions(blobs: Sequence[bytes]) -> list[Description]:
-    """The descriptions of :func:`encode_description` blobs, by rank. Ranks that sent the
-    same specs (or paths) share one parsed list (:func:`plan_from_descriptions` checks
-    it once). Raises :class:`~ucpformat.errors.WriteError` on a blob that is not one."""
-    parsed: dict[bytes, Any] = {}
-
-    def parse(raw: bytes) -> Any:
-        doc = parsed.get(raw)
-        if doc is None:
-            doc = parsed[raw] = json.loads(raw)
-        return doc
-
-    specs_by_bytes: dict[bytes, Any] = {}
-    out = []
-    for rank, blob in enumerate(blobs):
-        try:
-            (n,) = _SPECS_LENGTH.unpack_from(blob)
-            packed = blob[_SPECS_LENGTH.size:_SPECS_LENGTH.size + n]
-            specs = specs_by_bytes.get(packed)
-            if specs is None:
-                specs = specs_by_bytes[packed] = json.loads(zlib.decompress(packed))
-            raw = zlib.decompress(blob[_SPECS_LENGTH.size + n:])
-            *lengths, dims = _HEADER.unpack_from(raw)
-            ends = list(itertools.accumulate(lengths, initial=_HEADER.size))
-            if ends[-1] != len(raw):
-                raise ValueError(f"{len(raw)} bytes where the header says {ends[-1]}")
-            paths, rest = (parse(raw[a:b]) for a, b in itertools.pairwise(ends[:3]))
-            boxes = np.frombuffer(raw, dtype="<i8", offset=ends[2]).reshape(-1, 2 + 2 * dims)
-            if len(boxes) and not (
-                boxes[:, 0].min() >= 0 and boxes[:, 0].max() < len(paths)
-                and boxes[:, 1].min() >= 0 and boxes[:, 1].max() <= dims
-            ):
-                raise ValueError("a box names no listed path or has too many dimensions")
-            out.append(Description(specs, paths, boxes.astype(np.int64, copy=False),
-                                   rest.get("groups", {}), str(rest.get("error", ""))))
-        except (zlib.error, struct.error, ValueError, TypeError, AttributeError) as exc:
-            raise WriteError(f"rank {rank} sent a description that cannot be read: {exc}") from exc
-    return out
 
 
 def plan_from_descriptions(
@@ -396,6 +375,13 @@ def plan_from_descriptions(
         raise LayoutError(
             f"fragments of tensors no rank described: {unknown[:5]}", rule="UCP-1.0-R131"
         )
+    classes = _mesh_classes(described, specs_by_path)
+    both = sorted({p for c in classes for p in c.paths} & set(entries))
+    if both:
+        raise LayoutError(
+            f"tensors described both by fragments and on a mesh: {both[:5]}",
+            rule="UCP-1.0-R131", tensor=both[0],
+        )
     return _plan(
         specs_by_path,
         entries,
@@ -405,7 +391,139 @@ def plan_from_descriptions(
         shard_bytes=options.shard_bytes,
         min_shard_bytes=options.min_shard_bytes,
         group_attributes=merge_group_attributes([d.groups for d in described]),
+        classes=classes,
     )
+
+
+# -- tensors on meshes -------------------------------------------------------------------
+
+
+def class_key(spec: TensorSpec, mesh: str, placements: Sequence[Any]) -> str:
+    """The class of a tensor on a mesh (``placements`` as JSON): tensors of one class
+    have the same fragments on the same ranks and the same grid, and are planned once."""
+    return dumps([mesh, list(placements), list(spec.shape), spec.dtype,
+                   list(_split_dims(spec))]).decode()
+
+
+def class_members(
+    spec_of: Mapping[str, TensorSpec], sharded: Iterable[Sequence[Any]]
+) -> dict[str, list[str]]:
+    """Each class (:func:`class_key`) of the tensors on meshes, (path, mesh, placements
+    as JSON) as :func:`describe` lists them: its member paths, sorted. The coordinator
+    and each rank compute it alike from what the rank described."""
+    out: dict[str, list[str]] = {}
+    for path, mesh, placements in sharded:
+        spec = spec_of.get(path)
+        if spec is None:
+            raise LayoutError(f"the tensor on mesh {mesh!r} has no spec", rule="UCP-1.0-R131",
+                              tensor=path)
+        out.setdefault(class_key(spec, mesh, placements), []).append(path)
+    for paths in out.values():
+        paths.sort()
+    return out
+
+
+@dataclass
+class _MeshClass:
+    """One class of tensors on a mesh, as the coordinator plans it."""
+
+    key: str
+    paths: list[str]
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    ranks: Mapping[tuple[int, ...], int]  # each position of the mesh: its rank
+
+    def entries(self, spec: TensorSpec) -> list[_Entry]:
+        """The distinct boxes of a member and the ranks holding them, from each rank's
+        place in the mesh (positions that differ only along replicated mesh
+        dimensions hold the same boxes, computed once)."""
+        sharded = [i for i, p in enumerate(self.placements) if not isinstance(p, Replicate)]
+        maps: dict[tuple[int, ...], list[Box]] = {}
+        by_box: dict[Box, list[int]] = {}
+        for coords, rank in self.ranks.items():
+            seen = tuple(coords[i] for i in sharded)
+            boxes = maps.get(seen)
+            if boxes is None:
+                local = dtensor_local_map(spec.shape, self.mesh_shape, self.placements,
+                                          coords, tensor=spec.path)
+                boxes = maps[seen] = [p.glob for p in local.pieces if box_size(p.glob)]
+            for box in boxes:
+                by_box.setdefault(box, []).append(rank)
+        return [(box, sorted(set(ranks)), ranks) for box, ranks in by_box.items()]
+
+
+def _mesh_places(described: Sequence[Description]
+                 ) -> dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], int]]]:
+    """Each mesh: its shape and the rank at each position. Refuses ranks that disagree
+    on a mesh's shape, two ranks at one position, and a position without a rank."""
+    places: dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], int]]] = {}
+    for rank, d in enumerate(described):
+        for name, place in d.meshes.items():
+            shape = tuple(int(n) for n in place["shape"])
+            coords = tuple(int(c) for c in place["coords"])
+            known, at = places.setdefault(name, (shape, {}))
+            if known != shape:
+                raise LayoutError(f"ranks disagree on the shape of mesh {name!r}: "
+                                  f"{list(known)} vs rank {rank}: {list(shape)}",
+                                  rule="UCP-1.0-R114")
+            if len(coords) != len(shape) or not all(
+                    0 <= c < n for c, n in zip(coords, shape, strict=True)):
+                raise LayoutError(f"rank {rank} sits at {list(coords)}, outside mesh "
+                                  f"{name!r} of shape {list(shape)}", rule="UCP-1.0-R114")
+            other = at.setdefault(coords, rank)
+            if other != rank:
+                raise LayoutError(f"ranks {other} and {rank} both sit at {list(coords)} of "
+                                  f"mesh {name!r}", rule="UCP-1.0-R114")
+    for name, (shape, at) in places.items():
+        if len(at) != math.prod(shape):
+            raise LayoutError(f"mesh {name!r} of shape {list(shape)} has {len(at)} ranks: "
+                              "every position needs one", rule="UCP-1.0-R114")
+    return places
+
+
+def _mesh_classes(
+    described: Sequence[Description], specs_by_path: Mapping[str, TensorSpec]
+) -> list[_MeshClass]:
+    """The classes of the tensors on meshes, ordered by their first member. Every rank
+    of a mesh must lay out the same tensors on it, and a tensor lies on one mesh."""
+    places = _mesh_places(described)
+    by_list: dict[int, dict[str, list[Sequence[Any]]]] = {}  # id(sharded) -> per mesh
+    agreed: dict[str, tuple[int, list[Sequence[Any]]]] = {}
+    same: set[tuple[int, int]] = set()
+    for rank, d in enumerate(described):
+        per_mesh = by_list.get(id(d.sharded))
+        if per_mesh is None:
+            per_mesh = by_list[id(d.sharded)] = {}
+            for entry in d.sharded:
+                per_mesh.setdefault(str(entry[1]), []).append(entry)
+        for name in sorted(per_mesh.keys() - d.meshes.keys()):
+            raise LayoutError(f"rank {rank} lays out tensors on mesh {name!r} but has no "
+                              "place in it", rule="UCP-1.0-R114",
+                              tensor=str(per_mesh[name][0][0]))
+        for name in d.meshes:
+            mine = per_mesh.get(name, [])
+            first, theirs = agreed.setdefault(name, (rank, mine))
+            pair = (id(theirs), id(mine))
+            if theirs is not mine and pair not in same:
+                if theirs != mine:
+                    raise LayoutError(f"ranks {first} and {rank} lay out different tensors "
+                                      f"on mesh {name!r}", rule="UCP-1.0-R131")
+                same.add(pair)
+    classes: list[_MeshClass] = []
+    mesh_of: dict[str, str] = {}
+    for name, (_, entries) in agreed.items():
+        for path, mesh, _ in entries:
+            if path in mesh_of:
+                raise LayoutError(f"the tensor is laid out on mesh {mesh_of[path]!r} and on "
+                                  f"mesh {mesh!r}", rule="UCP-1.0-R131", tensor=str(path))
+            mesh_of[path] = name
+        shape, at = places[name]
+        placements = {path: p for path, _, p in entries}
+        for key, paths in class_members(specs_by_path, entries).items():
+            classes.append(_MeshClass(
+                key, paths, shape,
+                tuple(placement_from_json(p) for p in placements[paths[0]]), at))
+    return sorted(classes, key=lambda c: c.paths[0])
 
 
 #: One distinct box of a tensor: (box, the ranks holding it ascending, the ranks as they
@@ -657,6 +775,96 @@ def make_plan(
                  group_attributes=group_attributes)
 
 
+def array_meta(
+    spec: TensorSpec, grid: chunking.Chunking, compression: str | Mapping[str, Any] | None
+) -> ArrayMeta:
+    """The metadata of a planned array: its spec, chunk and shard shapes, compression."""
+    dt = dtypes.by_name(spec.dtype, tensor=spec.path)
+    return ArrayMeta(
+        path=spec.path,
+        shape=spec.shape,
+        dtype=dt,
+        chunk_shape=grid.chunk_shape,
+        shard_shape=grid.shard_shape,
+        compression=Compression.parse(compression, dt),
+        fill_value=zero_bits(dt),
+        attributes=dict(spec.attributes),
+    )
+
+
+class _Owners:
+    """Bytes each rank writes so far, and a counter rotating with the objects: where
+    several ranks hold a region whole, the least loaded writes it, ties taken in turns
+    (the replicas of a tensor take turns)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.load = [0] * world_size
+        self.counter = 0
+
+    def least_loaded(self, candidates: Sequence[int]) -> int:
+        least = min(map(self.load.__getitem__, candidates))
+        world = len(self.load)
+        return min((r for r in candidates if self.load[r] == least),
+                   key=lambda r: (r - self.counter) % world)
+
+    def take(self, owner: int, nbytes: int) -> None:
+        self.load[owner] += nbytes
+        self.counter += 1
+
+
+@dataclass
+class _TensorResult:
+    """One tensor's plan: its metadata, its objects, the cells moved (owner, sender,
+    cell), and per object the ranks holding it whole (empty: gathered)."""
+
+    meta: ArrayMeta
+    objects: list[ObjectPlan]
+    moves: list[tuple[int, int, Box]]
+    holding: list[list[int]]
+
+
+def _plan_tensor(
+    spec: TensorSpec,
+    held: Sequence[_Entry],
+    owners: _Owners,
+    options: PlanOptions,
+) -> _TensorResult:
+    path = spec.path
+    dt = dtypes.by_name(spec.dtype, tensor=path)
+    cuts = check_coverage(path, spec.shape, [b for b, _, _ in held])
+    grid = choose_grid(
+        spec,
+        dt.itemsize,
+        cuts,
+        chunk_bytes=options.chunk_bytes,
+        shard_bytes=options.shard_bytes,
+        min_shard_bytes=options.min_shard_bytes,
+    )
+    meta = array_meta(spec, grid, options.compression)
+    holders = _Holders(held)
+    out = _TensorResult(meta, [], [], [])
+    for coords in object_coords(meta):
+        region = tuple(
+            (c * e, min((c + 1) * e, n))
+            for c, e, n in zip(coords, meta.object_shape, meta.shape, strict=True)
+        )
+        candidates = holders.containing(region)
+        if candidates:
+            obj = ObjectPlan(path, coords, region, owners.least_loaded(candidates))
+        else:
+            # the rank holding most of the region writes it (ties: least loaded, then
+            # lowest); only ranks holding some of it can
+            overlap = holders.overlap(region)
+            owner = max(overlap, key=lambda r: (overlap[r], -owners.load[r], -r))
+            remote = holders.remote_cells(region, cuts, owner)
+            out.moves += [(owner, sender, cell) for sender, cell in remote]
+            obj = ObjectPlan(path, coords, region, owner, tuple(remote))
+        out.objects.append(obj)
+        out.holding.append(candidates)
+        owners.take(obj.owner, box_size(region) * dt.itemsize)
+    return out
+
+
 def _plan(
     specs: Mapping[str, TensorSpec],
     entries: Mapping[str, Sequence[_Entry]],
@@ -667,79 +875,55 @@ def _plan(
     shard_bytes: int,
     min_shard_bytes: int,
     group_attributes: Mapping[str, Mapping[str, Any]] | None,
+    classes: Sequence[_MeshClass] = (),
 ) -> Plan:
     """:func:`make_plan` from each tensor's distinct boxes (in the order they first
-    appear) and their holders."""
-    load = [0] * world_size
-    counter = 0
-    tensors: dict[str, TensorPlan] = {}
-    owned: dict[int, list[ObjectPlan]] = {}
-    moves: list[tuple[int, int, str, Box]] = []
+    appear) and their holders, and from the ``classes`` of tensors on meshes."""
+    owners = _Owners(world_size)
+    options = PlanOptions(compression, chunk_bytes, shard_bytes, min_shard_bytes)
+    plan = Plan({}, {}, world_size)
+    on_mesh = {p for c in classes for p in c.paths}
     for path in sorted(specs):
-        spec = specs[path]
-        dt = dtypes.by_name(spec.dtype, tensor=path)
-        held = entries.get(path, ())
-        cuts = check_coverage(path, spec.shape, [b for b, _, _ in held])
-        grid = choose_grid(
-            spec,
-            dt.itemsize,
-            cuts,
-            chunk_bytes=chunk_bytes,
-            shard_bytes=shard_bytes,
-            min_shard_bytes=min_shard_bytes,
-        )
-        meta = ArrayMeta(
-            path=path,
-            shape=spec.shape,
-            dtype=dt,
-            chunk_shape=grid.chunk_shape,
-            shard_shape=grid.shard_shape,
-            compression=Compression.parse(compression, dt),
-            fill_value=zero_bits(dt),
-            attributes=dict(spec.attributes),
-        )
-        holders = _Holders(held)
-        objects = []
-        for coords in object_coords(meta):
-            region = tuple(
-                (c * e, min((c + 1) * e, n))
-                for c, e, n in zip(coords, meta.object_shape, meta.shape, strict=True)
-            )
-            nbytes = box_size(region) * dt.itemsize
-            candidates = holders.containing(region)
-            if candidates:
-                # the least loaded; ties: the first from a position rotating with the
-                # objects (the replicas of a tensor take turns)
-                least = min(map(load.__getitem__, candidates))
-                owner = min((r for r in candidates if load[r] == least),
-                            key=lambda r: (r - counter) % world_size)
-                obj = ObjectPlan(path, coords, region, owner)
-            else:
-                # the rank holding most of the region writes it (ties: least loaded, then
-                # lowest); only ranks holding some of it can
-                overlap = holders.overlap(region)
-                owner = max(overlap, key=lambda r: (overlap[r], -load[r], -r))
-                remote = holders.remote_cells(region, cuts, owner)
-                moves += [(owner, sender, path, cell) for sender, cell in remote]
-                obj = ObjectPlan(path, coords, region, owner, tuple(remote))
-            objects.append(obj)
-            owned.setdefault(owner, []).append(obj)
-            load[owner] += nbytes
-            counter += 1
-        tensors[path] = TensorPlan(meta, objects)
-    groups: dict[str, GroupMeta] = {}
+        if path in on_mesh:
+            continue
+        result = _plan_tensor(specs[path], entries.get(path, ()), owners, options)
+        plan.tensors[path] = TensorPlan(result.meta, result.objects)
+        plan.moves += [(owner, sender, path, cell) for owner, sender, cell in result.moves]
+        for obj in result.objects:
+            plan.owned.setdefault(obj.owner, []).append(obj)
+    for c in classes:
+        first = specs[c.paths[0]]
+        result = _plan_tensor(first, c.entries(first), owners, options)
+        grid = chunking.Chunking(result.meta.chunk_shape, result.meta.shard_shape)
+        fixed = [len(h) <= 1 for h in result.holding]  # the same writer in every member
+        plan.classes.append(ClassPlan(
+            c.key, c.paths, grid, compression,
+            [o for o, f in zip(result.objects, fixed, strict=True) if f], result.moves))
+        for path in c.paths:
+            meta = result.meta if path == first.path else array_meta(specs[path], grid,
+                                                                     compression)
+            objects = []
+            for obj, holding, f in zip(result.objects, result.holding, fixed, strict=True):
+                if path != first.path:
+                    owner = obj.owner if f else owners.least_loaded(holding)
+                    obj = ObjectPlan(path, obj.coords, obj.region, owner, obj.remote)
+                    owners.take(owner, box_size(obj.region) * meta.dtype.itemsize)
+                if not f:
+                    plan.owned.setdefault(obj.owner, []).append(obj)
+                objects.append(obj)
+            plan.tensors[path] = TensorPlan(meta, objects)
     for path in specs:
         parts = path.split("/")
         for i in range(1, len(parts)):
             gp = "/".join(parts[:i])
-            groups.setdefault(gp, GroupMeta(gp, {}))
+            plan.groups.setdefault(gp, GroupMeta(gp, {}))
     for gp, ucp in (group_attributes or {}).items():
         if gp:
-            groups[gp] = GroupMeta(gp, {"ucp": dict(ucp)} if ucp else {})
+            plan.groups[gp] = GroupMeta(gp, {"ucp": dict(ucp)} if ucp else {})
             parts = gp.split("/")
             for i in range(1, len(parts)):
-                groups.setdefault("/".join(parts[:i]), GroupMeta("/".join(parts[:i]), {}))
-    return Plan(tensors, groups, world_size, owned, moves)
+                plan.groups.setdefault("/".join(parts[:i]), GroupMeta("/".join(parts[:i]), {}))
+    return plan
 
 
 class _Holders:
@@ -886,18 +1070,19 @@ def _joined(
 
 __all__ = [
     "DEFAULT_MIN_SHARD_BYTES",
-    "Description",
+    "ClassPlan",
+    "ClassTasks",
     "ObjectPlan",
     "Plan",
     "PlanOptions",
     "RankTasks",
     "TensorPlan",
     "TensorSpec",
+    "array_meta",
     "check_coverage",
     "choose_grid",
-    "decode_descriptions",
-    "describe",
-    "encode_description",
+    "class_key",
+    "class_members",
     "make_plan",
     "merge_group_attributes",
     "plan_from_descriptions",

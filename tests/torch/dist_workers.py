@@ -135,6 +135,37 @@ def check_state(
     return {"checked": count}
 
 
+def described_on_mesh(save: Any) -> int:
+    """Run ``save()``; how many tensors this rank described by their device mesh (the
+    pipeline's describe step, observed) rather than by their fragments' boxes."""
+    import ucpformat.pipeline as pipeline
+
+    seen: list[int] = []
+    real = pipeline.describe
+
+    def spy(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        doc = real(*args, **kwargs)
+        seen.append(len(doc["sharded"]))
+        return doc
+
+    pipeline.describe = spy  # type: ignore[assignment]
+    try:
+        save()
+    finally:
+        pipeline.describe = real  # type: ignore[assignment]
+    assert len(seen) == 1, seen
+    return seen[0]
+
+
+def dtensor_count(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The model's and optimizer's tensors that are DTensors (what a save describes by
+    mesh; the rest, such as Adam's step counts, by boxes)."""
+    osd = get_optimizer_state_dict(model, opt)
+    values = [*get_model_state_dict(model).values(),
+              *(v for entry in osd["state"].values() for v in entry.values())]
+    return sum(isinstance(v, DTensor) for v in values)
+
+
 def check_placements(model: torch.nn.Module, expect: dict[str, str]) -> None:
     """The layout really is what the test claims (placements by parameter)."""
     for fqn, text in expect.items():
@@ -157,8 +188,10 @@ def save_two(rank: int, world: int, root: str) -> dict[str, Any]:
         train(model, opt, 2)
         sched.step()
         path = f"{root}/{layout}2"
-        save_distributed(path, model=model, optimizer=opt, scheduler=sched, step=2)
-        out[f"save {layout}2"] = check_state(path, model, opt)
+        on_mesh = described_on_mesh(lambda: save_distributed(
+            path, model=model, optimizer=opt, scheduler=sched, step=2))  # noqa: B023
+        out[f"save {layout}2"] = {**check_state(path, model, opt), "on mesh": on_mesh,
+                                  "dtensors": dtensor_count(model, opt)}
     model = build("fsdp", seed=7)
     opt = make_optimizer(model, lr=0.5)
     load_distributed(f"{root}/single", model=model, optimizer=opt)
@@ -187,8 +220,10 @@ def load_four(rank: int, world: int, root: str) -> dict[str, Any]:
     check_placements(model, {"up.weight": "_S(0, 2),S(0)", "down.weight": "S(0),S(1)"})
     opt = make_optimizer(model)
     train(model, opt, 2)
-    save_distributed(f"{root}/2x2", model=model, optimizer=opt, step=2)
-    out["save 2x2"] = check_state(f"{root}/2x2", model, opt)
+    on_mesh = described_on_mesh(lambda: save_distributed(
+        f"{root}/2x2", model=model, optimizer=opt, step=2))
+    out["save 2x2"] = {**check_state(f"{root}/2x2", model, opt), "on mesh": on_mesh,
+                       "dtensors": dtensor_count(model, opt)}
     model = build("fsdp", seed=5)
     opt = make_optimizer(model, lr=0.5)
     load_distributed(f"{root}/2x2", model=model, optimizer=opt)
@@ -210,8 +245,10 @@ def load_four(rank: int, world: int, root: str) -> dict[str, Any]:
     load_distributed(f"{root}/fsdp4", model=model, optimizer=opt)
     out["fsdp4 -> hsdp2x2"] = check_state(f"{root}/fsdp4", model, opt)
     # HSDP save: replicas are written once
-    save_distributed(f"{root}/hsdp", model=model, optimizer=opt, step=2)
-    out["save hsdp"] = check_state(f"{root}/hsdp", model, opt)
+    on_mesh = described_on_mesh(lambda: save_distributed(
+        f"{root}/hsdp", model=model, optimizer=opt, step=2))
+    out["save hsdp"] = {**check_state(f"{root}/hsdp", model, opt), "on mesh": on_mesh,
+                        "dtensors": dtensor_count(model, opt)}
     return out
 
 

@@ -56,6 +56,14 @@ def test_n_to_m_ranks_any_layout(tmp_path: Path) -> None:
     }
     for rank in range(4):
         assert set(four[rank]) == expected, four[rank]
+        # every DTensor (parameters, Adam moments) was described by its mesh
+        for save in ("save 2x2", "save hsdp"):
+            result = four[rank][save]
+            assert result["on mesh"] == result["dtensors"] >= 8, four[rank]
+    for rank in range(2):
+        for save in ("save fsdp2", "save tp2"):
+            result = two[rank][save]
+            assert result["on mesh"] == result["dtensors"] >= 8, two[rank]
 
     back = spawn(w.load_two, 2, root, timeout=240)
     for rank in range(2):

@@ -66,12 +66,13 @@ import numpy as np
 
 from ucpformat import dtypes, names
 from ucpformat.comm import Communicator, run_threads
+from ucpformat.description import describe
 from ucpformat.distributed import Fragment, TensorSpec, save_distributed
 from ucpformat.errors import CheckpointExistsError, UCPError
 from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
 from ucpformat.pipeline import FragmentList
 from ucpformat.reader import open_checkpoint
-from ucpformat.saveplan import PlanOptions, describe, plan_from_descriptions
+from ucpformat.saveplan import PlanOptions, plan_from_descriptions
 from ucpformat.storage import ForwardingStore, LocalStore, Store, StoreClaim
 from ucpformat.testing.common import (
     SMALL_CHUNKING,

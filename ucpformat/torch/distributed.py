@@ -30,6 +30,8 @@ outcome, before any tensor is modified.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -45,10 +47,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ucpformat import names
 from ucpformat.comm import Communicator, gather_failures
+from ucpformat.description import MeshPosition, MeshTensor
 from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
 from ucpformat.distributed import save_distributed as _core_save_distributed
 from ucpformat.errors import (
@@ -75,7 +79,7 @@ from ucpformat.torch.assign import (
     assigned_state,
     live_tensors,
 )
-from ucpformat.torch.comm import ProcessGroup, communicator
+from ucpformat.torch.comm import ProcessGroup, TorchCommunicator, communicator
 from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
 from ucpformat.torch.planner import (
     Device,
@@ -529,16 +533,88 @@ def write_collected(
     metadata: Mapping[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> DistributedSaveResult:
-    """The collective write of collected state (shared by the sync and async paths)."""
+    """The collective write of collected state (shared by the sync and async paths).
+    DTensors are described by their device mesh (:func:`mesh_layout`)."""
+    meshes, on_mesh = mesh_layout(
+        state, comm.group if isinstance(comm, TorchCommunicator) else None)
     return _core_save_distributed(
         path,
         comm,
         specs=specs,
         fragments=frags,
         group_attributes=state.groups,
+        meshes=meshes,
+        on_mesh=on_mesh,
         metadata=metadata,
         **save_kwargs,
     )
+
+
+def mesh_name(mesh: DeviceMesh) -> str:
+    """A device mesh's name for :class:`~ucpformat.description.MeshPosition`: from the
+    global ranks at its positions (so the same on every rank of the mesh, and different
+    for a mesh of other ranks or another shape)."""
+    ranks = json.dumps(mesh.mesh.tolist()).encode()
+    return "torch:" + hashlib.sha256(ranks).hexdigest()[:20]
+
+
+def root_layout(t: DTensor, *, name: str | None = None
+                ) -> tuple[DeviceMesh, tuple[Placement, ...]] | None:
+    """A DTensor's mesh and placements, those on a sub-mesh as on its root mesh
+    (``Replicate`` along the root's other dimensions: the same local part). FSDP2 puts
+    the parameters that tensor parallelism leaves whole on the data-parallel slice of a
+    2-D mesh, one slice per tensor-parallel rank: as slices they would be several
+    meshes holding one tensor, as the root they are one. None where torch does not say
+    how the sub-mesh sits in its root (a flattened dimension): describe it by boxes."""
+    mesh = t.device_mesh
+    placements = tuple(placements_of(t, name=name))
+    get_root = getattr(mesh, "_get_root_mesh", None)  # private in torch 2.13
+    root = get_root() if get_root is not None else mesh
+    if root is None or root is mesh or root.mesh.tolist() == mesh.mesh.tolist():
+        return mesh, placements
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or not set(names) <= set(root_names):
+        return None
+    index = [root_names.index(n) for n in names]
+    if index != sorted(index):
+        return None
+    by_dim = dict(zip(index, placements, strict=True))
+    return root, tuple(by_dim.get(i, Replicate()) for i in range(root.ndim))
+
+
+def mesh_layout(
+    state: _State, group: ProcessGroup | None
+) -> tuple[list[MeshPosition], list[MeshTensor]]:
+    """The DTensors of ``state`` described by their device mesh (:func:`root_layout`):
+    this rank's place in each mesh and each DTensor's placements (the coordinator
+    derives every rank's fragments from them, :class:`~ucpformat.description.MeshTensor`).
+    A DTensor whose mesh has ranks outside the checkpoint's process ``group`` (default:
+    the world), or this rank not in it, is left to its fragments' boxes: the mesh's
+    positions would lack a rank of the save."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [], []
+    members = set(torch.distributed.get_process_group_ranks(
+        group if group is not None else torch.distributed.group.WORLD))
+    places: dict[str, MeshPosition | None] = {}
+    on_mesh: list[MeshTensor] = []
+    for item in state.items:
+        t = item.tensor
+        if not isinstance(t, DTensor):
+            continue
+        layout = root_layout(t, name=item.path)
+        if layout is None:
+            continue
+        mesh, placements = layout
+        name = mesh_name(mesh)
+        if name not in places:
+            coords = mesh.get_coordinate()
+            inside = coords is not None and set(mesh.mesh.flatten().tolist()) <= members
+            places[name] = MeshPosition(name, tuple(int(n) for n in mesh.shape),
+                                        tuple(int(c) for c in coords or ())) if inside else None
+        if places[name] is not None:
+            on_mesh.append(MeshTensor(item.path, name, placements))
+    meshes = [p for p in places.values() if p is not None]
+    return meshes, on_mesh
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -823,6 +899,9 @@ __all__ = [
     "local_map_of",
     "local_parts",
     "local_tensors",
+    "mesh_layout",
+    "mesh_name",
     "placements_of",
+    "root_layout",
     "save_distributed",
 ]
