@@ -272,10 +272,17 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     memory of one type (torch's ``copy_`` slows down badly when the cores are busy),
     else ``copy_``."""
     if dst.dtype == src.dtype and _plain(dst) and _plain(src):
-        np.copyto(to_numpy(dst, name=None), to_numpy(src.detach(), name=None))
+        np.copyto(_bytes_of(dst), _bytes_of(src))
         return
     with torch.no_grad():
         dst.copy_(src)
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """numpy's view of the bytes of a plain (see :func:`_plain`) tensor: a few calls,
+    where :func:`~ucpformat.torch.convert.to_numpy` checks and converts (a snapshot makes
+    one copy per tensor: hundreds of small ones)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _plain(t: torch.Tensor) -> bool:
