@@ -475,6 +475,8 @@ class _Resolved:
 
     def __init__(self, source: FragmentSource, objects: Iterable[ObjectPlan]) -> None:
         self._source = source
+        # asked once: an isinstance check of a runtime protocol costs tens of microseconds
+        self._prefetching = source if isinstance(source, feeds.Prefetching) else None
         self._total = Counter(o.path for o in objects)
         self._done = {p: itertools.count(1) for p in self._total}  # next() is atomic
         self._locks = {p: threading.Lock() for p in self._total}
@@ -493,7 +495,8 @@ class _Resolved:
     def done(self, path: str) -> None:
         if next(self._done[path]) == self._total[path]:
             self._cache.pop(path, None)
-            feeds.release(self._source, path)
+            if self._prefetching is not None:
+                self._prefetching.release(path)
 
 
 def write(
@@ -559,17 +562,18 @@ def _write(
             return stored
 
         pool = ThreadPoolExecutor(workers or default_workers())
-        try:
-            objects = list(pool.map(run, tasks.objects))
-        except BaseException:
-            feeds.stop(source)  # threads waiting for a tensor's values raise at once
-            # the first failure ends this rank's share: the objects not yet started are
-            # not written (on a full disk, each would only fail in turn)
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        finally:
-            pool.shutdown(wait=True)
-    store.flush()
+        with store.batch():  # the writer threads share what the store opens
+            try:
+                objects = list(pool.map(run, tasks.objects))
+            except BaseException:
+                feeds.stop(source)  # threads waiting for a tensor's values raise at once
+                # the first failure ends this rank's share: the objects not yet started
+                # are not written (on a full disk, each would only fail in turn)
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            finally:
+                pool.shutdown(wait=True)
+            store.flush()
     return objects
 
 
@@ -768,61 +772,65 @@ def save(
     box per tensor and rank. Raises on every rank if any rank fails; then nothing is
     committed."""
     store = open_store(path, durable=durable)
-    coordinator = comm.rank == 0
-    # 1. describe
-    error: BaseException | None = None
-    description: dict[str, Any] = {}
-    root_ucp: dict[str, Any] = {}
-    try:
-        description = describe(specs, boxes_off_mesh(source.boxes(), specs, meshes, on_mesh),
-                               group_attributes, meshes=meshes, on_mesh=on_mesh)
+    # the whole save in one batch: every write, the commit and a failure's clean-up go
+    # to the directory the coordinator claimed (Store.batch), whatever is put at the
+    # path meanwhile
+    with store.batch():
+        coordinator = comm.rank == 0
+        # 1. describe
+        error: BaseException | None = None
+        description: dict[str, Any] = {}
+        root_ucp: dict[str, Any] = {}
+        try:
+            description = describe(specs, boxes_off_mesh(source.boxes(), specs, meshes, on_mesh),
+                                   group_attributes, meshes=meshes, on_mesh=on_mesh)
+            if coordinator:
+                root_ucp = build_root_ucp(metadata=metadata, values=root_values,
+                                          saved_by={"world_size": comm.world_size})
+        except BaseException as exc:  # reported collectively below
+            error = exc
+        blobs = gather_bytes(comm, encode_description({**(description or _NOTHING),
+                                                        "error": error_report(error)}))
+        # 2. plan: the coordinator alone, which then marks the destination; each rank
+        # receives its share (or the describe failures, or the plan's error). A failure is
+        # carried to the agreement after the exchange (step 4).
+        plan: Plan | None = None
+        shares: dict[int, bytes] | None = None
+        claim: WriteClaim | None = None  # the coordinator's hold on the location
         if coordinator:
-            root_ucp = build_root_ucp(metadata=metadata, values=root_values,
-                                      saved_by={"world_size": comm.world_size})
-    except BaseException as exc:  # reported collectively below
-        error = exc
-    blobs = gather_bytes(comm, encode_description({**(description or _NOTHING),
-                                                    "error": error_report(error)}))
-    # 2. plan: the coordinator alone, which then marks the destination; each rank
-    # receives its share (or the describe failures, or the plan's error). A failure is
-    # carried to the agreement after the exchange (step 4).
-    plan: Plan | None = None
-    shares: dict[int, bytes] | None = None
-    claim: WriteClaim | None = None  # the coordinator's hold on the location
-    if coordinator:
-        plan, shares, claim, error = plan_shares(
-            blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
-    mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error, description)
-    tasks, error = mine.tasks, mine.error
-    # 3 to 5. exchange, agree, un-commit
-    received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
-    assert tasks is not None  # agreed: every rank has its share of the plan
-    # 6. write
-    objects: list[StoredObject] = []
-    error = None
-    try:
-        objects = write(store, tasks, source, received.inbox, workers=workers,
-                        hash_algorithm=hash_algorithm, progress=progress and coordinator,
-                        claim=claim)
-    except BaseException as exc:
-        error = exc
-    # what each rank wrote goes to the coordinator alone; whether it failed, to every rank
-    written = gather_bytes(comm, json.dumps(
-        [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
-    failed = gather_failures(comm, error)
-    with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
-        raise_if_failed(failed, "writing shards", error)
-    # 7. commit
-    every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
-    commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
-           hash_algorithm=hash_algorithm)
-    return DistributedSaveResult(
-        store.location,
-        mine.tensors,
-        len(objects),
-        sum(o.nbytes for o in objects),
-        received.received_bytes,
-    )
+            plan, shares, claim, error = plan_shares(
+                blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
+        mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error, description)
+        tasks, error = mine.tasks, mine.error
+        # 3 to 5. exchange, agree, un-commit
+        received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
+        assert tasks is not None  # agreed: every rank has its share of the plan
+        # 6. write
+        objects: list[StoredObject] = []
+        error = None
+        try:
+            objects = write(store, tasks, source, received.inbox, workers=workers,
+                            hash_algorithm=hash_algorithm, progress=progress and coordinator,
+                            claim=claim)
+        except BaseException as exc:
+            error = exc
+        # what each rank wrote goes to the coordinator alone; whether it failed, to every rank
+        written = gather_bytes(comm, json.dumps(
+            [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
+        failed = gather_failures(comm, error)
+        with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
+            raise_if_failed(failed, "writing shards", error)
+        # 7. commit
+        every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
+        commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
+               hash_algorithm=hash_algorithm)
+        return DistributedSaveResult(
+            store.location,
+            mine.tensors,
+            len(objects),
+            sum(o.nbytes for o in objects),
+            received.received_bytes,
+        )
 
 
 __all__ = [

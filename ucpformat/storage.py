@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from ucpformat.errors import (
     CheckpointNotFoundError,
+    ConcurrentWriteError,
     StorageError,
     UCPError,
     UnsafePathError,
@@ -219,6 +220,13 @@ class Store(ABC):
     def flush(self) -> None:  # noqa: B027 - a no-op is the right default
         """Make everything written so far durable."""
 
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the location for a batch of calls (a save's writes, from every thread):
+        while it lasts, the store may keep what it opened for one call for the next (a
+        :class:`LocalStore` keeps its descriptor of the location). Batches nest. The
+        default keeps nothing."""
+        return contextlib.nullcontext()
+
     def is_empty(self) -> bool:
         return next(iter(self.list()), None) is None
 
@@ -249,6 +257,22 @@ class ForwardingStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[str]:
         return self.inner.list(prefix)
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.batch()
+
+
+class _HeldLocation:
+    """A :meth:`LocalStore.batch`: the location's descriptor (-1 until a call needs it),
+    the identity of the directory it names, the holds and the calls using it, and the
+    keys of the directories made or met under it (hints for where a walk starts)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.identity: tuple[int, int] | None = None
+        self.holds = 0
+        self.users = 0
+        self.dirs: set[str] = set()
 
 
 class LocalStore(Store):
@@ -286,6 +310,7 @@ class LocalStore(Store):
         self._dirty_dirs: set[str] = set()  # keys of directories ("" is the location)
         self._unsynced: list[str] = []  # keys of files written since the last flush
         self._lock = threading.Lock()
+        self._held: _HeldLocation | None = None  # while a batch() lasts
 
     # -- paths ------------------------------------------------------------------------
 
@@ -313,45 +338,178 @@ class LocalStore(Store):
             raise
 
     @contextlib.contextmanager
-    def _directory(self, key: str, *, create: bool) -> Iterator[tuple[int, str]]:
+    def batch(self) -> Iterator[None]:
+        """Hold the location for a batch of calls: one descriptor of its directory, opened
+        at the first call that needs it, serves every call of every thread until the
+        last batch ends (each call opened and closed its own: two system calls, each
+        releasing the GIL that the other writer threads wait for), and the directories
+        made or met meanwhile are remembered, so that a new directory is made from the
+        deepest one known instead of from the location. Batches nest.
+
+        What is written in a batch goes to the directory that was opened, whatever is at
+        the location's path since (a removed location is not made again); an atomic write
+        (a commit) and the end of the last batch check that the path still names that
+        directory, and raise :class:`~ucpformat.errors.ConcurrentWriteError`
+        (UCP-1.0-R059) if it does not. A save is one batch from before its claim to its
+        end, so that all of it goes to the directory it claimed. The descriptor is
+        closed once the last batch has ended and no call uses it any more (never while
+        one does: its number could name another file by then)."""
+        with self._lock:
+            held = self._held
+            if held is None:
+                held = self._held = _HeldLocation()
+            held.holds += 1
+        ended = False
+        try:
+            yield
+            ended = True
+        finally:
+            with self._lock:
+                held.holds -= 1
+                last = held.holds == 0
+                if last:
+                    self._held = None  # calls from now on open their own descriptor
+                fd = held.fd if last and held.users == 0 else -1
+                if fd >= 0:
+                    held.fd = -1
+            try:
+                if last and ended:
+                    self._check_held(held)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _acquire_location(self, *, create: bool) -> tuple[int, _HeldLocation | None]:
+        """A descriptor of the location and the hold it belongs to (None: the caller's own
+        descriptor); give it back with :meth:`_release_location`."""
+        held = self._held
+        if held is not None:
+            with self._lock:
+                if self._held is held:
+                    if held.fd < 0:  # the first call of the hold that needs it
+                        fd = self._open_location(create=create)
+                        try:
+                            st = os.fstat(fd)
+                        except BaseException:
+                            os.close(fd)
+                            raise
+                        held.fd, held.identity = fd, (st.st_dev, st.st_ino)
+                    held.users += 1
+                    return held.fd, held
+        return self._open_location(create=create), None
+
+    def _release_location(self, fd: int, held: _HeldLocation | None) -> None:
+        if held is not None:
+            with self._lock:
+                held.users -= 1
+                if held.holds or held.users:
+                    return
+                held.fd = -1  # the holds ended while this call was using it
+        os.close(fd)
+
+    def _own_location(self) -> int:
+        """A descriptor of the location of the caller's own, to close after use: a new
+        open file description (a directory's listing position is one, and must not be
+        shared between threads), of the held directory while a hold lasts."""
+        location, held = self._acquire_location(create=False)
+        if held is None:
+            return location
+        try:
+            return os.open(".", _DIR_FLAGS, dir_fd=location)
+        finally:
+            self._release_location(location, held)
+
+    def _check_held(self, held: _HeldLocation | None = None) -> None:
+        """Raise ConcurrentWriteError if the location's path no longer names the directory
+        that the hold (default: the current one, if any) opened."""
+        held = held if held is not None else self._held
+        if held is None or held.identity is None:
+            return
+        try:
+            st = os.stat(self.location, follow_symlinks=self.follow_link)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != held.identity:
+            raise ConcurrentWriteError(
+                "the checkpoint location was removed or replaced while this save was writing "
+                "there: what it wrote went to the directory it had opened, not to the one "
+                "now at this path", rule="UCP-1.0-R059", path=self.location,
+            )
+
+    @contextlib.contextmanager
+    def _directory(self, key: str, *, create: bool, missed: bool = False
+                   ) -> Iterator[tuple[int, str]]:
         """``(descriptor of the key's directory, the key's last component)``.
 
         Every directory on the way is opened relative to its parent without following a
         link (made if ``create``). Raises FileNotFoundError if one is missing (or is a
-        file), UnsafePathError if one is a link.
+        file), UnsafePathError if one is a link. ``missed``: the caller's one-call open of
+        the key (:meth:`_open_beneath`) has just failed, so its directory is not tried
+        whole again.
         """
         check_key(key)
         parts = key.split("/")
-        fd = self._open_location(create=create)
-        if len(parts) > 1 and _OPENAT2 is not None:
-            # one system call for the whole directory path, refusing any link on it
-            # (openat2 RESOLVE_NO_SYMLINKS): the walk below only when it fails (a directory
-            # to make, or a link or a file on the way, each said precisely there)
-            try:
-                nxt = _OPENAT2(fd, "/".join(parts[:-1]), _DIR_FLAGS)
-            except OSError:
-                pass
-            else:
-                os.close(fd)
-                fd = nxt
-                parts = parts[-1:]
+        location, held = self._acquire_location(create=create)
+        fd = location  # the directory reached so far (each one closed once left)
         try:
-            for i, part in enumerate(parts[:-1]):
-                try:
-                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    with contextlib.suppress(FileExistsError):
+            fd, start = self._walk_start(location, parts, held, missed)
+            # made first, then opened: the directory below the last one made here (new
+            # too), and the first one walked after a missed one-call open (new, likely)
+            made = create and missed
+            for i in range(start, len(parts) - 1):
+                part = parts[i]
+                if made:
+                    try:
                         os.mkdir(part, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        made = False
                     nxt = self._open_dir(fd, parts, i)
-                except OSError as exc:
-                    nxt = self._refuse_dir(exc, fd, parts, i)
-                os.close(fd)
+                else:
+                    try:
+                        nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    except FileNotFoundError:
+                        if not create:
+                            raise
+                        try:
+                            os.mkdir(part, 0o777, dir_fd=fd)
+                            made = True
+                        except FileExistsError:
+                            pass
+                        nxt = self._open_dir(fd, parts, i)
+                    except OSError as exc:
+                        nxt = self._refuse_dir(exc, fd, parts, i)
+                if fd != location:
+                    os.close(fd)
                 fd = nxt
+                if held is not None:
+                    held.dirs.add("/".join(parts[: i + 1]))
             yield fd, parts[-1]
         finally:
-            os.close(fd)
+            if fd != location:
+                os.close(fd)
+            self._release_location(location, held)
+
+    def _walk_start(self, location: int, parts: Sequence[str], held: _HeldLocation | None,
+                    missed: bool) -> tuple[int, int]:
+        """Where :meth:`_directory`'s walk of ``parts`` starts: ``(descriptor, index of the
+        first part to walk)``. One ``openat2`` (refusing any link on the way) of the whole
+        directory path, unless ``missed``; else of the deepest directory on the way that
+        this hold made or met; else the location itself (index 0), from which the walk
+        makes what is missing and says precisely what was refused."""
+        if len(parts) < 2 or _OPENAT2 is None:
+            return location, 0
+        tries = [] if missed else [len(parts) - 1]
+        if held is not None:
+            known = next((i for i in range(len(parts) - 1, 0, -1)
+                          if "/".join(parts[:i]) in held.dirs), None)
+            if known is not None and known not in tries:
+                tries.append(known)
+        for i in tries:
+            try:
+                return _OPENAT2(location, "/".join(parts[:i]), _DIR_FLAGS), i
+            except OSError:
+                continue
+        return location, 0
 
     def _open_beneath(self, key: str, flags: int, mode: int = 0) -> int | None:
         """The file of ``key`` opened in one system call (``openat2`` from the location,
@@ -363,15 +521,18 @@ class LocalStore(Store):
             return None
         check_key(key)
         try:
-            location = self._open_location(create=False)
+            location, held = self._acquire_location(create=False)
         except OSError:
             return None
         try:
-            return _OPENAT2(location, key, flags, mode)
+            fd = _OPENAT2(location, key, flags, mode)
         except OSError:
             return None
         finally:
-            os.close(location)
+            self._release_location(location, held)
+        if held is not None:
+            held.dirs.add(key.rpartition("/")[0])
+        return fd
 
     def _open_dir(self, parent: int, parts: Sequence[str], i: int) -> int:
         try:
@@ -524,7 +685,7 @@ class LocalStore(Store):
 
     def _listing(self, prefix: str, *, sized: bool) -> Iterator[tuple[str, int | None]]:
         try:
-            fd = self._open_location(create=False)
+            fd = self._own_location()
         except (FileNotFoundError, NotADirectoryError):
             return
         try:
@@ -563,7 +724,10 @@ class LocalStore(Store):
                     self._unlink(key)
                 raise
         else:
-            written = self._write_walked(key, buffers, atomic=atomic, exclusive=exclusive)
+            if atomic:  # a commit marker, the root: never where the path no longer leads
+                self._check_held()
+            written = self._write_walked(key, buffers, atomic=atomic, exclusive=exclusive,
+                                         missed=not atomic and _OPENAT2 is not None)
             if atomic:
                 return written
         with self._lock:
@@ -583,8 +747,8 @@ class LocalStore(Store):
         return written
 
     def _write_walked(self, key: str, buffers: Sequence[Any], *, atomic: bool,
-                      exclusive: bool) -> int:
-        with self._directory(key, create=True) as (parent, leaf):
+                      exclusive: bool, missed: bool = False) -> int:
+        with self._directory(key, create=True, missed=missed) as (parent, leaf):
             if atomic:
                 written = self._write_atomic(parent, leaf, buffers, exclusive=exclusive)
                 if self.durable:
@@ -750,7 +914,7 @@ class LocalStore(Store):
         Nothing is followed: a link is removed. (Writers remove every other file first and
         the in-progress marker last, with this.)"""
         try:
-            fd = self._open_location(create=False)
+            fd = self._own_location()
         except FileNotFoundError:
             return
         try:
@@ -790,14 +954,14 @@ class LocalStore(Store):
         for key in files:
             files_in.setdefault(key.rpartition("/")[0], []).append(key.rpartition("/")[2])
         try:  # one descriptor of the location for the whole flush, shared by its threads
-            location = self._open_location(create=False)
+            location, held = self._acquire_location(create=False)
         except (FileNotFoundError, NotADirectoryError):
             return  # removed since: nothing left to make durable
         try:
             _parallel(lambda d: self._fsync_in(d, files_in[d], location=location),
                       sorted(files_in), self.SYNC_THREADS)
         finally:
-            os.close(location)
+            self._release_location(location, held)
 
     def _fsync_in(self, dir_key: str, leaves: Sequence[str], *, location: int | None = None
                   ) -> None:
@@ -807,13 +971,15 @@ class LocalStore(Store):
         descriptor of the location to open the directory from (one ``openat2``)."""
         fd = -1
         if location is not None and _OPENAT2 is not None:
-            with contextlib.suppress(OSError):  # the walk below says what went wrong
+            try:  # noqa: SIM105 - no contextlib.suppress per directory of every flush
                 fd = _OPENAT2(location, dir_key or ".", _DIR_FLAGS)
+            except OSError:
+                pass  # the walk below says what went wrong
         try:
             if fd >= 0:
                 pass
             elif not dir_key:
-                fd = self._open_location(create=False)
+                fd = self._own_location()
             else:
                 with self._directory(f"{dir_key}/x", create=False) as (parent, _):
                     fd = os.dup(parent)
@@ -998,11 +1164,15 @@ def _load_openat2() -> Callable[..., int] | None:
 
     sys_openat2 = 437  # the same number on every architecture (added in Linux 5.6)
     resolve = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+    size = ctypes.c_size_t(ctypes.sizeof(OpenHow))
+    # the kernel only reads the struct: one per (flags, mode), shared by every thread
+    hows: dict[tuple[int, int], Any] = {}
 
     def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-        how = OpenHow(flags, mode, resolve)
-        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
-                     ctypes.c_size_t(ctypes.sizeof(how)))
+        how = hows.get((flags, mode))
+        if how is None:
+            how = hows[flags, mode] = ctypes.byref(OpenHow(flags, mode, resolve))
+        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), how, size)
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
@@ -1155,6 +1325,9 @@ class ReadGuard(Store):
 
     def flush(self) -> None:
         self.inner.flush()
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.batch()
 
 
 def read_guarded(location: str | os.PathLike[str] | Store) -> Store:

@@ -321,9 +321,6 @@ def commit(
         else:
             create_owned(store, claim, key, lambda: store.create(key, [body]))
 
-    with ThreadPoolExecutor(min(8, max(1, len(bodies)))) as pool:
-        for _ in pool.map(lambda kb: write(*kb), bodies):
-            pass
     ucp = dict(root_ucp)
     ucp["version"] = FORMAT_VERSION
     attributes = dict(root_attributes or {})
@@ -337,8 +334,14 @@ def commit(
         "files": dict(sorted(files.items())),
     }
     manifest_body = dumps(manifest)
-    write(MANIFEST_KEY, manifest_body)
-    store.flush()  # every byte before the commit is durable before the commit is written
+    # held until everything but the root is durable (the root is written through the
+    # location's path, after the claim is checked there)
+    with store.batch():
+        with ThreadPoolExecutor(min(8, max(1, len(bodies)))) as pool:
+            for _ in pool.map(lambda kb: write(*kb), bodies):
+                pass
+        write(MANIFEST_KEY, manifest_body)
+        store.flush()  # every byte before the commit is durable before it is written
     ucp = {**ucp, "manifest": {"path": MANIFEST_KEY, **_describe(manifest_body, "sha256")}}
     attributes = {**attributes, "ucp": ucp}
     root = {
@@ -794,22 +797,25 @@ def save(
     ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
                          created=created)
     store = open_store(path, durable=durable)
-    with _storage_errors(store, untouched=True):
-        claim = prepare_destination(store, overwrite=overwrite)
-    with explain_failure(store, claim), _storage_errors(store):
-        objects = write_arrays(
-            store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
-            progress=progress, feed=feed,
-        )
-        commit(
-            store,
-            arrays=[m for m, _ in the_plan.arrays],
-            groups=the_plan.groups,
-            objects=objects,
-            root_ucp=ucp,
-            hash_algorithm=hash_algorithm,
-            claim=claim,
-        )
+    # the whole save in one batch: every write, the commit and a failure's clean-up go
+    # to the directory it claimed (Store.batch), whatever is put at the path meanwhile
+    with _storage_errors(store), store.batch():
+        with _storage_errors(store, untouched=True):
+            claim = prepare_destination(store, overwrite=overwrite)
+        with explain_failure(store, claim), _storage_errors(store):
+            objects = write_arrays(
+                store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
+                progress=progress, feed=feed,
+            )
+            commit(
+                store,
+                arrays=[m for m, _ in the_plan.arrays],
+                groups=the_plan.groups,
+                objects=objects,
+                root_ucp=ucp,
+                hash_algorithm=hash_algorithm,
+                claim=claim,
+            )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
 
 
@@ -915,17 +921,18 @@ def _write_arrays(
             return obj
 
         pool = ThreadPoolExecutor(workers or default_workers())
-        try:
-            return list(pool.map(run, tasks))
-        except BaseException:
-            if feed is not None:
-                feed.stop()  # threads still waiting for a value raise at once
-            # the first failure ends the save: the objects not yet started are not
-            # written (on a full disk, each would only fail in turn)
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        finally:
-            pool.shutdown(wait=True)
+        with store.batch():  # the writer threads share what the store opens
+            try:
+                return list(pool.map(run, tasks))
+            except BaseException:
+                if feed is not None:
+                    feed.stop()  # threads still waiting for a value raise at once
+                # the first failure ends the save: the objects not yet started are not
+                # written (on a full disk, each would only fail in turn)
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            finally:
+                pool.shutdown(wait=True)
 
 
 # -- adopting arrays written by another writer ----------------------------------------------

@@ -557,3 +557,20 @@ def test_staged_targets_on_a_device_are_filled_through_the_pool_at_apply(
     assert len(events.keys("copy-end")) == len(state) - 1  # the float64 bias: plain copy
     assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
     assert pool.stats.in_use_bytes == 0 and pool.stats.reuses > 0
+
+
+@pytest.mark.parametrize("src", [
+    torch.randn(5, 3).bfloat16(), torch.tensor(3.5), torch.tensor([True, False]),
+    torch.randn(4, requires_grad=True), torch.empty(0),
+    torch.randint(-9, 9, (3, 2), dtype=torch.int64), torch.randn(2, 2).to(torch.float8_e4m3fn),
+], ids=["bf16", "0-d", "bool", "requires-grad", "empty", "int64", "float8"])
+def test_host_copy_copies_every_byte(src: torch.Tensor) -> None:
+    """The snapshot's host-to-host copy (numpy's memory copy of the tensors' bytes) for
+    types numpy has no name for, 0-d and empty tensors, and tensors that need grad."""
+    from ucpformat.torch.staging import host_copy
+
+    dst = torch.zeros_like(src, requires_grad=False)
+    host_copy(dst, src)
+    assert dst.dtype == src.dtype and dst.shape == src.shape
+    assert bytes(dst.reshape(-1).view(torch.uint8).tolist()) == \
+        bytes(src.detach().reshape(-1).view(torch.uint8).tolist())

@@ -55,6 +55,7 @@ from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator
 from ucpformat.torch.distributed import (
     collect_state,
     fragments_of,
+    local_parts,
     local_tensors,
     write_collected,
 )
@@ -129,11 +130,13 @@ class AsyncSaver:
             )
             snap = Snapshot(self.staging_pool, self._copier)
             try:
-                self._check_room(state)
-                self._copier.begin(local_tensors(state, self._comm.rank))
+                parts = local_parts(state, self._comm.rank)  # once: it walks every tensor
+                tensors = local_tensors(state, self._comm.rank, parts)
+                self._check_room(tensors)
+                self._copier.begin(tensors)
                 specs, frags = fragments_of(
                     state, self._comm.rank,
-                    lambda key, tensor: snap.add(key, tensor, self._recorder))
+                    lambda key, tensor: snap.add(key, tensor, self._recorder), parts)
                 snap.guard(self._recorder)  # training's stream waits for each copy
             except BaseException:
                 snap.wait()
@@ -147,12 +150,12 @@ class AsyncSaver:
             self.last_blocked_s = time.perf_counter() - t1
             return future
 
-    def _check_room(self, state: Any) -> None:
+    def _check_room(self, tensors: list[torch.Tensor]) -> None:
         cap = self.staging_pool.capacity_bytes
         if cap is None:
             return
         need = sum(self.staging_pool.buffer_bytes(t.numel() * t.element_size())
-                   for t in local_tensors(state, self._comm.rank))
+                   for t in tensors)
         if need > cap:
             from ucpformat.errors import ResourceLimitError
 

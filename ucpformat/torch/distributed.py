@@ -389,11 +389,15 @@ def _plain_copy(path: str, t: torch.Tensor) -> np.ndarray[Any, Any]:
     return to_numpy(t, name=path)
 
 
-def _local_parts(
-    state: _State, rank: int
-) -> tuple[list[TensorSpec], list[tuple[str, torch.Tensor, tuple[Piece, ...]]]]:
+#: What :func:`local_parts` gives: the tensor specs, and (path, local tensor, its
+#: non-empty pieces) of what a rank holds.
+LocalParts = tuple[list[TensorSpec], list[tuple[str, torch.Tensor, tuple[Piece, ...]]]]
+
+
+def local_parts(state: _State, rank: int) -> LocalParts:
     """The tensor specs, and (path, local tensor, its non-empty pieces) of what this rank
-    holds."""
+    holds (worked out once per save: :func:`local_tensors` and :func:`fragments_of` take
+    it)."""
     specs: list[TensorSpec] = []
     parts: list[tuple[str, torch.Tensor, tuple[Piece, ...]]] = []
     for item in state.items:
@@ -417,10 +421,11 @@ def _local_parts(
     return specs, parts
 
 
-def local_tensors(state: _State, rank: int) -> list[torch.Tensor]:
+def local_tensors(state: _State, rank: int, parts: LocalParts | None = None
+                  ) -> list[torch.Tensor]:
     """The local tensors (a DTensor's local shard) whose values this rank saves (what a
-    snapshot copies)."""
-    return [t for _, t, _ in _local_parts(state, rank)[1]]
+    snapshot copies); ``parts``: :func:`local_parts` of ``state``, if known."""
+    return [t for _, t, _ in (parts or local_parts(state, rank))[1]]
 
 
 def _pieces_of(arr: np.ndarray[Any, Any], pieces: Sequence[Piece]) -> list[tuple[Box, Any]]:
@@ -428,11 +433,13 @@ def _pieces_of(arr: np.ndarray[Any, Any], pieces: Sequence[Piece]) -> list[tuple
 
 
 def fragments_of(
-    state: _State, rank: int, snapshot: Snapshot = _plain_copy
+    state: _State, rank: int, snapshot: Snapshot = _plain_copy,
+    parts: LocalParts | None = None,
 ) -> tuple[list[TensorSpec], list[Fragment]]:
-    """The tensor specs and this rank's fragments (values from ``snapshot``)."""
-    specs, parts = _local_parts(state, rank)
-    frags = [Fragment(path, box, data) for path, local, pieces in parts
+    """The tensor specs and this rank's fragments (values from ``snapshot``);
+    ``parts``: :func:`local_parts` of ``state``, if known."""
+    specs, parts_ = parts or local_parts(state, rank)
+    frags = [Fragment(path, box, data) for path, local, pieces in parts_
              for box, data in _pieces_of(snapshot(path, local), pieces)]
     return specs, frags
 
@@ -507,7 +514,7 @@ def save_distributed(
     state = collect_state(
         model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
     )
-    specs, parts = _local_parts(state, comm.rank)
+    specs, parts = local_parts(state, comm.rank)
     source = StagedFragments(parts, staging if staging is not None else Staging())
     try:
         return write_collected(path, comm, state, specs, source, metadata=metadata,
@@ -884,11 +891,13 @@ def load_distributed(
 
 
 __all__ = [
+    "LocalParts",
     "StagedFragments",
     "collect_state",
     "fragments_of",
     "load_distributed",
     "local_map_of",
+    "local_parts",
     "local_tensors",
     "mesh_layout",
     "mesh_name",
