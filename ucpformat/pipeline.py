@@ -519,7 +519,11 @@ def write(
     displaced and its object is replaced, :func:`ucpformat.writer.create_owned`).
 
     A prefetching source (:class:`ucpformat.feed.Prefetching`) learns the order in which
-    tensors are needed first, and is stopped at the end, whatever happens."""
+    tensors are needed first, and is stopped at the end, whatever happens.
+
+    Every rank makes its objects durable before it returns, but the coordinator
+    (``claim``): its commit (:func:`ucpformat.writer.commit`, through the same ``store``)
+    flushes them with the metadata, before the root is written."""
     try:
         return _write(store, tasks, source, inbox, workers=workers,
                       hash_algorithm=hash_algorithm, progress=progress, claim=claim)
@@ -573,7 +577,11 @@ def _write(
                 raise
             finally:
                 pool.shutdown(wait=True)
-            store.flush()
+            if claim is None:
+                # the coordinator's objects are made durable by the commit's flush, which
+                # covers every file this store wrote, before the root (one flush of them,
+                # not two); every other rank's before it reports them written
+                store.flush()
     return objects
 
 

@@ -23,7 +23,7 @@ import ucpformat
 from ucpformat.comm import Communicator, run_threads
 from ucpformat.errors import ConcurrentWriteError, UCPError
 from ucpformat.layout.boxes import Box
-from ucpformat.metadata import IN_PROGRESS_KEY, ZARR_JSON
+from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
 from ucpformat.pipeline import FragmentList
 from ucpformat.pipeline import save as run_pipeline
 from ucpformat.saveplan import PlanOptions
@@ -187,3 +187,53 @@ def test_a_displaced_coordinator_commits_nothing_and_removes_nothing(tmp_path: P
     assert all(e is not None and "R059" in str(e) for e in errors), errors
     assert not (target / ZARR_JSON).exists()
     assert json.loads((target / IN_PROGRESS_KEY).read_text())["writer"] == "impostor"
+
+
+class _Recording(LocalStore):
+    """A rank's store that records, in order, each stored object it writes, each flush
+    and the root's write (the commit point)."""
+
+    def __init__(self, location: Path) -> None:
+        super().__init__(str(location))
+        self.events: list[str] = []
+
+    def _record(self, key: str) -> None:
+        if key == ZARR_JSON:
+            self.events.append("root")
+        elif not key.endswith(ZARR_JSON) and key not in (MANIFEST_KEY, IN_PROGRESS_KEY):
+            self.events.append("object")
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        self._record(key)
+        return super().put(key, buffers, atomic=atomic)
+
+    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        self._record(key)
+        return super().create(key, buffers, atomic=atomic)
+
+    def flush(self) -> None:
+        self.events.append("flush")
+        super().flush()
+
+
+def test_every_object_is_flushed_before_the_commit_and_the_coordinators_once(
+    tmp_path: Path,
+) -> None:
+    """Each rank makes its stored objects durable before it reports them written; the
+    coordinator's are made durable by the commit's one flush, before the root (a flush
+    of its objects in the write step too would only repeat it)."""
+    parts = faults.distributed_parts(SEED_B, 2)
+    stores = [_Recording(tmp_path / "ckpt") for _ in range(2)]
+
+    def rank_main(comm: Communicator) -> None:
+        faults.distributed_save(stores[comm.rank], comm, parts)
+
+    run_threads(2, rank_main, timeout=60)
+    coordinator, other = (s.events for s in stores)
+    assert coordinator[-1] == "root" and "object" in coordinator and "object" in other
+    after_objects = coordinator[coordinator.index("object"):]
+    assert after_objects.count("flush") == 1
+    assert after_objects.index("flush") > max(
+        i for i, e in enumerate(after_objects) if e == "object")
+    assert other[-1] == "flush" and "root" not in other
+    _loads(tmp_path / "ckpt", parts.expected)
