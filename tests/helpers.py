@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from ucpformat.dtypes import DataType
 from ucpformat.metadata import encode_root
@@ -185,3 +187,18 @@ class FailingCopier:
 
     def guard(self, done: Any) -> None:
         pass
+
+
+def fail_fsync(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """Make the store's ``call``-th fsync (counting from 1) fail with EIO, as a disk
+    would; the others run."""
+    calls = {"n": 0}
+    real = os.fsync
+
+    def failing(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr("ucpformat.storage.os.fsync", failing)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ucpformat
+from tests.helpers import fail_fsync
 from ucpformat import errors
 from ucpformat.dtypes import by_name
 from ucpformat.engine.compression import Compression
@@ -91,16 +92,7 @@ def test_durability_is_batched_and_precedes_the_commit(
 def test_a_failed_fsync_fails_the_save_before_the_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = {"n": 0}
-    real = os.fsync
-
-    def failing(fd: int) -> None:
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise OSError(5, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr("ucpformat.storage.os.fsync", failing)
+    fail_fsync(monkeypatch, 5)
     with pytest.raises(errors.WriteError):
         ucpformat.save(tmp_path / "c", {"model": {f"w{i}": np.ones((8, 8), np.float32)
                                                   for i in range(10)}})

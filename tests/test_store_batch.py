@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import ucpformat
+from tests.helpers import fail_fsync
 from ucpformat import storage
 from ucpformat.errors import ConcurrentWriteError
 from ucpformat.metadata import ZARR_JSON
@@ -96,16 +97,7 @@ def test_no_descriptor_is_left_open(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         store.put("model/a/c/0", [b"x"])
         raise RuntimeError("a failure inside the batch")
     assert _open_fds() == before
-    calls = {"n": 0}
-    real = os.fsync
-
-    def failing(fd: int) -> None:
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise OSError(5, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr("ucpformat.storage.os.fsync", failing)
+    fail_fsync(monkeypatch, 8)
     with pytest.raises(ucpformat.errors.WriteError):
         ucpformat.save(tmp_path / "e", state)
     assert _open_fds() == before
