@@ -157,7 +157,8 @@ def boxes_off_mesh(
     rest = []
     for path, box in boxes:
         if path in expected:
-            held.setdefault(path, []).append(tuple((int(a), int(b)) for a, b in box))
+            if box_size(box):  # an empty piece holds nothing (the mesh's parts leave it out)
+                held.setdefault(path, []).append(tuple((int(a), int(b)) for a, b in box))
         else:
             rest.append((path, box))
     for path, want in expected.items():

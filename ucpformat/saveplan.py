@@ -184,7 +184,9 @@ class RankTasks:
             if len(paths) != ct.count:
                 raise WriteError(
                     f"the coordinator planned {ct.count} tensors laid out as {ct.key}; "
-                    f"rank {self.rank} described {len(paths)}")
+                    f"rank {self.rank} described {len(paths)}"
+                    + (f" (the first: {paths[0]!r})" if paths else ""),
+                    tensor=paths[0] if paths else None)
             for path in paths:
                 self.arrays[path] = meta_of(path, ct)
                 self.objects += [ObjectPlan(path, o.coords, o.region, self.rank, o.remote)
@@ -506,16 +508,22 @@ def _mesh_classes(
             pair = (id(theirs), id(mine))
             if theirs is not mine and pair not in same:
                 if theirs != mine:
+                    differ = sorted(
+                        {str(e[0]) for e in theirs} ^ {str(e[0]) for e in mine}
+                        or {str(a[0]) for a, b in zip(theirs, mine, strict=False) if a != b})
                     raise LayoutError(f"ranks {first} and {rank} lay out different tensors "
-                                      f"on mesh {name!r}", rule="UCP-1.0-R131")
+                                      f"on mesh {name!r} (differing: {differ[:3]})",
+                                      rule="UCP-1.0-R131", tensor=differ[0] if differ else None)
                 same.add(pair)
     classes: list[_MeshClass] = []
     mesh_of: dict[str, str] = {}
     for name, (_, entries) in agreed.items():
         for path, mesh, _ in entries:
             if path in mesh_of:
-                raise LayoutError(f"the tensor is laid out on mesh {mesh_of[path]!r} and on "
-                                  f"mesh {mesh!r}", rule="UCP-1.0-R131", tensor=str(path))
+                where = (f"listed twice on mesh {mesh!r}" if mesh_of[path] == name else
+                         f"laid out on mesh {mesh_of[path]!r} and on mesh {mesh!r}")
+                raise LayoutError(f"the tensor is {where}", rule="UCP-1.0-R131",
+                                  tensor=str(path))
             mesh_of[path] = name
         shape, at = places[name]
         placements = {path: p for path, _, p in entries}
@@ -723,7 +731,7 @@ def choose_grid(
     nbytes = math.prod(shape) * itemsize
     edges = _aligned_edges(shape, cuts)
     count = math.prod(-(-n // e) for n, e in zip(shape, edges, strict=True))
-    if count > 1 and count > max(1, nbytes // min_shard_bytes):
+    if count > 1 and count > max(1, nbytes // max(1, min_shard_bytes)):  # 0: no minimum
         # Too fine for shards: a coarse shard grid, boundary cells exchanged; the inner
         # chunks still follow the fragments along the dimensions they cut, as long as
         # that leaves them of a useful size (:func:`chunk_alignment`).

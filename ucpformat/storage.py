@@ -348,21 +348,21 @@ class LocalStore(Store):
 
         What is written in a batch goes to the directory that was opened, whatever is at
         the location's path since (a removed location is not made again); an atomic write
-        (a commit) and the end of the last batch check that the path still names that
-        directory, and raise :class:`~ucpformat.errors.ConcurrentWriteError`
-        (UCP-1.0-R059) if it does not. A save is one batch from before its claim to its
-        end, so that all of it goes to the directory it claimed. The descriptor is
-        closed once the last batch has ended and no call uses it any more (never while
-        one does: its number could name another file by then)."""
+        (a commit) checks that the path still names that directory, and raises
+        :class:`~ucpformat.errors.ConcurrentWriteError` (UCP-1.0-R059) if it does not. A
+        save is one batch from before its claim to its end, so that all of it goes to the
+        directory it claimed. The end of a batch checks nothing: once the root is
+        written, the checkpoint may be moved (a save to a temporary path, then renamed)
+        while other ranks are still leaving theirs. The descriptor is closed once the
+        last batch has ended and no call uses it any more (never while one does: its
+        number could name another file by then)."""
         with self._lock:
             held = self._held
             if held is None:
                 held = self._held = _HeldLocation()
             held.holds += 1
-        ended = False
         try:
             yield
-            ended = True
         finally:
             with self._lock:
                 held.holds -= 1
@@ -372,12 +372,8 @@ class LocalStore(Store):
                 fd = held.fd if last and held.users == 0 else -1
                 if fd >= 0:
                     held.fd = -1
-            try:
-                if last and ended:
-                    self._check_held(held)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def _acquire_location(self, *, create: bool) -> tuple[int, _HeldLocation | None]:
         """A descriptor of the location and the hold it belongs to (None: the caller's own

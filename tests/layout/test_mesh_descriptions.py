@@ -203,3 +203,32 @@ def test_replicated_tensors_on_a_mesh_spread_their_writers() -> None:
     assert len(plan.classes) == 1
     writers = {o.owner for tp in plan.tensors.values() for o in tp.objects}
     assert writers == {0, 1, 2}
+
+
+def test_an_empty_fragment_of_a_tensor_on_a_mesh_is_no_difference() -> None:
+    """torch.chunk semantics leave the last positions empty pieces; a caller may list
+    them: they hold nothing, as the mesh's parts say."""
+    specs = [TensorSpec("model/w", (1, 4), "float32")]
+    on_mesh = [MeshTensor("model/w", "m", (Shard(0),))]
+    empty = [("model/w", ((1, 1), (0, 4)))]
+    assert boxes_off_mesh(empty, specs, [MeshPosition("m", (2,), (1,))], on_mesh) == []
+
+
+def test_refusals_name_the_tensor_that_differs() -> None:
+    fewer = rank_doc((1,), tensors=2)
+    with pytest.raises(LayoutError, match="differing: \\['model/w2'\\]") as info:
+        plan_from_descriptions([rank_doc((0,)), fewer], FINE)
+    assert info.value.tensor == "model/w2"
+    twice = [Description.of(describe(
+        SPECS, [], meshes=[MeshPosition("m", (1,), (0,))],
+        on_mesh=[MeshTensor("model/w0", "m", (Shard(0),))] * 2))]
+    with pytest.raises(LayoutError, match="listed twice on mesh 'm'"):
+        plan_from_descriptions(twice, FINE)
+
+
+def test_no_minimum_shard_size_plans_one_shard_per_piece() -> None:
+    """min_shard_bytes=0: no minimum (every piece may be its own shard), as the DCP
+    plugin already read it."""
+    plan = plan_from_descriptions(docs(L.fsdp2(TINY, 2, 2)),
+                                  PlanOptions(None, 256, 2048, min_shard_bytes=0))
+    assert plan.move_count() == 0

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -453,3 +453,21 @@ def meta_loads(rank: int, world: int, root: str) -> dict[str, Any]:
         train(meta, new_opt, 1)
         assert all(not s["exp_avg"].is_meta for s in new_opt.state.values())
     return out
+
+
+def save_pipeline_stages(rank: int, world: int, root: str) -> dict[str, Any]:
+    """4 ranks on a (pp 2, dp 2) mesh: each stage's parameter sharded over the stage's
+    data-parallel slice. As slices of the root mesh the stages hold different tensors,
+    so they are described by boxes; the checkpoint holds both stages whole."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    coords = mesh.get_coordinate()
+    assert coords is not None
+    stage, dp = coords[0], mesh["dp"]
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4) + 100 * stage
+    local = full.chunk(2)[dp.get_local_rank()].clone()
+    model = torch.nn.Module()
+    model.register_parameter(f"stage{stage}", torch.nn.Parameter(
+        DTensor.from_local(local, dp, [Shard(0)], run_check=False)))
+    on_mesh = described_on_mesh(lambda: save_distributed(f"{root}/pp", model=model))
+    return {"on mesh": on_mesh, "stage": stage}
+

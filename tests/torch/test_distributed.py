@@ -96,6 +96,19 @@ def test_n_to_m_ranks_any_layout(tmp_path: Path) -> None:
         assert np.array_equal(ck.tensor("model", fqn).read(), value.numpy()), fqn
 
 
+def test_pipeline_stages_on_slices_of_one_mesh(tmp_path: Path) -> None:
+    """Stages hold their own layers on the data-parallel slices of a (pp, dp) mesh:
+    the slices lifted to the root would disagree on its tensors, so the save describes
+    them by boxes (every rank agrees on that first) and keeps both stages."""
+    out = spawn(w.save_pipeline_stages, 4, str(tmp_path), timeout=240)
+    assert sorted(r["stage"] for r in out) == [0, 0, 1, 1]
+    assert all(r["on mesh"] == 0 for r in out), out
+    ckpt = ucpformat.open_checkpoint(tmp_path / "pp")
+    for stage in (0, 1):
+        expected = np.arange(24, dtype=np.float32).reshape(6, 4) + 100 * stage
+        assert np.array_equal(ckpt.tensor("model", f"stage{stage}").read(), expected)
+
+
 def test_fsdp2_and_tp_built_on_meta(tmp_path: Path) -> None:
     """Refused without assign; to_empty + load, and assign=True, load bit for bit."""
     out = spawn(w.meta_loads, 2, str(tmp_path), timeout=240)

@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ucpformat import names
-from ucpformat.comm import Communicator, gather_failures
+from ucpformat.comm import Communicator, gather_bytes, gather_failures, scatter_bytes
 from ucpformat.description import MeshPosition, MeshTensor
 from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
 from ucpformat.distributed import save_distributed as _core_save_distributed
@@ -535,8 +535,7 @@ def write_collected(
 ) -> DistributedSaveResult:
     """The collective write of collected state (shared by the sync and async paths).
     DTensors are described by their device mesh (:func:`mesh_layout`)."""
-    meshes, on_mesh = mesh_layout(
-        state, comm.group if isinstance(comm, TorchCommunicator) else None)
+    meshes, on_mesh = mesh_layout(state, comm)
     return _core_save_distributed(
         path,
         comm,
@@ -583,18 +582,19 @@ def root_layout(t: DTensor, *, name: str | None = None
 
 
 def mesh_layout(
-    state: _State, group: ProcessGroup | None
+    state: _State, comm: Communicator
 ) -> tuple[list[MeshPosition], list[MeshTensor]]:
     """The DTensors of ``state`` described by their device mesh (:func:`root_layout`):
     this rank's place in each mesh and each DTensor's placements (the coordinator
     derives every rank's fragments from them, :class:`~ucpformat.description.MeshTensor`).
-    A DTensor whose mesh has ranks outside the checkpoint's process ``group`` (default:
-    the world), or this rank not in it, is left to its fragments' boxes: the mesh's
-    positions would lack a rank of the save."""
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    Collective over ``comm`` (the save's). Left to their fragments' boxes: a DTensor
+    whose mesh has ranks outside the save's process group (or this rank not in it), and
+    the DTensors of a mesh whose ranks do not all lay out the same tensors on it
+    (:func:`agreed_meshes`)."""
+    if not isinstance(comm, TorchCommunicator):
         return [], []
     members = set(torch.distributed.get_process_group_ranks(
-        group if group is not None else torch.distributed.group.WORLD))
+        comm.group if comm.group is not None else torch.distributed.group.WORLD))
     places: dict[str, MeshPosition | None] = {}
     on_mesh: list[MeshTensor] = []
     for item in state.items:
@@ -613,8 +613,38 @@ def mesh_layout(
                                         tuple(int(c) for c in coords or ())) if inside else None
         if places[name] is not None:
             on_mesh.append(MeshTensor(item.path, name, placements))
-    meshes = [p for p in places.values() if p is not None]
-    return meshes, on_mesh
+    return agreed_meshes(comm, [p for p in places.values() if p is not None], on_mesh)
+
+
+def agreed_meshes(
+    comm: Communicator, meshes: Sequence[MeshPosition], on_mesh: Sequence[MeshTensor]
+) -> tuple[list[MeshPosition], list[MeshTensor]]:
+    """The meshes (and their tensors) that every rank of the mesh describes alike, the
+    others' tensors left to boxes. Collective: the coordinator gathers a digest of each
+    rank's tensors per mesh and tells every rank which meshes agree. A sub-mesh lifted
+    to its root (:func:`root_layout`) is one mesh only where its slices hold the same
+    tensors: FSDP2's data-parallel slices of a (dp, tp) mesh do, pipeline stages on the
+    data-parallel slices of a (pp, dp) mesh do not (each stage its own layers)."""
+    mine = {}
+    for m in meshes:
+        listed = [[t.path, [placement_to_json(p) for p in t.placements]]
+                  for t in on_mesh if t.mesh == m.name]
+        mine[m.name] = [list(m.shape),
+                        hashlib.sha256(json.dumps(listed).encode()).hexdigest()]
+    gathered = gather_bytes(comm, json.dumps(mine).encode())
+    agreed: list[str] = []
+    if gathered is not None:  # the coordinator
+        seen: dict[str, list[Any]] = {}
+        for raw in gathered:
+            for name, (shape, digest) in json.loads(raw).items():
+                seen.setdefault(name, []).append((tuple(shape), digest))
+        agreed = sorted(name for name, reports in seen.items()
+                        if len(set(reports)) == 1 and len(reports) == math.prod(reports[0][0]))
+    body = json.dumps(agreed).encode()
+    received = scatter_bytes(
+        comm, dict.fromkeys(range(comm.world_size), body) if gathered is not None else None)
+    ok = set(json.loads(body if gathered is not None else received))
+    return ([m for m in meshes if m.name in ok], [t for t in on_mesh if t.mesh in ok])
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -893,6 +923,7 @@ def load_distributed(
 __all__ = [
     "LocalParts",
     "StagedFragments",
+    "agreed_meshes",
     "collect_state",
     "fragments_of",
     "load_distributed",
