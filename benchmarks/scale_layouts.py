@@ -31,8 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ucpformat import names
-from ucpformat.description import MeshPosition, MeshTensor
-from ucpformat.layout.boxes import Box, LocalMap, Piece, box_size
+from ucpformat.description import MeshPosition, MeshTensor, mesh_boxes
+from ucpformat.layout.boxes import Box, LocalMap, Piece
 from ucpformat.layout.dtensor import Placement, Replicate, Shard, StridedShard, dtensor_local_map
 from ucpformat.layout.semantics import Part, TensorLayout
 from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
@@ -156,16 +156,15 @@ class SimRank:
     on_mesh: Sequence[MeshTensor] = ()
 
     def all_boxes(self) -> list[tuple[str, Box]]:
-        """Every fragment's box, those of the tensors on meshes included (their pieces
-        of :func:`~ucpformat.layout.dtensor.dtensor_local_map`)."""
+        """Every fragment's box, those of the tensors on meshes included
+        (:func:`~ucpformat.description.mesh_boxes` of this rank's places)."""
         place = {m.name: m for m in self.meshes}
         shape = {s.path: s.shape for s in self.specs}
         out = list(self.boxes)
         for t in self.on_mesh:
             m = place[t.mesh]
-            local = dtensor_local_map(shape[t.path], m.shape, t.placements, m.coords,
-                                      tensor=t.path)
-            out += [(t.path, p.glob) for p in local.pieces if box_size(p.glob)]
+            out += [(t.path, box) for box in mesh_boxes(shape[t.path], m.shape, m.coords,
+                                                         t.placements, tensor=t.path)]
         return out
 
 

@@ -127,6 +127,21 @@ def describe(
     }
 
 
+def mesh_boxes(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    tensor: str | None = None,
+) -> list[Box]:
+    """The boxes of the global tensor that the mesh position ``coords`` holds under
+    ``placements`` (its local part's non-empty pieces): what a rank describing a
+    :class:`MeshTensor` holds, as the coordinator derives it."""
+    local = dtensor_local_map(shape, mesh_shape, placements, coords, tensor=tensor)
+    return [p.glob for p in local.pieces if box_size(p.glob)]
+
+
 def boxes_off_mesh(
     boxes: Iterable[tuple[str, Box]],
     specs: Sequence[TensorSpec],
@@ -150,8 +165,8 @@ def boxes_off_mesh(
                               "place in the mesh", rule="UCP-1.0-R114", tensor=t.path)
         key = (shape, m.name, t.placements)
         if key not in maps:
-            local = dtensor_local_map(shape, m.shape, t.placements, m.coords, tensor=t.path)
-            maps[key] = sorted(p.glob for p in local.pieces if box_size(p.glob))
+            maps[key] = sorted(mesh_boxes(shape, m.shape, m.coords, t.placements,
+                                          tensor=t.path))
         expected[t.path] = maps[key]
     held: dict[str, list[Box]] = {}
     rest = []
@@ -317,4 +332,5 @@ __all__ = [
     "encode_description",
     "encode_own_part",
     "encode_shared_part",
+    "mesh_boxes",
 ]

@@ -41,6 +41,7 @@ from ucpformat.description import (
     Description,
     TensorSpec,
     dumps,
+    mesh_boxes,
 )
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
@@ -50,7 +51,6 @@ from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
 from ucpformat.layout.dtensor import (
     Placement,
     Replicate,
-    dtensor_local_map,
     placement_from_json,
 )
 from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
@@ -321,24 +321,18 @@ class Plan:
                 theirs.sends.append((owner, path, cell))
                 theirs.arrays.setdefault(path, self.tensors[path].meta)
         for c in self.classes:
-            shares: dict[int, ClassTasks] = {}
-
-            def share(rank: int, c: ClassPlan = c, shares: dict[int, ClassTasks] = shares
-                      ) -> ClassTasks:
-                ct = shares.get(rank)
-                if ct is None:
-                    ct = shares[rank] = ClassTasks(c.key, len(c.paths), c.grid, c.compression)
-                    out[rank].classes.append(ct)
-                return ct
-
+            shares = {r: ClassTasks(c.key, len(c.paths), c.grid, c.compression) for r in out}
             for o in c.objects:
-                if o.owner in out:
-                    share(o.owner).objects.append(o)
+                if o.owner in shares:
+                    shares[o.owner].objects.append(o)
             for owner, sender, cell in c.moves:
-                if owner in out:
-                    share(owner).recvs.append((sender, cell))
-                if sender in out:
-                    share(sender).sends.append((owner, cell))
+                if owner in shares:
+                    shares[owner].recvs.append((sender, cell))
+                if sender in shares:
+                    shares[sender].sends.append((owner, cell))
+            for rank, ct in shares.items():
+                if ct.objects or ct.sends or ct.recvs:
+                    out[rank].classes.append(ct)
         if expand:
             members = {c.key: c.paths for c in self.classes}
             for tasks in out.values():
@@ -446,9 +440,8 @@ class _MeshClass:
             seen = tuple(coords[i] for i in sharded)
             boxes = maps.get(seen)
             if boxes is None:
-                local = dtensor_local_map(spec.shape, self.mesh_shape, self.placements,
-                                          coords, tensor=spec.path)
-                boxes = maps[seen] = [p.glob for p in local.pieces if box_size(p.glob)]
+                boxes = maps[seen] = mesh_boxes(spec.shape, self.mesh_shape, coords,
+                                                self.placements, tensor=spec.path)
             for box in boxes:
                 by_box.setdefault(box, []).append(rank)
         return [(box, sorted(set(ranks)), ranks) for box, ranks in by_box.items()]
