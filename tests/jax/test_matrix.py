@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.jax.helpers import abstract, assert_bit_equal, jax, mesh, sharded_state
-
-import ucpformat  # noqa: I001
+import ucpformat
 import ucpformat.jax as ucpj
+from tests.jax.helpers import abstract, assert_bit_equal, jax, mesh, sharded_state
 
 CASES = [("8", "2x4"), ("2x4", "1x8"), ("1x8", "8"), ("2x4", "4x2")]
 
@@ -61,7 +60,8 @@ def test_names_are_the_torch_integrations(tmp_path: Path) -> None:
 
 def test_replicas_are_written_once(tmp_path: Path) -> None:
     m = mesh("2x4")
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(m, P("a")))
     collected = ucpj.save.__globals__["collect"]({"params": {"w": x}}, rank=0)

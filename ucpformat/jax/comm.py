@@ -98,7 +98,7 @@ class CoordinationCommunicator:
             parts = max(1, -(-len(data) // PART_BYTES))
             for i in range(parts):
                 self._client.key_value_set_bytes(
-                    f"{key}/{i}", bytes(data[i * PART_BYTES:(i + 1) * PART_BYTES]))
+                    f"{key}#{i}", bytes(data[i * PART_BYTES:(i + 1) * PART_BYTES]))
             self._client.key_value_set_bytes(key, str(parts).encode())
         received: dict[int, bytes] = {}
         if self._rank in outgoing:
@@ -112,9 +112,9 @@ class CoordinationCommunicator:
             if head == b"-":
                 continue
             chunks = []
-            for i in range(int(head)):
-                chunks.append(self._get(f"{key}/{i}"))
-                self._client.key_value_delete(f"{key}/{i}")
+            for i in range(int(head)):  # not below the head: deleting a key deletes those
+                chunks.append(self._get(f"{key}#{i}"))
+                self._client.key_value_delete(f"{key}#{i}")
             received[src] = b"".join(chunks)
         return received
 

@@ -125,7 +125,10 @@ def _as_target(jax: Any, value: Any, target: Any, where: str) -> Any:
     if isinstance(target, np.ndarray):
         return arr
     sharding = getattr(target, "sharding", None)
-    return jax.device_put(arr, sharding) if sharding is not None else jax.numpy.asarray(arr)
+    if sharding is None:
+        return jax.numpy.asarray(arr)
+    # each process builds its own devices' shards: no communication
+    return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
 
 
 def load(

@@ -4,9 +4,11 @@ Each process describes the boxes of the arrays its devices hold and hands them t
 one distributed save (:func:`ucpformat.pipeline.save`). A box several devices hold
 (a replicated mesh axis) is written once: by the process of the lowest device id that
 holds it, a rule every process applies to the sharding alone, without talking to the
-others. Values are copied from a device only when the pipeline asks for them
-(:func:`save`), or all at once before the write starts (:func:`save_async`, which then
-writes in a thread).
+others. Host values (numpy arrays), and in a run of several processes the arrays that
+live on one process's devices alone (a ``jax.random.key`` made locally), are taken
+from process 0, as torch's plain tensors are from rank 0. Values are copied from a
+device only when the pipeline asks for them (:func:`save`), or all at once before the
+write starts (:func:`save_async`, which then writes in a thread).
 """
 
 from __future__ import annotations
@@ -234,12 +236,14 @@ def _collect_array(jax: Any, out: Collected, leaf: Leaf, rank: int) -> None:
     if info is not None:
         ucp["saved_with"] = info
     out.specs.append(TensorSpec(leaf.path, stored_shape, dt.name, {"ucp": ucp}))
-    if isinstance(value, jax.Array):
+    if isinstance(value, jax.Array) and (jax.process_count() == 1
+                                         or not value.is_fully_addressable):
         parts: list[tuple[Box, Getter]] = [
             (permuted(box, perm), _FromDevice(shard.data, perm))
             for box, shard in owned_shards(value)]
     elif rank == 0 and box_size(tuple((0, n) for n in stored_shape)):
-        host = np.asarray(value)
+        # a host value, or an array on this process's devices alone: rank 0's is stored
+        host = host_value(value)
         parts = [(tuple((0, n) for n in stored_shape), _constant(_to_host(host, perm)))]
     else:
         parts = []
