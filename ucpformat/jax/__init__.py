@@ -22,8 +22,17 @@ require("jax", extra="jax", purpose="ucpformat.jax")
 
 from ucpformat.jax.comm import CoordinationCommunicator, communicator  # noqa: E402
 from ucpformat.jax.load import host_state, load  # noqa: E402
+from ucpformat.jax.mapping import torch_keymap  # noqa: E402
 from ucpformat.jax.save import save, save_async  # noqa: E402
 from ucpformat.jax.tree import Rename  # noqa: E402
 
-__all__ = ["CoordinationCommunicator", "Rename", "communicator", "host_state", "load", "save",
-           "save_async"]
+__all__ = [
+           "CoordinationCommunicator",
+           "Rename",
+           "communicator",
+           "host_state",
+           "load",
+           "save",
+           "save_async",
+           "torch_keymap",
+]

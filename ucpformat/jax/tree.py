@@ -142,7 +142,9 @@ def sections(state: Any) -> list[tuple[str, Any]]:
     return items
 
 
-def _flat(tree: Any, leaf: Callable[[Any], bool] | None = None) -> list[tuple[list[str], Any]]:
+def flat_leaves(tree: Any, leaf: Callable[[Any], bool] | None = None
+                ) -> list[tuple[list[str], Any]]:
+    """(path as names, leaf) of every leaf of ``tree`` (``leaf``: what else is a leaf)."""
     jax = _jax()
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)
     return [([key_name(p) for p in path], value) for path, value in flat]
@@ -163,6 +165,7 @@ class _Names:
 
 
 def fqn_of(parts: Sequence[str], where: str) -> str:
+    """A leaf's FQN: its path's names joined by dots (checked as a name)."""
     fqn = ".".join(parts)
     names.check_name(fqn, where=where)
     return fqn
@@ -181,7 +184,7 @@ def layout(state: Any, *, keymap: KeyMap | None = None) -> list[Leaf]:
 
     for section, subtree in sections(state):
         if section == PARAMS:
-            for parts, value in _flat(subtree):
+            for parts, value in flat_leaves(subtree):
                 at = (section, *parts)
                 fqn = fqn_of(parts, where_of(at))
                 stored, perm = place(fqn)
@@ -198,7 +201,7 @@ def layout(state: Any, *, keymap: KeyMap | None = None) -> list[Leaf]:
             taken.claim("training#step", section)
             out.append(Leaf((section,), "value", "training", subtree, key="step"))
         else:
-            for parts, value in _flat(subtree):
+            for parts, value in flat_leaves(subtree):
                 at = (section, *parts)
                 if is_array(value):
                     path = names.path_of("training", section, *parts)
@@ -214,7 +217,7 @@ def layout(state: Any, *, keymap: KeyMap | None = None) -> list[Leaf]:
 def _optimizer(opt_state: Any, taken: _Names,
                place: Callable[[str], tuple[str, tuple[int, ...] | None]]) -> list[Leaf]:
     out: list[Leaf] = []
-    for parts, node in _flat(opt_state, is_adam):
+    for parts, node in flat_leaves(opt_state, is_adam):
         at = (OPT_STATE, *parts)
         where = where_of(at)
         if not is_adam(node):
@@ -228,7 +231,7 @@ def _optimizer(opt_state: Any, taken: _Names,
             continue
         steps = []
         for moment, stored_name in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
-            for sub, value in _flat(getattr(node, moment)):
+            for sub, value in flat_leaves(getattr(node, moment)):
                 a = (*at, moment, *sub)
                 stored, perm = place(fqn_of(sub, where_of(a)))
                 path = names.path_of("optimizer", "state", stored, stored_name)
@@ -267,7 +270,7 @@ def hyperparameters(opt_state: Any) -> dict[str, Any]:
     """The hyperparameters an ``optax.inject_hyperparams`` state holds, under torch's
     names (``lr``, ``betas``, ``eps``, ``weight_decay``), as numbers."""
     out: dict[str, Any] = {}
-    for _, node in _flat(opt_state, lambda x: hasattr(x, "hyperparams")):
+    for _, node in flat_leaves(opt_state, lambda x: hasattr(x, "hyperparams")):
         params = getattr(node, "hyperparams", None)
         if not isinstance(params, Mapping):
             continue
@@ -291,6 +294,23 @@ def param_fqns(leaves: Iterable[Leaf]) -> list[str]:
             for s in leaf.steps]
 
 
-__all__ = ["ADAM_FIELDS", "OPT_STATE", "PARAMS", "STEP", "KeyMap", "Leaf", "Rename",
-           "hyperparameters", "is_adam", "is_array", "is_key", "key_name", "layout",
-           "param_fqns", "rebuild", "sections"]
+__all__ = [
+    "ADAM_FIELDS",
+    "OPT_STATE",
+    "PARAMS",
+    "STEP",
+    "KeyMap",
+    "Leaf",
+    "Rename",
+    "flat_leaves",
+    "fqn_of",
+    "hyperparameters",
+    "is_adam",
+    "is_array",
+    "is_key",
+    "key_name",
+    "layout",
+    "param_fqns",
+    "rebuild",
+    "sections",
+]
