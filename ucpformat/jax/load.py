@@ -30,7 +30,7 @@ from ucpformat.jax.tree import (
     layout,
     rebuild,
 )
-from ucpformat.layout.boxes import Box
+from ucpformat.layout.boxes import Box, box_size
 from ucpformat.optional import require
 from ucpformat.reader import Checkpoint, Region, open_checkpoint
 from ucpformat.storage import Store
@@ -48,8 +48,31 @@ class _Planned:
     shape: tuple[int, ...]
     dtype: Any
     sharding: Any  # None: the whole array on the host (numpy) or the default device
-    boxes: list[Box]
+    boxes: list[Box]  # the distinct boxes this process's devices need
+    reads: list[Box]  # what is read: their bounding box where they tile it, else them
     prng_impl: str | None = None
+
+
+def covering(boxes: list[Box]) -> list[Box]:
+    """The boxes to read for ``boxes`` (distinct, not overlapping, as a sharding's are):
+    their bounding box when they tile it, so that each stored chunk is read once, not
+    once per box that overlaps it; else the boxes themselves."""
+    if len(boxes) < 2:
+        return list(boxes)
+    bound = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes))
+                  for d in range(len(boxes[0])))
+    if box_size(bound) == sum(box_size(b) for b in boxes):
+        return [bound]
+    return list(boxes)
+
+
+def _within(box: Box, reads: list[Box]) -> tuple[int, tuple[slice, ...]]:
+    """The read holding ``box``, and ``box``'s place in it."""
+    for i, r in enumerate(reads):
+        if all(r0 <= b0 and b1 <= r1 for (b0, b1), (r0, r1) in zip(box, r, strict=True)):
+            return i, tuple(slice(b0 - r0, b1 - r0) for (b0, b1), (r0, _) in
+                            zip(box, r, strict=True))
+    raise AssertionError(f"box {box} lies in no read")  # covering() always covers
 
 
 def _whole(shape: tuple[int, ...]) -> Box:
@@ -88,7 +111,7 @@ def _plan_array(jax: Any, ckpt: Checkpoint, leaf: Leaf) -> _Planned:
         boxes = list(dict.fromkeys(
             box_of(index, shape)
             for index in sharding.addressable_devices_indices_map(shape).values()))
-    return _Planned(leaf, shape, dtype, sharding, boxes, impl)
+    return _Planned(leaf, shape, dtype, sharding, boxes, covering(boxes), impl)
 
 
 def _check_count(ckpt: Checkpoint, leaf: Leaf) -> None:
@@ -163,11 +186,15 @@ def load(
             else:
                 values[leaf.at] = _as_target(jax, _value_of(ckpt, leaf), leaf.value, leaf.where)
         regions = [Region(p.leaf.path, [a for a, _ in sb], [b for _, b in sb])
-                   for p in planned for sb in (permuted(box, p.leaf.perm) for box in p.boxes)]
+                   for p in planned for sb in (permuted(box, p.leaf.perm) for box in p.reads)]
         regions += [Region(s, [], []) for leaf in counts for s in leaf.steps]
         read = iter(ckpt.read_regions(regions))
         for p in planned:
-            boxes = {box: _unpermute(next(read), p.leaf.perm) for box in p.boxes}
+            reads = [_unpermute(next(read), p.leaf.perm) for _ in p.reads]
+            boxes = {}
+            for box in p.boxes:
+                i, where = _within(box, p.reads)
+                boxes[box] = reads[i][where] if where else reads[i]
             values[p.leaf.at] = _build(jax, p, boxes)
         for leaf in counts:
             steps = {float(next(read)) for _ in leaf.steps}
