@@ -167,6 +167,14 @@ class _FromDevice:
         return _to_host(self.device_data, self.perm)
 
 
+def shard_parts(array: Any, perm: tuple[int, ...] | None = None
+                ) -> list[tuple[Box, Getter]]:
+    """(box in stored axes, getter of its values) of every box of ``array`` (a
+    ``jax.Array``) that this process writes (:func:`owned_shards`)."""
+    return [(permuted(box, perm), _FromDevice(shard.data, perm))
+            for box, shard in owned_shards(array)]
+
+
 def _constant(value: np.ndarray[Any, Any]) -> Getter:
     return lambda: value
 
@@ -238,9 +246,7 @@ def _collect_array(jax: Any, out: Collected, leaf: Leaf, rank: int) -> None:
     out.specs.append(TensorSpec(leaf.path, stored_shape, dt.name, {"ucp": ucp}))
     if isinstance(value, jax.Array) and (jax.process_count() == 1
                                          or not value.is_fully_addressable):
-        parts: list[tuple[Box, Getter]] = [
-            (permuted(box, perm), _FromDevice(shard.data, perm))
-            for box, shard in owned_shards(value)]
+        parts = shard_parts(value, perm)
     elif rank == 0 and box_size(tuple((0, n) for n in stored_shape)):
         # a host value, or an array on this process's devices alone: rank 0's is stored
         host = host_value(value)
@@ -340,4 +346,5 @@ def save_async(
     return future
 
 
-__all__ = ["Collected", "box_of", "collect", "owned_shards", "save", "save_async"]
+__all__ = ["Collected", "box_of", "collect", "owned_shards", "save", "save_async",
+           "shard_parts"]
