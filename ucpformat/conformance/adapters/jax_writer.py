@@ -52,7 +52,7 @@ def capabilities() -> dict[str, Any]:
 
 
 def _spec(shape: tuple[int, ...]) -> Any:
-    from jax.sharding import PartitionSpec as P
+    P: Any = require("jax.sharding", extra="jax", purpose="the JAX writer adapter").PartitionSpec
 
     for spec in (P("a", "b"), P(("a", "b")), P(None, "b"), P("a"), P("b")):
         if len(spec) <= len(shape) and all(
@@ -66,7 +66,8 @@ def write(scenario_path: str | Path, out_dir: str | Path) -> None:
     """Write a scenario's tensors as sharded jax.Arrays through the JAX save path."""
     jax = require("jax", extra="jax", purpose="the JAX writer adapter")
     jax.config.update("jax_enable_x64", True)
-    from jax.sharding import Mesh, NamedSharding
+    sharding = require("jax.sharding", extra="jax", purpose="the JAX writer adapter")
+    Mesh, NamedSharding = sharding.Mesh, sharding.NamedSharding
 
     from ucpformat.comm import SingleProcess
     from ucpformat.jax.save import Collected, shard_parts
