@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ucpformat.dtypes import DataType
-from ucpformat.metadata import encode_root
+from ucpformat.checkpoint.metadata import encode_root
+from ucpformat.format.dtypes import DataType
 
 # -- comparing -----------------------------------------------------------------------
 
@@ -138,11 +138,11 @@ def write_explicit(
     """A checkpoint whose arrays have exactly the given (chunk shape, shard shape or None,
     compression), written by the writer's own object encoder and commit: tests that flip
     a byte of a given chunk must not depend on the chunking heuristics of ``save``."""
-    from ucpformat import writer
-    from ucpformat.dtypes import from_numpy
+    from ucpformat.checkpoint import writer
+    from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
     from ucpformat.engine.compression import Compression
-    from ucpformat.metadata import ArrayMeta, GroupMeta, default_producer
-    from ucpformat.storage import LocalStore
+    from ucpformat.format.dtypes import from_numpy
+    from ucpformat.store import LocalStore
 
     metas = []
     groups: set[str] = set()
@@ -201,4 +201,4 @@ def fail_fsync(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
             raise OSError(5, "Input/output error")
         real(fd)
 
-    monkeypatch.setattr("ucpformat.storage.os.fsync", failing)
+    monkeypatch.setattr("ucpformat.store.os.fsync", failing)

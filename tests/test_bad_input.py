@@ -35,13 +35,14 @@ from tests.helpers import (
     write_explicit,
     write_json,
 )
-from ucpformat import errors, writer
-from ucpformat.dtypes import BY_NAME
+from ucpformat import errors
+from ucpformat.checkpoint import writer
+from ucpformat.checkpoint.metadata import ArrayMeta, default_producer
 from ucpformat.engine.checksum import crc_bytes
-from ucpformat.engine.sharding import EMPTY, index_nbytes
+from ucpformat.engine.shard_index import EMPTY, index_nbytes
 from ucpformat.engine.write import write_object
-from ucpformat.metadata import ArrayMeta, default_producer
-from ucpformat.storage import LocalStore
+from ucpformat.format.dtypes import BY_NAME
+from ucpformat.store import LocalStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -636,7 +637,7 @@ CHILD = r"""
 import sys, time
 import numpy as np
 import ucpformat
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 
 path, mode = sys.argv[1], sys.argv[2]
 
@@ -849,7 +850,7 @@ import numpy as np
 import ucpformat
 from ucpformat.engine.checksum import crc_bytes
 from ucpformat.engine.compression import Compression
-from ucpformat.dtypes import BY_NAME
+from ucpformat.format.dtypes import BY_NAME
 
 root = sys.argv[1]
 bombs = {}

@@ -14,12 +14,12 @@ import zarr
 
 import ucpformat
 from tests.helpers import random_array, read_json
-from ucpformat import writer
-from ucpformat.dtypes import BY_NAME, DATA_TYPES, DataType
+from ucpformat.checkpoint import writer
+from ucpformat.checkpoint.metadata import ArrayMeta, default_producer
 from ucpformat.engine.write import write_object
 from ucpformat.errors import CheckpointExistsError, MissingChunkError, WriteError
-from ucpformat.metadata import ArrayMeta, default_producer
-from ucpformat.storage import LocalStore
+from ucpformat.format.dtypes import BY_NAME, DATA_TYPES, DataType
+from ucpformat.store import LocalStore
 
 SHAPE = (13, 7)
 COMPRESSIONS = [None, "zstd", "gzip", "blosc"]

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 import ucpformat
 from tests.helpers import assert_bits_equal, random_array
-from ucpformat import names, writer
-from ucpformat.dtypes import DATA_TYPES, DataType
+from ucpformat.checkpoint import writer
+from ucpformat.checkpoint.metadata import ArrayMeta, default_producer
 from ucpformat.engine.compression import Compression
-from ucpformat.metadata import ArrayMeta, default_producer
-from ucpformat.storage import LocalStore
+from ucpformat.format import names
+from ucpformat.format.dtypes import DATA_TYPES, DataType
+from ucpformat.store import LocalStore
 
 COMPRESSIONS = [None, "zstd", "gzip", "blosc"]
 DIMS = [0, 1, 2, 3, 5, 7, 11, 13]
@@ -341,7 +342,7 @@ def test_special_names_and_values_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tag", [{}, [], 1, None, "nan"])
 def test_malformed_float_tag_in_a_checkpoint_is_a_format_error(tag: Any) -> None:
-    from ucpformat import jsonvalues
+    from ucpformat.format import jsonvalues
 
     with pytest.raises(ucpformat.errors.FormatError, match="malformed non-finite float") as info:
         jsonvalues.decode({"$ucp_float": tag}, where="values")

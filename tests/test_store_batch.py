@@ -19,10 +19,10 @@ import pytest
 
 import ucpformat
 from tests.helpers import fail_fsync
-from ucpformat import storage
+from ucpformat import store as storage
+from ucpformat.checkpoint.metadata import ZARR_JSON
 from ucpformat.errors import ConcurrentWriteError
-from ucpformat.metadata import ZARR_JSON
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 
@@ -206,7 +206,7 @@ def test_a_save_whose_location_is_replaced_commits_nothing_and_writes_nothing_th
     went into the new directory, and stayed there.)"""
     import shutil
 
-    import ucpformat.writer as writer
+    import ucpformat.checkpoint.writer as writer
 
     root = tmp_path / "c"
     real = writer.write_object

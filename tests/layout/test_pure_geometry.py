@@ -16,7 +16,7 @@ import ucpformat.layout
 LAYOUT = Path(ucpformat.layout.__file__).resolve().parent
 ADAPTER = "framework.py"
 #: What the pure modules may import from ucpformat besides each other.
-ALLOWED = {"ucpformat.errors", "ucpformat.schemas", "ucpformat.jsonvalues"}
+ALLOWED = {"ucpformat.errors", "ucpformat.format.schemas", "ucpformat.format.jsonvalues"}
 
 
 def _ucpformat_imports(path: Path) -> set[str]:
@@ -45,4 +45,4 @@ def test_pure_layout_modules_import_no_checkpoint_code() -> None:
 def test_the_adapter_is_the_one_that_reads_checkpoints() -> None:
     # the check above would pass vacuously if the adapter's imports were not seen
     imports = _ucpformat_imports(LAYOUT / ADAPTER)
-    assert {"ucpformat.reader", "ucpformat.distributed"} <= imports
+    assert {"ucpformat.checkpoint.reader", "ucpformat.distributed"} <= imports

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ucpformat import storage, writer
-from ucpformat.storage import LocalStore, StoreClaim
+from ucpformat import store as storage
+from ucpformat.checkpoint import writer
+from ucpformat.store import LocalStore, StoreClaim
 
 
 def no_claim() -> None:
@@ -77,7 +78,7 @@ def rank_1_stops_writing() -> None:
 
     import torch.distributed as dist
 
-    from ucpformat import pipeline
+    from ucpformat.distributed import pipeline
 
     write = pipeline.write
     saves = itertools.count(1)

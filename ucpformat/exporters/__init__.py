@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.errors import InvalidValueError
-from ucpformat.reader import Checkpoint, open_checkpoint
 
 FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.exporters.safetensors",

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat.conversion import parse_size
+from ucpformat.checkpoint.reader import Checkpoint, Tensor
 from ucpformat.errors import InvalidValueError, UnsupportedDtypeError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import (
@@ -28,7 +28,7 @@ from ucpformat.exporters._common import (
     read_stream,
 )
 from ucpformat.importers.safetensors import FROM_UCP
-from ucpformat.reader import Checkpoint, Tensor
+from ucpformat.interchange import parse_size
 
 FORMAT: Final = "safetensors"
 #: The safetensors library's order of data types (it writes the widest first).

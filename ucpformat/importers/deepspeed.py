@@ -59,16 +59,16 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues
-from ucpformat.conversion import data_type_of, from_numpy, to_numpy
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
+from ucpformat.format import dtypes, jsonvalues
 from ucpformat.importers._engine import Scan, TensorSource, model_attributes, node
 from ucpformat.importers._torch import drop_pages, load_restricted, plain, tensor_reader
+from ucpformat.interchange import data_type_of, from_numpy, to_numpy
 from ucpformat.layout import universal_info
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, contains, full_box
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.rules import RuleSet
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 
 FORMAT: Final = "deepspeed"
 _OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

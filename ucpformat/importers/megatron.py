@@ -35,15 +35,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues
-from ucpformat.conversion import to_numpy
+from ucpformat.distributed.framework import ModelLayout
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
+from ucpformat.format import dtypes, jsonvalues
 from ucpformat.importers._engine import Scan, TensorSource
 from ucpformat.importers._torch import STAND_INS, load_restricted, plain
+from ucpformat.interchange import to_numpy
 from ucpformat.layout.boxes import Box, as_slices, box_shape, contains, full_box
-from ucpformat.layout.framework import ModelLayout
+from ucpformat.layout.rank_slices import ParallelConfig, RankCoords
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig, RankCoords
 
 FORMAT: Final = "megatron"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")

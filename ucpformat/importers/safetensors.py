@@ -25,9 +25,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes
-from ucpformat.dtypes import DataType
 from ucpformat.errors import FormatError, UnsupportedDtypeError
+from ucpformat.format import dtypes
+from ucpformat.format.dtypes import DataType
 from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_attributes, node
 from ucpformat.layout.rules import RuleSet
 

@@ -64,16 +64,18 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes, names
-from ucpformat.comm import Communicator, run_threads
-from ucpformat.description import describe
-from ucpformat.distributed import Fragment, TensorSpec, save_distributed
+from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
+from ucpformat.checkpoint.reader import open_checkpoint
+from ucpformat.checkpoint.validation import validate
+from ucpformat.checkpoint.writer import save
+from ucpformat.distributed import Fragment, TensorSpec, save_fragments
+from ucpformat.distributed.comm import Communicator, run_threads
+from ucpformat.distributed.pipeline import FragmentList
+from ucpformat.distributed.rank_description import describe
+from ucpformat.distributed.save_plan import PlanOptions, plan_from_descriptions
 from ucpformat.errors import CheckpointExistsError, UCPError
-from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
-from ucpformat.pipeline import FragmentList
-from ucpformat.reader import open_checkpoint
-from ucpformat.saveplan import PlanOptions, plan_from_descriptions
-from ucpformat.storage import ForwardingStore, LocalStore, Store, StoreClaim
+from ucpformat.format import dtypes, names
+from ucpformat.store import ForwardingStore, LocalStore, Store, StoreClaim
 from ucpformat.testing.common import (
     SMALL_CHUNKING,
     differences,
@@ -81,8 +83,6 @@ from ucpformat.testing.common import (
     small_state,
     tree_bytes,
 )
-from ucpformat.validation import validate
-from ucpformat.writer import save
 
 MODES = ("before", "torn", "after")
 PHASES = ("prepare", "data", "metadata", "manifest", "flush", "commit", "cleanup")
@@ -332,7 +332,7 @@ def distributed_save(
     fragments: Sequence[Fragment] | None = None,
 ) -> None:
     """The distributed save of the trials (``fragments``: this rank's, if not its parts)."""
-    save_distributed(
+    save_fragments(
         store,
         comm,
         specs=parts.specs,

@@ -49,13 +49,13 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import ucpformat
+from ucpformat.checkpoint.metadata import MANIFEST_KEY, ROOT_DIGEST, ZARR_JSON
+from ucpformat.checkpoint.reader import open_checkpoint
+from ucpformat.checkpoint.validation import validate
 from ucpformat.engine.checksum import crc_bytes
 from ucpformat.errors import UCPError
-from ucpformat.metadata import MANIFEST_KEY, ROOT_DIGEST, ZARR_JSON
-from ucpformat.reader import open_checkpoint
-from ucpformat.storage import LocalStore, Store
+from ucpformat.store import LocalStore, Store
 from ucpformat.testing.common import OutsideWatch, tree_bytes
-from ucpformat.validation import validate
 
 #: Readers get this limit: a hostile input must never make them allocate much more.
 LIMIT = 8 << 20

@@ -13,14 +13,14 @@ What lands on disk is an ordinary UCP checkpoint: every tensor consolidated at i
 shape (``model/<fqn>``, ``optimizer/state/<fqn>/<state>``, ...; the mapping of DCP keys
 is in :mod:`ucpformat.torch.dcp_keys`), non-tensor values as JSON, no pickle anywhere.
 
-Saving runs the distributed save pipeline (:mod:`ucpformat.pipeline`, which says how a
+Saving runs the distributed save pipeline (:mod:`ucpformat.distributed.pipeline`, which says how a
 save fails), in DCP's order of calls:
 
 1. every rank: DCP's planner makes write items (a chunk of a tensor, or a non-tensor
    value); the default planner removes replicas so each chunk has one writer.
 2. the coordinator (``prepare_global_plan``) sees every rank's items: it checks coverage,
    chooses each array's shard grid from the chunk boundaries with
-   :func:`ucpformat.saveplan.make_plan` and assigns every shard one owner, who holds
+   :func:`ucpformat.distributed.save_plan.make_plan` and assigns every shard one owner, who holds
    it; where chunks are too small to shard on their boundaries, the owner of a coarser
    shard receives the missing cells from their holders (in ``write_data``). Each rank's
    share goes back in its plan. It then marks the destination (refusing a committed
@@ -84,8 +84,24 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ucpformat import dtypes, names, schemas
-from ucpformat.comm import Communicator, SingleProcess
+from ucpformat.checkpoint.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
+from ucpformat.checkpoint.writer import (
+    WriteClaim,
+    abandon,
+    commit,
+    default_workers,
+    explain_failure,
+    zero_bits,
+)
+from ucpformat.distributed.comm import Communicator, SingleProcess
+from ucpformat.distributed.pipeline import check_written, exchange_and_prepare, mark, write
+from ucpformat.distributed.save_plan import (
+    DEFAULT_MIN_SHARD_BYTES,
+    RankTasks,
+    TensorSpec,
+    make_plan,
+)
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords, object_region
@@ -98,14 +114,10 @@ from ucpformat.errors import (
     LoadError,
     WriteError,
 )
+from ucpformat.format import dtypes, names, schemas
 from ucpformat.layout.boxes import Box, box_shape, box_size
-from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
-from ucpformat.pipeline import check_written, exchange_and_prepare, mark, write
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.saveplan import DEFAULT_MIN_SHARD_BYTES, RankTasks, TensorSpec, make_plan
-from ucpformat.storage import Store, open_store
+from ucpformat.store import Store, open_store
 from ucpformat.torch.comm import TorchCommunicator
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.dcp_keys import (
     MAX_VALUE_TENSOR,
     RECORD_KEY,
@@ -125,18 +137,11 @@ from ucpformat.torch.dcp_keys import (
     record_from_json,
     record_to_json,
 )
-from ucpformat.torch.planner import like
+from ucpformat.torch.load_plan import like
+from ucpformat.torch.numpy_bridge import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.reads import DeviceStaging
 from ucpformat.torch.staging import DeviceUploads, Staging, host_array
 from ucpformat.torch.state import qualified_name, unwrap
-from ucpformat.writer import (
-    WriteClaim,
-    abandon,
-    commit,
-    default_workers,
-    explain_failure,
-    zero_bits,
-)
 
 CheckpointId = str | os.PathLike[str]
 
@@ -164,7 +169,7 @@ def _is_tensor_item(item: WriteItem) -> bool:
 class _RankShare:
     """A rank's share of a save, sent in its ``SavePlan.storage_data``."""
 
-    tasks: dict[str, Any]  # its RankTasks (ucpformat.saveplan), as JSON
+    tasks: dict[str, Any]  # its RankTasks (ucpformat.distributed.save_plan), as JSON
     key_of: dict[str, str]  # node path -> DCP key, of the arrays in its tasks
     tensor_values: list[str]  # DCP keys of tensors stored as JSON values
 
@@ -413,7 +418,7 @@ class UCPWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.pipeline`) on this rank."""
+        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.distributed.pipeline`) on this rank."""
         store = self._require_store()
         share = plan.storage_data
         if not isinstance(share, _RankShare):
@@ -622,7 +627,7 @@ class UCPWriter(StorageWriter):
 
 
 class _ItemFragments:
-    """A rank's DCP write items as a :class:`ucpformat.pipeline.FragmentSource`: each
+    """A rank's DCP write items as a :class:`ucpformat.distributed.pipeline.FragmentSource`: each
     tensor's chunks resolved through the planner when the pipeline asks for them; chunks
     on a device are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
     (one key per chunk), ahead of the write step and released after it."""

@@ -16,7 +16,7 @@ Each DTensor's local tensor is described, from its mesh, placements and global s
 as pieces of the consolidated tensor (:func:`ucpformat.layout.dtensor.dtensor_local_map`,
 checked against the local tensor's shape and torch's own
 ``compute_local_shape_and_global_offset``). The format core's distributed writer
-(:func:`ucpformat.distributed.save_distributed`) then writes every stored object once,
+(:func:`ucpformat.distributed.save_fragments`) then writes every stored object once,
 by one rank that holds it (replicas are written once), and rank 0 commits after every
 rank has succeeded.
 
@@ -50,16 +50,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ucpformat import names
-from ucpformat.comm import Communicator, gather_bytes, gather_failures, scatter_bytes
-from ucpformat.description import MeshPosition, MeshTensor
-from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
-from ucpformat.distributed import save_distributed as _core_save_distributed
+from ucpformat.checkpoint.reader import Checkpoint
+from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec, save_fragments
+from ucpformat.distributed.comm import Communicator, gather_bytes, gather_failures, scatter_bytes
+from ucpformat.distributed.pipeline import FragmentSource
+from ucpformat.distributed.rank_description import MeshPosition, MeshTensor
 from ucpformat.errors import (
     InvalidValueError,
     LayoutError,
     LoadError,
 )
+from ucpformat.format import names
 from ucpformat.layout.boxes import Box, LocalMap, Piece, as_slices, box_shape, box_size, full_box
 from ucpformat.layout.dtensor import (
     Placement,
@@ -69,9 +70,7 @@ from ucpformat.layout.dtensor import (
     dtensor_local_map,
     placement_to_json,
 )
-from ucpformat.pipeline import FragmentSource
-from ucpformat.reader import Checkpoint
-from ucpformat.storage import Store
+from ucpformat.store import Store
 from ucpformat.torch.assign import (
     AssignGroup,
     assign_groups,
@@ -80,8 +79,7 @@ from ucpformat.torch.assign import (
     live_tensors,
 )
 from ucpformat.torch.comm import ProcessGroup, TorchCommunicator, communicator
-from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
-from ucpformat.torch.planner import (
+from ucpformat.torch.load_plan import (
     Device,
     ModelPlan,
     OptimizerPlan,
@@ -99,6 +97,7 @@ from ucpformat.torch.planner import (
     scheduler_step,
     tree_to_torch,
 )
+from ucpformat.torch.numpy_bridge import data_type, to_numpy, torch_dtype
 from ucpformat.torch.reads import StagedReads, TensorRead, partly_changed, read_tensors, whole
 from ucpformat.torch.staging import Stager, Staging
 from ucpformat.torch.state import (
@@ -445,7 +444,7 @@ def fragments_of(
 
 
 class StagedFragments:
-    """A rank's fragments as a :class:`~ucpformat.pipeline.FragmentSource` whose device
+    """A rank's fragments as a :class:`~ucpformat.distributed.pipeline.FragmentSource` whose device
     tensors are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
     when the pipeline needs them (bounded memory, copies overlapped with the write);
     the other tensors' values are numpy views."""
@@ -503,7 +502,7 @@ def save_distributed(
     entries too (JSON values; tensors are taken from rank 0, DTensors from every rank).
     ``group`` carries the checkpoint's collectives (default: the world; see
     :func:`ucpformat.torch.comm.checkpoint_group`). ``save_kwargs`` go to
-    :func:`ucpformat.distributed.save_distributed` (``overwrite``, ``compression``,
+    :func:`ucpformat.distributed.save_fragments` (``overwrite``, ``compression``,
     ``hash_algorithm``, ...). Without torch.distributed it saves as one process.
 
     Local tensors on a device (a GPU) are copied to host memory through a bounded pool
@@ -536,7 +535,7 @@ def write_collected(
     """The collective write of collected state (shared by the sync and async paths).
     DTensors are described by their device mesh (:func:`mesh_layout`)."""
     meshes, on_mesh = mesh_layout(state, comm)
-    return _core_save_distributed(
+    return save_fragments(
         path,
         comm,
         specs=specs,
@@ -550,7 +549,7 @@ def write_collected(
 
 
 def mesh_name(mesh: DeviceMesh) -> str:
-    """A device mesh's name for :class:`~ucpformat.description.MeshPosition`: from the
+    """A device mesh's name for :class:`~ucpformat.distributed.rank_description.MeshPosition`: from the
     global ranks at its positions (so the same on every rank of the mesh, and different
     for a mesh of other ranks or another shape)."""
     ranks = json.dumps(mesh.mesh.tolist()).encode()
@@ -586,7 +585,7 @@ def mesh_layout(
 ) -> tuple[list[MeshPosition], list[MeshTensor]]:
     """The DTensors of ``state`` described by their device mesh (:func:`root_layout`):
     this rank's place in each mesh and each DTensor's placements (the coordinator
-    derives every rank's fragments from them, :class:`~ucpformat.description.MeshTensor`).
+    derives every rank's fragments from them, :class:`~ucpformat.distributed.rank_description.MeshTensor`).
     Collective over ``comm`` (the save's). Left to their fragments' boxes: a DTensor
     whose mesh has ranks outside the save's process group (or this rank not in it), and
     the DTensors of a mesh whose ranks do not all lay out the same tensors on it

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ucpformat import names
+from ucpformat.checkpoint.writer import ArrayValue, Group, SaveResult
+from ucpformat.checkpoint.writer import save as _save
 from ucpformat.errors import (
     FormatError,
     InvalidValueError,
@@ -42,7 +43,8 @@ from ucpformat.errors import (
     LoadError,
     TensorNotFoundError,
 )
-from ucpformat.storage import Store
+from ucpformat.format import names
+from ucpformat.store import Store
 from ucpformat.torch.assign import (
     AssignGroup,
     assign_groups,
@@ -51,8 +53,7 @@ from ucpformat.torch.assign import (
     live_tensors,
     still_on_meta,
 )
-from ucpformat.torch.convert import to_numpy
-from ucpformat.torch.planner import (
+from ucpformat.torch.load_plan import (
     Device,
     OptimizerView,
     PathOrCheckpoint,
@@ -67,13 +68,12 @@ from ucpformat.torch.planner import (
     scheduler_step,
     tree_to_torch,
 )
+from ucpformat.torch.numpy_bridge import to_numpy
 from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
 from ucpformat.torch.rng import from_layout as rng_from_layout
 from ucpformat.torch.rng import rng_state, set_rng_state
 from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.torch.staging import Staging, deferred_of
-from ucpformat.writer import ArrayValue, Group, SaveResult
-from ucpformat.writer import save as _save
 
 
 class MetaTensorWarning(UserWarning):

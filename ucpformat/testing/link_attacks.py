@@ -19,7 +19,7 @@ and the bytes of every file there are compared before and after. Kinds:
 - distributed saves (``--dist-trials``): the plantings of the writer kinds but the
   streaming writer and the race (``dist-dir-link``, ``dist-overwrite-dir-link``, ...),
   saved to by a process group of two ranks over ``torch.distributed`` (gloo), each
-  writing the stored objects it owns, with :func:`~ucpformat.distributed.save_distributed`
+  writing the stored objects it owns, with :func:`~ucpformat.distributed.save_fragments`
   and the DCP plugin in turn (:mod:`ucpformat.testing.gloo_writers`); a refused
   distributed save must leave the location entry for entry as it was (links not
   followed), so that a checkpoint there survives, and ``dist-refused-links`` saves
@@ -39,7 +39,7 @@ or *wrong* (other values: read through a link); a trial is *outside-touched* if 
 under ``outside`` was opened, listed, written or deleted. Every figure but refused, saved
 and read must be zero.
 
-Run ``python -m ucpformat.testing.links --trials 20 --reads 3000 --dist-trials 20`` (``make
+Run ``python -m ucpformat.testing.link_attacks --trials 20 --reads 3000 --dist-trials 20`` (``make
 stress``); the test suite runs a quick mode.
 """
 
@@ -63,11 +63,12 @@ from typing import Any
 
 import numpy as np
 
+from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
+from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY
+from ucpformat.checkpoint.reader import open_checkpoint
+from ucpformat.checkpoint.writer import StreamingWriter, save
 from ucpformat.errors import UCPError
-from ucpformat.manager import CheckpointManager, CheckpointWarning
-from ucpformat.metadata import IN_PROGRESS_KEY
-from ucpformat.reader import open_checkpoint
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing.common import (
     SMALL_CHUNKING,
     OutsideWatch,
@@ -78,7 +79,6 @@ from ucpformat.testing.common import (
 )
 from ucpformat.testing.faults import FaultyStore
 from ucpformat.testing.gloo_writers import SaveOrder, WriterGroup, expected
-from ucpformat.writer import StreamingWriter, save
 
 WRITER_KINDS = (
     "dir-link", "overwrite-dir-link", "overwrite-nested-link", "overwrite-file-link",
@@ -547,7 +547,7 @@ def run(trials: int, *, reads: int = 1000, seed: int = 0,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ucpformat.testing.links",
+    parser = argparse.ArgumentParser(prog="python -m ucpformat.testing.link_attacks",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials of every kind")
     parser.add_argument("--reads", type=int, default=3000, help="reads per reader trial")
@@ -567,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   progress=not args.json)
     out = figures.as_dict()
     out["seconds"] = round(time.perf_counter() - start, 1)
-    print_figures("link attacks (ucpformat.testing.links)", out, as_json=args.json)
+    print_figures("link attacks (ucpformat.testing.link_attacks)", out, as_json=args.json)
     for line in figures.failures[:20]:
         print("FAILED:", line)
     return 0 if figures.failed == 0 else 1

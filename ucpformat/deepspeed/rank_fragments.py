@@ -40,8 +40,8 @@ import torch
 from ucpformat.errors import LayoutError, UnsupportedFeatureError
 from ucpformat.layout import universal_info
 from ucpformat.layout.boxes import Box, LocalMap, Piece, full_box
+from ucpformat.layout.rank_slices import ParallelConfig, RankCoords, local_map
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig, RankCoords, local_map
 
 #: The optimizer wrappers this module understands, by what they keep.
 ZERO = "zero"  # ZeRO-1/2 and BF16_Optimizer: flat partitions of parameter groups

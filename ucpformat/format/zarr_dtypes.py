@@ -27,7 +27,7 @@ from zarr.core.dtype import data_type_registry
 from zarr.core.dtype.common import DataTypeValidationError, HasEndianness, HasItemSize
 from zarr.core.dtype.wrapper import ZDType
 
-from ucpformat import dtypes as _dt
+from ucpformat.format import dtypes as _dt
 
 _SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 

@@ -1,4 +1,4 @@
-"""Key-value storage under a checkpoint: the only code that touches files.
+"""A checkpoint directory on a local (or POSIX network) file system (:class:`LocalStore`).
 
 Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
 Every key is checked before use (UCP-1.0-R091). On a file system, nothing under the
@@ -18,248 +18,21 @@ import errno
 import fcntl
 import os
 import posixpath
-import re
 import shutil
 import stat
 import sys
 import threading
 import uuid
-import weakref
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ucpformat.errors import (
-    CheckpointNotFoundError,
     ConcurrentWriteError,
-    StorageError,
-    UCPError,
     UnsafePathError,
 )
-
-_KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
-
-
-def _key_part_ok(part: str) -> bool:
-    """One component of a key that :func:`check_key` accepts."""
-    return part not in (".", "..") and len(part) <= 255 and _KEY_PART.match(part) is not None
-
-
-def check_key(key: str) -> None:
-    """Refuse keys that are empty, absolute, or contain ``.``/``..``/odd characters."""
-    if not isinstance(key, str) or not key:
-        raise UnsafePathError(f"storage key {key!r} is empty or not a string", rule="UCP-1.0-R091")
-    for part in key.split("/"):
-        if part in ("", ".", "..") or not _KEY_PART.match(part):
-            raise UnsafePathError(
-                f"storage key {key!r} has an unsafe component {part!r}", rule="UCP-1.0-R091"
-            )
-        if len(part) > 255:  # no file system takes it (and no node name may be longer)
-            raise UnsafePathError(
-                f"storage key {key[:80]!r}... has a component of {len(part)} bytes; the limit "
-                "is 255",
-                rule="UCP-1.0-R012",
-            )
-
-
-def is_safe_key(key: str) -> bool:
-    """True if :func:`check_key` accepts ``key``."""
-    try:
-        check_key(key)
-    except UnsafePathError:
-        return False
-    return True
-
-
-_Item = TypeVar("_Item")
-
-
-class StoreClaim:
-    """A writer's hold on a location, from :meth:`Store.claim` until :meth:`release`.
-
-    ``locked``: the store holds a lock that excludes every other claim of the location
-    until this one is released or its process ends (a local file system); otherwise only
-    the marker's content tells who holds the location (object stores). ``took_over``: the
-    marker of an earlier writer was there and was replaced (its writer had stopped, or,
-    without a lock, was taken to have stopped).
-    """
-
-    def __init__(self, key: str, *, lock_fd: int | None = None, took_over: bool = False) -> None:
-        self.key = key
-        self.locked = lock_fd is not None
-        self.took_over = took_over
-        self._close: Callable[[], None] | None = (
-            weakref.finalize(self, _close_quietly, lock_fd) if lock_fd is not None else None
-        )
-
-    def release(self) -> None:
-        """Give the location up (idempotent); the marker itself is left as it is."""
-        if self._close is not None:
-            self._close()
-            self._close = None
-
-
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-class Store(ABC):
-    """What a checkpoint reader and writer need from storage."""
-
-    #: Human-readable location, used in messages.
-    location: str
-
-    @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The whole object, or None if it does not exist."""
-
-    @abstractmethod
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        """``length`` bytes from ``offset``; fewer if the object is shorter; None if absent."""
-
-    @abstractmethod
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        """The last ``length`` bytes (all of them if shorter), or None if absent."""
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        """Fill ``buffers`` in order from ``offset``.
-
-        Returns the bytes read (fewer at the end of the object), or None if it is absent.
-        """
-        total = sum(memoryview(b).nbytes for b in buffers)
-        data = self.get_range(key, offset, total)
-        if data is None:
-            return None
-        pos = 0
-        for b in buffers:
-            view = memoryview(b).cast("B")
-            n = min(len(view), len(data) - pos)
-            view[:n] = data[pos : pos + n]
-            pos += n
-        return len(data)
-
-    @abstractmethod
-    def size(self, key: str) -> int | None:
-        """Size in bytes, or None if absent."""
-
-    @abstractmethod
-    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        """Write an object from buffers, in order; returns the byte count.
-
-        ``atomic``: a concurrent reader sees the old object or the new one, never a part.
-        """
-
-    #: True when :meth:`create` is atomic: of two writers creating the same key at the
-    #: same time, exactly one succeeds (the default implementation checks, then writes).
-    atomic_create: bool = False
-
-    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        """Write a new object, as :meth:`put`; FileExistsError if ``key`` already exists."""
-        if self.exists(key):
-            raise FileExistsError(errno.EEXIST, "the object already exists", key)
-        return self.put(key, buffers, atomic=atomic)
-
-    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
-              ) -> StoreClaim:
-        """Write the marker ``key`` (content ``body``) as a writer's claim on the location.
-
-        Created with :meth:`create`, so that of two writers only one gets it (where
-        :attr:`atomic_create` holds). A marker already there may belong to a writer that is
-        still running: it is taken over only if ``take_over`` (FileExistsError otherwise):
-        replaced by ``body``, or, if ``keep``, kept as it is (nothing is written: a
-        deletion can claim the remains of a save on a full disk). Stores that can lock
-        (:class:`LocalStore`) refuse a live writer with BlockingIOError, and take over the
-        marker of a stopped one whatever ``take_over`` says.
-        """
-        try:
-            self.create(key, [body], atomic=True)
-        except FileExistsError:
-            if not take_over:
-                raise
-            if not keep:
-                self.put(key, [body], atomic=True)
-            return StoreClaim(key, took_over=True)
-        return StoreClaim(key)
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Delete an object if it exists (durably, before returning)."""
-
-    def delete_keys(self, keys: Iterable[str]) -> None:
-        """Delete objects that may exist; durable once :meth:`flush` returns."""
-        for key in keys:
-            self.delete(key)
-
-    @abstractmethod
-    def delete_all(self) -> None:
-        """Delete every object of this store (the whole checkpoint)."""
-
-    @abstractmethod
-    def list(self, prefix: str = "") -> Iterator[str]:
-        """Every key under ``prefix`` (recursively), in no particular order.
-
-        Everything there is listed, also what no checkpoint holds: names that
-        :func:`check_key` refuses and, on file systems, links and other entries that are
-        not regular files (never followed), so that a writer sees all it would replace.
-        """
-
-    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
-        """The keys :meth:`list` gives, in its order, each with the size :meth:`size`
-        would return where the listing tells it without another request; None where it
-        does not (ask :meth:`size`, which also makes that key's checks). This default
-        tells none."""
-        for key in self.list(prefix):
-            yield key, None
-
-    def exists(self, key: str) -> bool:
-        return self.size(key) is not None
-
-    def flush(self) -> None:  # noqa: B027 - a no-op is the right default
-        """Make everything written so far durable."""
-
-    def batch(self) -> contextlib.AbstractContextManager[None]:
-        """Hold the location for a batch of calls (a save's writes, from every thread):
-        while it lasts, the store may keep what it opened for one call for the next (a
-        :class:`LocalStore` keeps its descriptor of the location). Batches nest. The
-        default keeps nothing."""
-        return contextlib.nullcontext()
-
-    def is_empty(self) -> bool:
-        return next(iter(self.list()), None) is None
-
-
-class ForwardingStore(Store):
-    """A store over another one (``inner``), for wrappers: every read and the listing go
-    to ``inner`` unchanged; a subclass says what its writes do (``put``, ``delete``,
-    ``delete_all``)."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.location = inner.location
-
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        return self.inner.get_range(key, offset, length)
-
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        return self.inner.get_suffix(key, length)
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        return self.inner.read_into(key, offset, buffers)
-
-    def size(self, key: str) -> int | None:
-        return self.inner.size(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def batch(self) -> contextlib.AbstractContextManager[None]:
-        return self.inner.batch()
+from ucpformat.store.base import Store, StoreClaim, check_key, is_safe_key_part
 
 
 class _HeldLocation:
@@ -696,7 +469,7 @@ class LocalStore(Store):
                     raise
                 os.close(fd)
                 fd = nxt
-            ok = sized and all(_key_part_ok(p) for p in prefix.split("/")) if prefix else sized
+            ok = sized and all(is_safe_key_part(p) for p in prefix.split("/")) if prefix else sized
             yield from _walk(fd, f"{prefix}/" if prefix else "", ok)
         finally:
             os.close(fd)
@@ -1027,7 +800,7 @@ def _walk(fd: int, prefix: str, sized: bool = False) -> Iterator[tuple[str, int 
         entries = sorted(((e.name, e.is_dir(follow_symlinks=False), e) for e in it),
                          key=lambda t: t[0])
     for name, is_dir, entry in entries:
-        ok = sized and _key_part_ok(name)
+        ok = sized and is_safe_key_part(name)
         if not is_dir:
             size = None
             if ok:
@@ -1193,143 +966,3 @@ def start_writeback(fd: int) -> None:
     little left to do, and the disk works while the writer encodes the next file."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd)
-
-
-def open_store(
-    location: str | os.PathLike[str] | Store,
-    *,
-    durable: bool = True,
-    storage_options: Any = None,
-) -> Store:
-    """A Store for a path or URL (or an existing Store, returned as is).
-
-    A URL such as ``s3://bucket/prefix`` (any protocol fsspec knows, with its package
-    installed: s3fs for S3) gives an :class:`~ucpformat.storage_fsspec.FsspecStore`;
-    ``storage_options`` go to fsspec (credentials, ``client_kwargs``, ...).
-    """
-    if isinstance(location, Store):
-        return location
-    text = os.fspath(location)
-    if "://" in text and not text.startswith("file://"):
-        from ucpformat.storage_fsspec import FsspecStore
-
-        return FsspecStore(text, storage_options=storage_options)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    return LocalStore(text, durable=durable)
-
-
-class ReadGuard(Store):
-    """The reads of another store, with every failure of the operating system (permission
-    denied, a file where a directory should be, a name too long, an I/O error) raised as a
-    :class:`~ucpformat.errors.StorageError` that names the file (UCP-1.0-R099).
-
-    ``open`` and ``validate`` read through it, so that no public read call lets a raw
-    ``OSError`` escape; writes pass through unchanged (the writer reports its own).
-    """
-
-    def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.location = inner.location
-
-    def _error(self, key: str, exc: OSError) -> UCPError:
-        if isinstance(exc, NotADirectoryError) and key.count("/") == 0:
-            return CheckpointNotFoundError(
-                "not a directory: a checkpoint is a directory", rule="UCP-1.0-R051",
-                path=self.location,
-            )
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        where = self.location if key in ("", ".") else f"{self.location}/{key}"
-        return StorageError(f"cannot read it: {reason}", rule="UCP-1.0-R099", path=where)
-
-    def _call(self, key: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except UCPError:
-            raise
-        except OSError as exc:
-            raise self._error(key, exc) from exc
-
-    def get(self, key: str) -> bytes | None:
-        result: bytes | None = self._call(key, lambda: self.inner.get(key))
-        return result
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        result: bytes | None = self._call(key, lambda: self.inner.get_range(key, offset, length))
-        return result
-
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        result: bytes | None = self._call(key, lambda: self.inner.get_suffix(key, length))
-        return result
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        result: int | None = self._call(key, lambda: self.inner.read_into(key, offset, buffers))
-        return result
-
-    def size(self, key: str) -> int | None:
-        result: int | None = self._call(key, lambda: self.inner.size(key))
-        return result
-
-    def exists(self, key: str) -> bool:
-        return bool(self._call(key, lambda: self.inner.exists(key)))
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self._guarded(prefix, lambda: self.inner.list(prefix))
-
-    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int | None]]:
-        return self._guarded(prefix, lambda: self.inner.list_sizes(prefix))
-
-    def _guarded(self, prefix: str, listing: Callable[[], Iterable[_Item]]) -> Iterator[_Item]:
-        """The items of ``listing()``, an OSError while listing turned into a StorageError."""
-        items = iter(self._call(prefix or ".", listing))
-        while True:
-            try:
-                item = next(items)
-            except StopIteration:
-                return
-            except UCPError:
-                raise
-            except OSError as exc:
-                raise self._error(prefix or ".", exc) from exc
-            yield item
-
-    def is_empty(self) -> bool:
-        return bool(self._call(".", self.inner.is_empty))
-
-    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        return self.inner.put(key, buffers, atomic=atomic)
-
-    @property
-    def atomic_create(self) -> bool:  # type: ignore[override]
-        return self.inner.atomic_create
-
-    def create(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        return self.inner.create(key, buffers, atomic=atomic)
-
-    def claim(self, key: str, body: bytes, *, take_over: bool, keep: bool = False
-              ) -> StoreClaim:
-        return self.inner.claim(key, body, take_over=take_over, keep=keep)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def delete_keys(self, keys: Iterable[str]) -> None:
-        self.inner.delete_keys(keys)
-
-    def delete_all(self) -> None:
-        self.inner.delete_all()
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def batch(self) -> contextlib.AbstractContextManager[None]:
-        return self.inner.batch()
-
-
-def read_guarded(location: str | os.PathLike[str] | Store) -> Store:
-    """The store of a location for reading (``durable=False``), behind a :class:`ReadGuard`."""
-    if not isinstance(location, Store) and "\x00" in os.fspath(location):
-        raise StorageError("a location cannot contain a NUL character", rule="UCP-1.0-R099",
-                           path=repr(os.fspath(location)))
-    store = open_store(location, durable=False)
-    return store if isinstance(store, ReadGuard) else ReadGuard(store)

@@ -10,17 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ucpformat import names, rng, schemas
-from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
-from ucpformat.errors import UCPError, WriteError
-from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_equal
-from ucpformat.metadata import (
+from ucpformat.checkpoint import rng
+from ucpformat.checkpoint.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
@@ -37,15 +33,19 @@ from ucpformat.metadata import (
     parse_group,
     parse_version,
 )
-from ucpformat.progress import byte_progress
-from ucpformat.reader import (
+from ucpformat.checkpoint.reader import (
     UNDERSTOOD_FEATURES,
     Checkpoint,
     Tensor,
     metadata_limit,
     read_metadata,
 )
-from ucpformat.storage import Store, read_guarded
+from ucpformat.engine.grid import coords_of_key, object_coords, stored_object_coords
+from ucpformat.errors import UCPError
+from ucpformat.format import names, schemas
+from ucpformat.format.jsonvalues import MAX_DOCUMENT_DEPTH, json_equal
+from ucpformat.progress import byte_progress
+from ucpformat.store import ReadOnceStore, Store, read_guarded
 
 Level = Literal["error", "warning"]
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -243,7 +243,7 @@ def root_violations(doc: Any) -> list[schemas.SchemaViolation]:
     """The violations of ``root.schema.json`` by a root document, the same as
     ``schemas.violations("root", doc)`` gives, in time linear in the number of nodes.
 
-    A root the compiled validator accepts has none (see :mod:`ucpformat.schemas`).
+    A root the compiled validator accepts has none (see :mod:`ucpformat.format.schemas`).
     Otherwise each node of the consolidated metadata is checked against the array or group
     schema on its own (as the root schema's ``if``/``then``/``else`` does), once per
     distinct document: the states of one parameter, or the experts of one layer, share
@@ -378,7 +378,7 @@ def _check_node_files(
 def _same_text(a: Any, b: Any) -> bool:
     """True if two parsed JSON values have the same canonical text (keys sorted), which
     tells every value's kind and every number exactly: then they are equal (UCP-1.0-R073),
-    as :func:`~ucpformat.jsonvalues.json_equal` would find member by member, 5 to 10 times
+    as :func:`~ucpformat.format.jsonvalues.json_equal` would find member by member, 5 to 10 times
     slower. False says nothing."""
     try:
         return _canonical(a) == _canonical(b)
@@ -696,68 +696,6 @@ def _check_manifest(
     return dict(manifest), damaged, listed
 
 
-class _ReadOnceStore(Store):
-    """The checkpoint's store, read-only, that serves a held stored object from memory.
-
-    A deep validation reads each stored object once: :meth:`hold` reads it whole (and
-    checks its SHA-256 against the manifest), and the chunk checks that follow read their
-    ranges from that copy until :meth:`release`.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.location = store.location
-        self._held: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-
-    def hold(self, key: str) -> bytes | None:
-        data = self.store.get(key)
-        if data is not None:
-            with self._lock:
-                self._held[key] = data
-        return data
-
-    def release(self, key: str) -> None:
-        with self._lock:
-            self._held.pop(key, None)
-
-    def _copy(self, key: str) -> bytes | None:
-        with self._lock:
-            return self._held.get(key)
-
-    def get(self, key: str) -> bytes | None:
-        held = self._copy(key)
-        return held if held is not None else self.store.get(key)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        held = self._copy(key)
-        if held is None:
-            return self.store.get_range(key, offset, length)
-        return held[offset : offset + max(0, length)]
-
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        held = self._copy(key)
-        if held is None:
-            return self.store.get_suffix(key, length)
-        return held[max(0, len(held) - length) :]
-
-    def size(self, key: str) -> int | None:
-        held = self._copy(key)
-        return len(held) if held is not None else self.store.size(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self.store.list(prefix)
-
-    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        raise WriteError("validation never writes", path=self.location)
-
-    def delete(self, key: str) -> None:
-        raise WriteError("validation never deletes", path=self.location)
-
-    def delete_all(self) -> None:
-        raise WriteError("validation never deletes", path=self.location)
-
-
 def _deep(
     ckpt: Checkpoint,
     manifest: Mapping[str, Any] | None,
@@ -780,7 +718,7 @@ def _deep(
     """
     files: Mapping[str, Any] = (manifest or {}).get("files", {})
     total = sum(int(e.get("nbytes", 0)) for e in files.values())
-    store = _ReadOnceStore(ckpt.store)
+    store = ReadOnceStore(ckpt.store)
     ckpt = Checkpoint(store, ckpt.root, ckpt.arrays, ckpt.groups,
                       max_read_bytes=ckpt.max_read_bytes)
 

@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucpformat import names
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.errors import KeyMismatchError, LoadError, ShapeMismatchError, UCPError
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.storage import Store
-from ucpformat.torch.convert import from_numpy
+from ucpformat.format import names
+from ucpformat.store import Store
+from ucpformat.torch.numpy_bridge import from_numpy
 
 #: What a load takes: a location, a store, or an open checkpoint.
 PathOrCheckpoint = str | os.PathLike[str] | Store | Checkpoint

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from ucpformat.errors import WriteError
-from ucpformat.storage import ForwardingStore, Store
+from ucpformat.store import ForwardingStore, Store
 
 #: The files megatron.core.dist_checkpointing writes beside any strategy's.
 MEGATRON_FILES: Final = ("common.pt", "metadata.json")

@@ -57,15 +57,15 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from ucpformat.checkpoint.metadata import ZARR_JSON
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
+from ucpformat.checkpoint.validation import validate
+from ucpformat.checkpoint.writer import delete_checkpoint, save
 from ucpformat.errors import CheckpointNotFoundError, InvalidValueError, UCPError
-from ucpformat.metadata import ZARR_JSON
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.storage import LocalStore, Store, open_store
-from ucpformat.validation import validate
-from ucpformat.writer import delete_checkpoint, save
+from ucpformat.store import LocalStore, Store, open_store
 
 if TYPE_CHECKING:  # the distributed layer sits above this one (docs/architecture.md)
-    from ucpformat.comm import Communicator
+    from ucpformat.distributed.comm import Communicator
 
 _NAME = re.compile(r"^step-([0-9]{10,})$")
 
@@ -106,7 +106,7 @@ class CheckpointManager:
     (``lambda path: ucpformat.torch.save(path, model=m, optimizer=o, step=s)``); if it
     returns a future (``ucpformat.torch.save_async``), the save is tracked until it commits.
     ``save_kwargs`` go to ``ucpformat.save``. ``store_factory`` maps a location to the
-    :class:`~ucpformat.storage.Store` used for it (default: ``open_store``).
+    :class:`~ucpformat.store.Store` used for it (default: ``open_store``).
 
     Retention: ``keep_last`` newest valid checkpoints, the ``keep_best`` best ones by
     ``best_metric`` (a key of the ``metrics`` given to :meth:`maybe_save`, or a function of
@@ -115,7 +115,7 @@ class CheckpointManager:
     handler (from the main thread; :meth:`close` restores the previous one): after the
     signal, the next :meth:`maybe_save` saves whether due or not, once, and
     :meth:`reached_preemption` says to stop. ``comm`` (a
-    :class:`~ucpformat.comm.Communicator`, e.g. ``ucpformat.torch.comm.communicator()``)
+    :class:`~ucpformat.distributed.comm.Communicator`, e.g. ``ucpformat.torch.comm.communicator()``)
     is for saves that all ranks make together: the ranks agree on preemption saves and
     rank 0 alone verifies, records metrics and deletes.
     """

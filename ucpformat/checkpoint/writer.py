@@ -29,22 +29,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues, names
-from ucpformat import feed as feeds
 from ucpformat._version import __version__
-from ucpformat.engine import chunking
-from ucpformat.engine.compression import Compression
-from ucpformat.engine.grid import object_coords, object_region, stored_object_coords
-from ucpformat.engine.write import StoredObject, write_object
-from ucpformat.errors import (
-    CheckpointExistsError,
-    ConcurrentWriteError,
-    InvalidValueError,
-    MissingChunkError,
-    UCPError,
-    WriteError,
-)
-from ucpformat.metadata import (
+from ucpformat.checkpoint import deferred as feeds
+from ucpformat.checkpoint.metadata import (
     FORMAT_VERSION,
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
@@ -61,7 +48,20 @@ from ucpformat.metadata import (
     parse_group,
     utc_now,
 )
-from ucpformat.storage import Store, StoreClaim, is_safe_key, open_store
+from ucpformat.engine import chunking
+from ucpformat.engine.compression import Compression
+from ucpformat.engine.grid import object_coords, object_region, stored_object_coords
+from ucpformat.engine.write import StoredObject, write_object
+from ucpformat.errors import (
+    CheckpointExistsError,
+    ConcurrentWriteError,
+    InvalidValueError,
+    MissingChunkError,
+    UCPError,
+    WriteError,
+)
+from ucpformat.format import dtypes, jsonvalues, names
+from ucpformat.store import Store, StoreClaim, is_safe_key, open_store
 
 HASH_ALGORITHMS = ("sha256",)
 
@@ -601,7 +601,7 @@ def _has_array(value: Any) -> bool:
     return False
 
 
-#: An array's values, or a placeholder whose values a :class:`ucpformat.feed.Feed` gives.
+#: An array's values, or a placeholder whose values a :class:`ucpformat.checkpoint.deferred.Feed` gives.
 ArrayValue = np.ndarray[Any, Any] | feeds.Deferred
 ArrayAttributes = Callable[[str, ArrayValue], Mapping[str, Any] | None]
 
@@ -779,7 +779,7 @@ def save(
     so that a save of the same state can be byte-for-byte reproducible (the conformance
     cases are generated this way).
 
-    ``feed`` gives the values of the :class:`ucpformat.feed.Deferred` arrays of
+    ``feed`` gives the values of the :class:`ucpformat.checkpoint.deferred.Deferred` arrays of
     ``state``, which are written in the order given, each as soon as the feed has it
     (:mod:`ucpformat.torch.staging` copies tensors from a GPU this way); the feed is
     started when the writes start and stopped when they end (a save that fails before
@@ -852,7 +852,7 @@ def write_arrays(
 ) -> list[StoredObject]:
     """Write every stored object of ``arrays`` with a pool of threads.
 
-    The values of :class:`ucpformat.feed.Deferred` arrays come from ``feed``, asked for
+    The values of :class:`ucpformat.checkpoint.deferred.Deferred` arrays come from ``feed``, asked for
     in the order of ``arrays`` and released once their last stored object is written;
     the feed is stopped at the end, whatever happens.
     """
@@ -875,7 +875,7 @@ def _write_arrays(
 ) -> list[StoredObject]:
     deferred = [data.key for _, data in arrays if isinstance(data, feeds.Deferred)]
     if deferred and feed is None:
-        raise InvalidValueError("placeholder arrays (ucpformat.feed.Deferred) need a feed "
+        raise InvalidValueError("placeholder arrays (ucpformat.checkpoint.deferred.Deferred) need a feed "
                                 "that gives their values", path=deferred[0])
     tasks = [
         (meta, coords, data)

@@ -29,7 +29,7 @@ from typing import Any
 
 from ucpformat.errors import MissingDependencyError, UnsafePathError
 from ucpformat.optional import require
-from ucpformat.storage import Store, check_key
+from ucpformat.store import Store, check_key
 
 
 class FsspecStore(Store):

@@ -1,6 +1,6 @@
 """The plan of a distributed save: which rank writes which stored object, which cells move.
 
-Every rank describes what it holds (:func:`ucpformat.description.describe`: the specs of
+Every rank describes what it holds (:func:`ucpformat.distributed.rank_description.describe`: the specs of
 the tensors it knows and the boxes of its fragments, or, for tensors on device meshes,
 its place in each mesh and their placements; no data); from all descriptions one plan
 results (:func:`plan_from_descriptions`, or :func:`make_plan` from boxes gathered
@@ -23,7 +23,7 @@ Tensors on a mesh laid out alike (:func:`class_key`) are planned once per class
 
 :meth:`Plan.tasks` cuts the plan into each rank's share (:class:`RankTasks`: the objects
 it writes, the cells it sends and receives; a class's share once for all its members),
-which :mod:`ucpformat.pipeline` carries out.
+which :mod:`ucpformat.distributed.pipeline` carries out.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes
-from ucpformat.description import (
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, parse_array
+from ucpformat.checkpoint.writer import zero_bits
+from ucpformat.distributed.rank_description import (
     Description,
     TensorSpec,
     dumps,
@@ -47,14 +48,13 @@ from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords
 from ucpformat.errors import LayoutError, WriteError
+from ucpformat.format import dtypes
 from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
 from ucpformat.layout.dtensor import (
     Placement,
     Replicate,
     placement_from_json,
 )
-from ucpformat.metadata import ArrayMeta, GroupMeta, parse_array
-from ucpformat.writer import zero_bits
 
 #: Aligned shards smaller than this on average make the planner use a coarse grid and
 #: exchange boundary cells instead (too many tiny files otherwise). Measured

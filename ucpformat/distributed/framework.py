@@ -3,7 +3,7 @@
 :class:`ModelLayout` is a rule set, its parameters and a parallel configuration. For
 one rank it turns the rank's local tensors (local names, stage-local layer numbers,
 padded vocabularies, fused interleaved parts, ZeRO-3 partitions) into fragments of the
-consolidated tensors for :func:`ucpformat.distributed.save_distributed`, and it builds
+consolidated tensors for :func:`ucpformat.distributed.save_fragments`, and it builds
 a rank's local tensors back from any checkpoint, whatever layout saved it.
 """
 
@@ -15,21 +15,21 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes, names
+from ucpformat.checkpoint.reader import Checkpoint
 from ucpformat.distributed import Fragment, TensorSpec, read_flat, read_local
 from ucpformat.errors import LayoutError
+from ucpformat.format import dtypes, names
 from ucpformat.layout.boxes import LocalMap, as_slices, box_shape
-from ucpformat.layout.rules import Resolved, RuleSet
-from ucpformat.layout.semantics import TensorLayout, layout_of
-from ucpformat.layout.sharding import (
+from ucpformat.layout.rank_slices import (
     Conventions,
     ParallelConfig,
     RankCoords,
     local_map,
     zero3_flat_map,
 )
+from ucpformat.layout.rules import Resolved, RuleSet
+from ucpformat.layout.semantics import TensorLayout, layout_of
 from ucpformat.layout.zero import FlatPartition, flat_partition
-from ucpformat.reader import Checkpoint
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Distributed save straight into the consolidated format, and resharding reads.
+"""A rank's numpy fragments saved straight into the consolidated format, and resharding reads.
 
 Every rank describes what it holds as *fragments*: a box of a consolidated tensor and
 the values in it (from tensor, pipeline, expert or data parallelism, fused parts, flat
-ZeRO partitions...). :func:`save_distributed` runs the distributed save pipeline
-(:mod:`ucpformat.pipeline`, which says how a save fails) over them: rank 0 plans from
-every rank's boxes and hands each rank its share (:mod:`ucpformat.saveplan`: coverage, a
+ZeRO partitions...). :func:`save_fragments` runs the distributed save pipeline
+(:mod:`ucpformat.distributed.pipeline`, which says how a save fails) over them: rank 0 plans from
+every rank's boxes and hands each rank its share (:mod:`ucpformat.distributed.save_plan`: coverage, a
 shard grid per tensor, one owner per shard), owners receive the cells of their shards that they
 lack, each rank writes the shards it owns, and rank 0 commits after every rank has
 succeeded, and not at all if any failed (UCP-1.0-R132).
@@ -21,15 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat.comm import Communicator
-from ucpformat.description import MeshPosition, MeshTensor
-from ucpformat.engine import chunking
-from ucpformat.errors import LayoutError
-from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
-from ucpformat.pipeline import DistributedSaveResult, Fragment, FragmentList, FragmentSource
-from ucpformat.pipeline import save as run_pipeline
-from ucpformat.reader import Checkpoint, Region
-from ucpformat.saveplan import (
+from ucpformat.checkpoint.reader import Checkpoint, Region
+from ucpformat.distributed.comm import Communicator
+from ucpformat.distributed.pipeline import (
+    DistributedSaveResult,
+    Fragment,
+    FragmentList,
+    FragmentSource,
+)
+from ucpformat.distributed.pipeline import save as run_pipeline
+from ucpformat.distributed.rank_description import MeshPosition, MeshTensor
+from ucpformat.distributed.save_plan import (
     DEFAULT_MIN_SHARD_BYTES,
     PlanOptions,
     TensorSpec,
@@ -38,10 +40,13 @@ from ucpformat.saveplan import (
     make_plan,
     merge_group_attributes,
 )
-from ucpformat.storage import Store
+from ucpformat.engine import chunking
+from ucpformat.errors import LayoutError
+from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
+from ucpformat.store import Store
 
 
-def save_distributed(
+def save_fragments(
     path: str | os.PathLike[str] | Store,
     comm: Communicator,
     *,
@@ -69,9 +74,9 @@ def save_distributed(
     taken from rank 0. Rank 0 holds the location for the whole save (UCP-1.0-R059).
     Raises on every rank if any rank fails; then nothing is committed, what the ranks
     wrote is removed (UCP-1.0-R049), and a checkpoint being replaced (``overwrite=True``) is
-    left intact unless the failure came while writing (see :mod:`ucpformat.pipeline`).
+    left intact unless the failure came while writing (see :mod:`ucpformat.distributed.pipeline`).
 
-    ``fragments`` are the values in memory, or a :class:`~ucpformat.pipeline.FragmentSource`
+    ``fragments`` are the values in memory, or a :class:`~ucpformat.distributed.pipeline.FragmentSource`
     that gives them when asked (a staging area copying them from a device).
 
     Tensors laid out over device meshes as DTensors are (``on_mesh``, with this rank's
@@ -189,5 +194,5 @@ __all__ = [
     "read_flat",
     "read_local",
     "read_locals",
-    "save_distributed",
+    "save_fragments",
 ]

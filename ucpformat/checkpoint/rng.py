@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import schemas
+from ucpformat.checkpoint.writer import Group
 from ucpformat.errors import FormatError, InvalidValueError
-from ucpformat.writer import Group
+from ucpformat.format import schemas
 
 RULE = "UCP-1.0-R085"
 #: The generators the convention names, and the group of user-named ones.

@@ -14,9 +14,9 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from ucpformat import dtypes
-from ucpformat.dtypes import DataType
 from ucpformat.errors import InvalidValueError, UnsupportedDtypeError
+from ucpformat.format import dtypes
+from ucpformat.format.dtypes import DataType
 
 
 def _tables() -> tuple[dict[torch.dtype, DataType], dict[str, torch.dtype]]:

@@ -7,7 +7,7 @@
   :func:`parse_size`.
 * torch for conversions that need it, imported only when they run (a safetensors
   conversion never imports it): :func:`torch_module` (an error saying how to install it
-  where it is missing), and the bit-exact conversions of :mod:`ucpformat.torch.convert`
+  where it is missing), and the bit-exact conversions of :mod:`ucpformat.torch.numpy_bridge`
   (:func:`data_type_of`, :func:`torch_dtype_of`, :func:`to_numpy`, :func:`from_numpy`).
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ucpformat.dtypes import DataType
 from ucpformat.errors import InvalidValueError
+from ucpformat.format.dtypes import DataType
 from ucpformat.optional import require
 
 if TYPE_CHECKING:
@@ -113,28 +113,28 @@ def torch_module() -> Any:
 
 
 def data_type_of(dtype: torch.dtype, *, tensor: str | None = None) -> DataType:
-    """The closed-list entry of a torch dtype (``ucpformat.torch.convert``)."""
-    from ucpformat.torch.convert import data_type
+    """The closed-list entry of a torch dtype (``ucpformat.torch.numpy_bridge``)."""
+    from ucpformat.torch.numpy_bridge import data_type
 
     return data_type(dtype, tensor=tensor)
 
 
 def torch_dtype_of(dt: DataType, *, tensor: str | None = None) -> torch.dtype:
-    from ucpformat.torch.convert import torch_dtype
+    from ucpformat.torch.numpy_bridge import torch_dtype
 
     return torch_dtype(dt, tensor=tensor)
 
 
 def to_numpy(t: torch.Tensor, *, name: str | None = None) -> np.ndarray[Any, Any]:
     """A numpy array with the exact bits of ``t`` (shares memory when it can)."""
-    from ucpformat.torch.convert import to_numpy as convert
+    from ucpformat.torch.numpy_bridge import to_numpy as convert
 
     return convert(t, name=name)
 
 
 def from_numpy(a: np.ndarray[Any, Any], *, name: str | None = None) -> torch.Tensor:
     """A torch tensor with the exact bits of ``a`` (shares memory when it can)."""
-    from ucpformat.torch.convert import from_numpy as convert
+    from ucpformat.torch.numpy_bridge import from_numpy as convert
 
     return convert(a, name=name)
 

@@ -1,7 +1,7 @@
 """The distributed save pipeline: one checkpoint written by many ranks, each its own part.
 
 Every distributed save runs these steps, in this order.
-:func:`ucpformat.distributed.save_distributed` runs them all (:func:`save`). The DCP
+:func:`ucpformat.distributed.save_fragments` runs them all (:func:`save`). The DCP
 plugin (:mod:`ucpformat.torch.dcp`) runs step 2 in DCP's ``prepare_global_plan`` (the
 coordinator alone, which hands each rank its share in the plan DCP scatters), steps 3
 to 6 in ``write_data`` (every rank) and step 7 in ``finish`` (the coordinator, after
@@ -13,20 +13,20 @@ values as group attributes.
 ====  ==========  ============================  ==========================================
 step  name        who                           what
 ====  ==========  ============================  ==========================================
-1     describe    every rank, then collective   :func:`ucpformat.description.describe`: the
+1     describe    every rank, then collective   :func:`ucpformat.distributed.rank_description.describe`: the
                                                 specs, boxes and group attributes a rank
                                                 knows (no values), sent to the coordinator
-                                                alone (:func:`~ucpformat.comm.gather_bytes`
+                                                alone (:func:`~ucpformat.distributed.comm.gather_bytes`
                                                 of its
-                                                :func:`~ucpformat.description.encode_description`).
+                                                :func:`~ucpformat.distributed.rank_description.encode_description`).
 2     plan        the coordinator, then         :func:`plan_shares`: the plan
-                  collective                    (:func:`ucpformat.saveplan.plan_from_descriptions`),
+                  collective                    (:func:`ucpformat.distributed.save_plan.plan_from_descriptions`),
                                                 then the coordinator marks the destination
                                                 (:func:`mark`: refuse it, or hold it with
                                                 its in-progress marker; a checkpoint being
                                                 replaced stays committed) and sends each
-                                                rank its :class:`~ucpformat.saveplan.RankTasks`
-                                                (:func:`~ucpformat.comm.scatter_bytes`,
+                                                rank its :class:`~ucpformat.distributed.save_plan.RankTasks`
+                                                (:func:`~ucpformat.distributed.comm.scatter_bytes`,
                                                 :func:`take_share`). No rank but the
                                                 coordinator receives or plans what other
                                                 ranks hold: a rank's cost does not grow with
@@ -66,7 +66,7 @@ How does a distributed save fail?
   agreement that every rank wrote what it owns, and only if every planned stored object
   was written (UCP-1.0-R132), and only while it still holds the location (UCP-1.0-R059).
 * **One writer per location.** The coordinator's marker is its claim on the location
-  (:func:`ucpformat.writer.mark_destination`, UCP-1.0-R059): a second save there is
+  (:func:`ucpformat.checkpoint.writer.mark_destination`, UCP-1.0-R059): a second save there is
   refused before it changes anything, every stored object is created (never replaces
   another writer's), and the commit checks the claim's token first.
 * **The previous checkpoint survives every failure before the un-commit.** Until step
@@ -78,7 +78,7 @@ How does a distributed save fail?
   loses the old checkpoint but commits nothing.
 * **A failed save cleans up (UCP-1.0-R049).** Once every rank has stopped (the
   agreement that found the failure), the coordinator abandons the save
-  (:func:`ucpformat.writer.abandon`): before the un-commit it withdraws its marker,
+  (:func:`ucpformat.checkpoint.writer.abandon`): before the un-commit it withdraws its marker,
   after it removes what every rank wrote, the marker last, and its error says what the
   location holds now. (The DCP plugin's coordinator learns of a failure in another
   rank's ``write_data`` only from DCP's exception: its writer's next ``reset`` removes
@@ -101,8 +101,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ucpformat import feed as feeds
-from ucpformat.comm import (
+from ucpformat.checkpoint import deferred as feeds
+from ucpformat.checkpoint.metadata import ArrayMeta, build_root_ucp
+from ucpformat.checkpoint.writer import (
+    WriteClaim,
+    clear_destination,
+    create_owned,
+    default_workers,
+    explain_failure,
+    mark_destination,
+)
+from ucpformat.checkpoint.writer import commit as commit_root
+from ucpformat.distributed.comm import (
     Communicator,
     error_report,
     failed_ranks,
@@ -110,13 +120,23 @@ from ucpformat.comm import (
     gather_failures,
     scatter_bytes,
 )
-from ucpformat.description import (
+from ucpformat.distributed.rank_description import (
     MeshPosition,
     MeshTensor,
     boxes_off_mesh,
     decode_descriptions,
     describe,
     encode_description,
+)
+from ucpformat.distributed.save_plan import (
+    ObjectPlan,
+    Plan,
+    PlanOptions,
+    RankTasks,
+    TensorSpec,
+    array_meta,
+    class_members,
+    plan_from_descriptions,
 )
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
@@ -127,28 +147,8 @@ from ucpformat.errors import (
     error_from_document,
 )
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
-from ucpformat.metadata import ArrayMeta, build_root_ucp
 from ucpformat.progress import ProgressCallback, byte_progress
-from ucpformat.saveplan import (
-    ObjectPlan,
-    Plan,
-    PlanOptions,
-    RankTasks,
-    TensorSpec,
-    array_meta,
-    class_members,
-    plan_from_descriptions,
-)
-from ucpformat.storage import Store, open_store
-from ucpformat.writer import (
-    WriteClaim,
-    clear_destination,
-    create_owned,
-    default_workers,
-    explain_failure,
-    mark_destination,
-)
-from ucpformat.writer import commit as commit_root
+from ucpformat.store import Store, open_store
 
 #: The cells received in the exchange: (tensor path, cell) -> values shaped like the cell.
 Inbox = dict[tuple[str, Box], np.ndarray[Any, Any]]
@@ -183,7 +183,7 @@ class FragmentSource(Protocol):
         Called during the exchange and the write, once per tensor and step (it may copy
         from a device or read a file, and it may fail: the pipeline reports it).
 
-        A source that is also :class:`ucpformat.feed.Prefetching` (a staging area of
+        A source that is also :class:`ucpformat.checkpoint.deferred.Prefetching` (a staging area of
         bounded host buffers, :mod:`ucpformat.torch.staging`) is told the order of the
         write step's requests before it starts, told when each tensor's values are no
         longer needed (after the exchange has packed them, and after the write step has
@@ -372,7 +372,7 @@ def mark(store: Store, *, overwrite: bool) -> WriteClaim:
 @contextlib.contextmanager
 def given_up(store: Store, claim: WriteClaim | None) -> Iterator[None]:
     """The coordinator (``claim``: its hold on the location; None elsewhere): a failure
-    inside abandons the save (:func:`ucpformat.writer.explain_failure`: the marker
+    inside abandons the save (:func:`ucpformat.checkpoint.writer.explain_failure`: the marker
     withdrawn before the un-commit, everything the save wrote removed after it) and the
     error says what the location holds now. Only around steps that end in an
     agreement: no rank writes any more when it fails."""
@@ -516,13 +516,13 @@ def write(
     Every object is created, never replacing one that is there (UCP-1.0-R059): one that
     is there was written by another writer during this save, which fails, unless this
     is the coordinator (``claim``) still holding the location (then that writer was
-    displaced and its object is replaced, :func:`ucpformat.writer.create_owned`).
+    displaced and its object is replaced, :func:`ucpformat.checkpoint.writer.create_owned`).
 
-    A prefetching source (:class:`ucpformat.feed.Prefetching`) learns the order in which
+    A prefetching source (:class:`ucpformat.checkpoint.deferred.Prefetching`) learns the order in which
     tensors are needed first, and is stopped at the end, whatever happens.
 
     Every rank makes its objects durable before it returns, but the coordinator
-    (``claim``): its commit (:func:`ucpformat.writer.commit`, through the same ``store``)
+    (``claim``): its commit (:func:`ucpformat.checkpoint.writer.commit`, through the same ``store``)
     flushes them with the metadata, before the root is written."""
     try:
         return _write(store, tasks, source, inbox, workers=workers,
@@ -652,7 +652,7 @@ def plan_shares(
     own: BaseException | None = None,
 ) -> tuple[Plan | None, dict[int, bytes], WriteClaim | None, BaseException | None]:
     """Step 2 on the coordinator, from every rank's
-    :func:`~ucpformat.description.encode_description`: the plan, what each rank
+    :func:`~ucpformat.distributed.rank_description.encode_description`: the plan, what each rank
     receives (its :class:`RankTasks`; or the ranks that failed to describe; or the
     plan's error), its hold on the location (:func:`mark`; None if it did not mark it),
     and its own failure (``own``: before this step)."""
@@ -717,7 +717,7 @@ def take_share(
     tasks, or the error it carries to the exchange (the plan's, which every rank raises
     alike); raises at once, on every rank, if a rank failed to describe itself.
     ``plan``: the coordinator's own (None on the other ranks); ``description``: what
-    this rank described (:func:`~ucpformat.description.describe`), from which it expands
+    this rank described (:func:`~ucpformat.distributed.rank_description.describe`), from which it expands
     its share of the classes of tensors on meshes."""
     doc = json.loads(share or b"{}")
     raise_if_failed([(int(r), str(e)) for r, e in doc.get("failed", ())],

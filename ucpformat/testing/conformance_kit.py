@@ -2,7 +2,7 @@
 
 With an adapter command (any language)::
 
-    from ucpformat.testing import conformance as ucp
+    from ucpformat.testing import conformance_kit as ucp
 
     def test_my_reader_conforms():
         ucp.assert_passed(ucp.reader_suite(["my-reader-adapter"]))
@@ -44,7 +44,7 @@ from ucpformat.conformance.cases import Case, Scenario, load_cases, load_scenari
 from ucpformat.conformance.command import check_path
 from ucpformat.conformance.report import Result, SuiteReport
 from ucpformat.conformance.runner import reader_suite, validator_suite, writer_suite
-from ucpformat.dtypes import NAMES
+from ucpformat.format.dtypes import NAMES
 
 #: read(checkpoint, node path, selection or None for the whole tensor) -> array
 ReadFn = Callable[[Path, str, Sequence[Sequence[int]] | None], Any]

@@ -20,20 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import jsonvalues, names
-from ucpformat.engine.grid import objects_overlapping
-from ucpformat.engine.read import ArrayReader, group_runs
-from ucpformat.errors import (
-    CheckpointNotFoundError,
-    FormatError,
-    IncompleteCheckpointError,
-    ResourceLimitError,
-    SelectionError,
-    TensorNotFoundError,
-    UnsafePathError,
-    UnsupportedFeatureError,
-)
-from ucpformat.metadata import (
+from ucpformat.checkpoint.metadata import (
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
     ZARR_JSON,
@@ -48,8 +35,21 @@ from ucpformat.metadata import (
     parse_group,
     parse_version,
 )
-from ucpformat.schemas import DATE_TIME
-from ucpformat.storage import Store, read_guarded
+from ucpformat.engine.grid import objects_overlapping
+from ucpformat.engine.read import ArrayReader, group_runs
+from ucpformat.errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+    ResourceLimitError,
+    SelectionError,
+    TensorNotFoundError,
+    UnsafePathError,
+    UnsupportedFeatureError,
+)
+from ucpformat.format import jsonvalues, names
+from ucpformat.format.schemas import DATE_TIME
+from ucpformat.store import Store, read_guarded
 
 #: Largest metadata document (root zarr.json, manifest, node zarr.json) read by default;
 #: a larger one is refused before it is read (UCP-1.0-R098). The root of 100,000 tensors

@@ -6,7 +6,7 @@ device meshes as DTensors are, its place in each mesh and the tensors' placement
 (:class:`MeshPosition`, :class:`MeshTensor`), from which the coordinator derives every
 rank's fragments. :func:`encode_description` turns it into the compact bytes a rank sends;
 :func:`decode_descriptions` reads every rank's on the coordinator, which plans from them
-(:func:`ucpformat.saveplan.plan_from_descriptions`).
+(:func:`ucpformat.distributed.save_plan.plan_from_descriptions`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import jsonvalues, names
 from ucpformat.errors import LayoutError, WriteError
+from ucpformat.format import jsonvalues, names
 from ucpformat.layout.boxes import Box, box_size
 from ucpformat.layout.dtensor import Placement, dtensor_local_map, placement_to_json
 

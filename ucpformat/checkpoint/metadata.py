@@ -20,21 +20,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeGuard
 
-from ucpformat import dtypes, jsonvalues
 from ucpformat._version import __version__
-from ucpformat.dtypes import DataType
 from ucpformat.engine.codecs import ChunkCodec
 from ucpformat.engine.compression import BLOSC_CNAMES, BLOSC_SHUFFLES, COMPRESSORS, Compression
 from ucpformat.engine.grid import object_key
-from ucpformat.engine.sharding import index_codecs_json
+from ucpformat.engine.shard_index import index_codecs_json
 from ucpformat.errors import (
     FormatError,
     InvalidValueError,
     UnsupportedFeatureError,
     VersionError,
 )
-from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
-from ucpformat.schemas import DATE_TIME
+from ucpformat.format import dtypes, jsonvalues
+from ucpformat.format.dtypes import DataType
+from ucpformat.format.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
+from ucpformat.format.schemas import DATE_TIME
 
 FORMAT_VERSION: Final = "1.0"
 FORMAT_MAJOR: Final = 1
@@ -524,7 +524,7 @@ def check_values(values: Any, *, what: str, where: str) -> None:
 
 def parse_group(path: str, doc: Any, *, root: bool = False) -> GroupMeta:
     """Parse and check one group's zarr.json document (``root``: the root, whose
-    ``attributes.ucp`` is checked by :func:`ucpformat.reader.parse_root`)."""
+    ``attributes.ucp`` is checked by :func:`ucpformat.checkpoint.reader.parse_root`)."""
     where = path or "/"
     if not _is_map(doc):
         raise _fail("group metadata must be a JSON object", "UCP-1.0-R001", where)
@@ -589,7 +589,7 @@ def build_root_ucp(
     extensions: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The root group's ``attributes.ucp`` of a new checkpoint, but for ``version`` and
-    ``manifest``, which the commit adds (:func:`ucpformat.writer.commit`).
+    ``manifest``, which the commit adds (:func:`ucpformat.checkpoint.writer.commit`).
 
     Members, in this order: ``producer`` (default: :func:`default_producer`), ``created``
     (an RFC 3339 date-time; default: now), ``saved_by`` (how the checkpoint was saved:
@@ -597,7 +597,7 @@ def build_root_ucp(
     ``attributes.ucp`` a writer defines, JSON as it is to be stored), ``metadata``
     (free-form) and ``values`` (the root's JSON values). ``producer``, ``saved_by``,
     ``metadata`` and ``values`` are Python values, encoded here
-    (:func:`ucpformat.jsonvalues.encode`); an empty ``values`` is left out.
+    (:func:`ucpformat.format.jsonvalues.encode`); an empty ``values`` is left out.
     """
     if created is not None and (not isinstance(created, str) or not DATE_TIME.match(created)):
         raise InvalidValueError(
