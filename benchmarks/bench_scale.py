@@ -5,8 +5,9 @@ large run would describe (specs and fragment boxes, from the project's layout ge
 and this module runs the code a distributed save and a resharded load run on it:
 
 * **save, one rank**: :func:`ucpformat.distributed.rank_description.describe` and
-  :func:`~ucpformat.distributed.rank_description.encode_description` (what it sends the coordinator), then
-  :func:`ucpformat.distributed.pipeline.take_share` of what the coordinator sends back;
+  :func:`~ucpformat.distributed.rank_description.encode_description` (what it sends the
+  coordinator), then :func:`ucpformat.distributed.pipeline.take_share` of what the coordinator
+  sends back;
 * **save, the coordinator**: :func:`ucpformat.distributed.pipeline.plan_shares` (decode every
   description, coverage check, shard grids, owners and replica balancing, every rank's
   share) and :func:`ucpformat.checkpoint.writer.commit` (node metadata, manifest, root) into a
@@ -51,8 +52,8 @@ from typing import Any, TypeVar
 
 from benchmarks import Table
 from benchmarks import scale_layouts as L
+from ucpformat.checkpoint.commit import commit_checkpoint as commit
 from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
-from ucpformat.checkpoint.writer import commit
 from ucpformat.distributed.pipeline import plan_shares, take_share
 from ucpformat.distributed.rank_description import (
     boxes_off_mesh,

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from ucpformat.checkpoint.commit import commit_checkpoint as commit
 from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, build_root_ucp
-from ucpformat.checkpoint.writer import commit
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_array, source_maps
 from ucpformat.engine.checksum import crc_bytes

@@ -36,8 +36,8 @@ from tests.helpers import (
     write_json,
 )
 from ucpformat import errors
-from ucpformat.checkpoint import writer
-from ucpformat.checkpoint.metadata import ArrayMeta, default_producer
+from ucpformat.checkpoint import commit as protocol
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
 from ucpformat.engine.checksum import crc_bytes
 from ucpformat.engine.shard_index import EMPTY, index_nbytes
 from ucpformat.engine.write import write_object
@@ -363,9 +363,9 @@ def _huge(path: Path, *, sparse: bool) -> np.ndarray[Any, Any]:
                      fill_value=np.float32(0), attributes={"ucp": {"sparse": sparse}})
     first = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
     store = LocalStore(path, durable=False)
-    writer.prepare_destination(store, overwrite=False)
+    protocol.prepare_destination(store, overwrite=False)
     objects = [write_object(store, meta, (0, 0), first)]
-    writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
+    protocol.commit_checkpoint(store, arrays=[meta], groups=[GroupMeta("model")], objects=objects,
                   root_ucp={"producer": default_producer()})
     return first
 

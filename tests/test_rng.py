@@ -12,7 +12,7 @@ import pytest
 
 import ucpformat
 from ucpformat.checkpoint import rng
-from ucpformat.checkpoint.writer import Group
+from ucpformat.checkpoint.tree import Group
 from ucpformat.errors import FormatError, InvalidValueError
 
 BIT_GENERATORS = [np.random.MT19937, np.random.PCG64, np.random.PCG64DXSM, np.random.Philox,

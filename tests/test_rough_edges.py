@@ -18,7 +18,7 @@ import pytest
 
 import ucpformat
 from ucpformat.checkpoint.metadata import MANIFEST_KEY
-from ucpformat.checkpoint.writer import Group
+from ucpformat.checkpoint.tree import Group
 from ucpformat.cli import build_parser, main
 from ucpformat.errors import CheckpointNotFoundError, MissingDependencyError
 from ucpformat.layout.rules import builtin_rule_files

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 import ucpformat
 from tests.helpers import assert_bits_equal, random_array
-from ucpformat.checkpoint import writer
-from ucpformat.checkpoint.metadata import ArrayMeta, default_producer
+from ucpformat.checkpoint import commit as protocol
+from ucpformat.checkpoint import tree, writer
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
 from ucpformat.engine.compression import Compression
 from ucpformat.format import names
 from ucpformat.format.dtypes import DATA_TYPES, DataType
@@ -76,12 +77,12 @@ def _unsharded_multichunk(
     other writers do) with the writer's own object encoder and commit."""
     meta = ArrayMeta(
         path="model/x", shape=arr.shape, dtype=dt, chunk_shape=chunk, shard_shape=None,
-        compression=Compression.parse(compression, dt), fill_value=writer.zero_bits(dt),
+        compression=Compression.parse(compression, dt), fill_value=tree.zero_bits(dt),
     )
     store = LocalStore(path, durable=False)
-    writer.prepare_destination(store, overwrite=False)
+    protocol.prepare_destination(store, overwrite=False)
     objects = writer.write_arrays(store, [(meta, arr)], hash_algorithm="sha256")
-    writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
+    protocol.commit_checkpoint(store, arrays=[meta], groups=[GroupMeta("model")], objects=objects,
                   root_ucp={"producer": default_producer()})
 
 

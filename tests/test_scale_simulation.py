@@ -1,13 +1,13 @@
 """The scale benchmark measures the real thing: its simulated plans are those of a real save.
 
 ``benchmarks/bench_scale.py`` simulates thousands of ranks in one process (descriptions
-from :mod:`benchmarks.scale_layouts`, the coordinator's :func:`ucpformat.distributed.pipeline.plan_shares`,
-each rank's :func:`ucpformat.distributed.pipeline.take_share`). Here 4 gloo processes save the same
-layouts with real values, recording the share each rank received; the simulation must
-hand every rank exactly that share, and the checkpoint must hold the values. The
-layouts: a small Llama-shaped model under TP 2 x DP 2 with flat ZeRO-1 partitions of the
-fp32 states, and under FSDP2 x TP on a (2, 2) mesh described by mesh and placements;
-fine shards, so that cells move.
+from :mod:`benchmarks.scale_layouts`, the coordinator's
+:func:`ucpformat.distributed.pipeline.plan_shares`, each rank's
+:func:`ucpformat.distributed.pipeline.take_share`). Here 4 gloo processes save the same layouts
+with real values, recording the share each rank received; the simulation must hand every rank
+exactly that share, and the checkpoint must hold the values. The layouts: a small Llama-shaped
+model under TP 2 x DP 2 with flat ZeRO-1 partitions of the fp32 states, and under FSDP2 x TP on a
+(2, 2) mesh described by mesh and placements; fine shards, so that cells move.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The code's parsers and the JSON Schemas agree on what a valid metadata document is.
 
-``ucpformat.checkpoint.metadata.parse_array``/``parse_group`` and ``ucpformat.checkpoint.reader.parse_root``
-(everything ``open`` checks) are the fast path; ``schemas/1.0`` is the normative,
-machine-readable description. For documents the library writes, both accept. For
-mutated documents, whenever the schema rejects, the code rejects too; the code may be
-stricter only where JSON Schema cannot express the rule (the CODE_ONLY table).
+``ucpformat.checkpoint.metadata.parse_array``/``parse_group`` and
+``ucpformat.checkpoint.reader.parse_root`` (everything ``open`` checks) are the fast path;
+``schemas/1.0`` is the normative, machine-readable description. For documents the library writes,
+both accept. For mutated documents, whenever the schema rejects, the code rejects too; the code may
+be stricter only where JSON Schema cannot express the rule (the CODE_ONLY table).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat.checkpoint.writer import StreamingWriter
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import (
     CheckpointExistsError,
     IncompleteCheckpointError,

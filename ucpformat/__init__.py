@@ -13,10 +13,12 @@ The format core (this package minus ``ucpformat.torch``) needs numpy and zarr on
 # its finder on import, before anything else of ucpformat is imported)
 from ucpformat import _moved, errors  # noqa: F401
 from ucpformat._version import __version__
+from ucpformat.checkpoint.adopt import adopt
 from ucpformat.checkpoint.metadata import FORMAT_VERSION
 from ucpformat.checkpoint.reader import Checkpoint, Tensor, open_checkpoint
+from ucpformat.checkpoint.tree import Group
 from ucpformat.checkpoint.validation import Issue, Report, validate
-from ucpformat.checkpoint.writer import Group, SaveResult, adopt, save
+from ucpformat.checkpoint.writer import SaveResult, save
 from ucpformat.errors import UCPError
 from ucpformat.format.dtypes import DATA_TYPES, DataType
 from ucpformat.format.zarr_dtypes import register as _register_zarr_dtypes

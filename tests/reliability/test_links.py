@@ -16,7 +16,7 @@ import ucpformat
 from ucpformat import store as storage
 from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY
-from ucpformat.checkpoint.writer import StreamingWriter
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import CheckpointExistsError, UCPError, UnsafePathError
 from ucpformat.store import LocalStore
 from ucpformat.testing import link_attacks as links

@@ -25,7 +25,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import ucpformat
-from ucpformat.checkpoint.writer import StreamingWriter
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import (
     CheckpointExistsError,
     ConcurrentWriteError,

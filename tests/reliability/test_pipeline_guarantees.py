@@ -1,5 +1,5 @@
-"""The writer's guarantees on the distributed save pipeline (``ucpformat.distributed.pipeline``, which
-``save_distributed`` and the DCP plugin run): one writer per location, the commit only
+"""The writer's guarantees on the distributed save pipeline (``ucpformat.distributed.pipeline``,
+which ``save_distributed`` and the DCP plugin run): one writer per location, the commit only
 while the coordinator still holds it (UCP-1.0-R059); everything that can refuse a save
 checked before anything changes, and a failed save cleaned up (UCP-1.0-R049); no link
 under the location followed (UCP-1.0-R089).
@@ -21,7 +21,7 @@ import pytest
 
 import ucpformat
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
-from ucpformat.checkpoint.writer import StreamingWriter
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.distributed.comm import Communicator, run_threads
 from ucpformat.distributed.pipeline import FragmentList
 from ucpformat.distributed.pipeline import save as run_pipeline

@@ -13,7 +13,7 @@ import pytest
 
 import ucpformat
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY
-from ucpformat.checkpoint.writer import StreamingWriter
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import CheckpointExistsError, ConcurrentWriteError, WriteError
 from ucpformat.store import LocalStore
 from ucpformat.testing import concurrency, failed_saves

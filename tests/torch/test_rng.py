@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
-from ucpformat.checkpoint.writer import Group  # noqa: E402
+from ucpformat.checkpoint.tree import Group  # noqa: E402
 from ucpformat.errors import KeyMismatchError, LoadError  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -57,10 +57,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from ucpformat.checkpoint.commit import delete_checkpoint
 from ucpformat.checkpoint.metadata import ZARR_JSON
 from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.checkpoint.validation import validate
-from ucpformat.checkpoint.writer import delete_checkpoint, save
+from ucpformat.checkpoint.writer import save
 from ucpformat.errors import CheckpointNotFoundError, InvalidValueError, UCPError
 from ucpformat.store import LocalStore, Store, open_store
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat.checkpoint.writer import Group
+from ucpformat.checkpoint.tree import Group
 from ucpformat.errors import FormatError, InvalidValueError
 from ucpformat.format import schemas
 

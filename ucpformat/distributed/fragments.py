@@ -4,8 +4,8 @@ Every rank describes what it holds as *fragments*: a box of a consolidated tenso
 the values in it (from tensor, pipeline, expert or data parallelism, fused parts, flat
 ZeRO partitions...). :func:`save_fragments` runs the distributed save pipeline
 (:mod:`ucpformat.distributed.pipeline`, which says how a save fails) over them: rank 0 plans from
-every rank's boxes and hands each rank its share (:mod:`ucpformat.distributed.save_plan`: coverage, a
-shard grid per tensor, one owner per shard), owners receive the cells of their shards that they
+every rank's boxes and hands each rank its share (:mod:`ucpformat.distributed.save_plan`: coverage,
+a shard grid per tensor, one owner per shard), owners receive the cells of their shards that they
 lack, each rank writes the shards it owns, and rank 0 commits after every rank has
 succeeded, and not at all if any failed (UCP-1.0-R132).
 
@@ -76,8 +76,9 @@ def save_fragments(
     wrote is removed (UCP-1.0-R049), and a checkpoint being replaced (``overwrite=True``) is
     left intact unless the failure came while writing (see :mod:`ucpformat.distributed.pipeline`).
 
-    ``fragments`` are the values in memory, or a :class:`~ucpformat.distributed.pipeline.FragmentSource`
-    that gives them when asked (a staging area copying them from a device).
+    ``fragments`` are the values in memory, or a
+    :class:`~ucpformat.distributed.pipeline.FragmentSource` that gives them when asked (a staging
+    area copying them from a device).
 
     Tensors laid out over device meshes as DTensors are (``on_mesh``, with this rank's
     place in each mesh in ``meshes``) are described by their mesh and placements

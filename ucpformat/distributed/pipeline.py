@@ -13,7 +13,8 @@ values as group attributes.
 ====  ==========  ============================  ==========================================
 step  name        who                           what
 ====  ==========  ============================  ==========================================
-1     describe    every rank, then collective   :func:`ucpformat.distributed.rank_description.describe`: the
+1     describe    every rank, then collective  
+:func:`ucpformat.distributed.rank_description.describe`: the
                                                 specs, boxes and group attributes a rank
                                                 knows (no values), sent to the coordinator
                                                 alone (:func:`~ucpformat.distributed.comm.gather_bytes`
@@ -102,16 +103,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from ucpformat.checkpoint import deferred as feeds
-from ucpformat.checkpoint.metadata import ArrayMeta, build_root_ucp
-from ucpformat.checkpoint.writer import (
+from ucpformat.checkpoint.commit import (
     WriteClaim,
     clear_destination,
     create_owned,
-    default_workers,
     explain_failure,
     mark_destination,
 )
-from ucpformat.checkpoint.writer import commit as commit_root
+from ucpformat.checkpoint.commit import commit_checkpoint as commit_root
+from ucpformat.checkpoint.metadata import ArrayMeta, build_root_ucp
+from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.distributed.comm import (
     Communicator,
     error_report,

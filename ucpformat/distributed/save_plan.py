@@ -1,7 +1,7 @@
 """The plan of a distributed save: which rank writes which stored object, which cells move.
 
-Every rank describes what it holds (:func:`ucpformat.distributed.rank_description.describe`: the specs of
-the tensors it knows and the boxes of its fragments, or, for tensors on device meshes,
+Every rank describes what it holds (:func:`ucpformat.distributed.rank_description.describe`: the
+specs of the tensors it knows and the boxes of its fragments, or, for tensors on device meshes,
 its place in each mesh and their placements; no data); from all descriptions one plan
 results (:func:`plan_from_descriptions`, or :func:`make_plan` from boxes gathered
 otherwise, as the DCP plugin's coordinator does). The plan is a pure function of the
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, parse_array
-from ucpformat.checkpoint.writer import zero_bits
+from ucpformat.checkpoint.tree import zero_bits
 from ucpformat.distributed.rank_description import (
     Description,
     TensorSpec,

@@ -1,8 +1,8 @@
 """The array engine: how a tensor's bytes are laid out in the files of a checkpoint.
 
 Everything of the byte format of format 1.0's arrays (zarr v3) lives here, apart from
-the checkpoint API (:mod:`ucpformat.checkpoint.reader`, :mod:`ucpformat.checkpoint.writer`) and the metadata
-documents (:mod:`ucpformat.checkpoint.metadata`):
+the checkpoint API (:mod:`ucpformat.checkpoint.reader`, :mod:`ucpformat.checkpoint.writer`) and the
+metadata documents (:mod:`ucpformat.checkpoint.metadata`):
 
 - :mod:`~ucpformat.engine.chunking`: how a tensor is cut into inner chunks and shards;
 - :mod:`~ucpformat.engine.grid`: the grid of stored objects, their regions and keys;

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.checkpoint.reader import Checkpoint, Tensor
-from ucpformat.checkpoint.writer import default_workers
+from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.errors import CheckpointExistsError, InvalidValueError
 from ucpformat.format import names
 from ucpformat.interchange import DEFAULT_MEMORY_LIMIT, bounded_map

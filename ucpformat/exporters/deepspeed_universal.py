@@ -211,7 +211,7 @@ def _run(
     progress: bool | Callable[[int], None],
 ) -> Iterator[tuple[str, int]]:
     """``fn`` over the jobs on threads, bounded memory (each job holds one tensor)."""
-    from ucpformat.checkpoint.writer import default_workers
+    from ucpformat.checkpoint.write_loop import default_workers
     from ucpformat.progress import byte_progress
 
     total = sum(job[1].nbytes for job in jobs)

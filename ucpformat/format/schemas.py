@@ -39,7 +39,7 @@ KINDS = (
 
 def schema_dir() -> Path:
     """Where the schemas live: packaged copy in a wheel, or the repository's schemas/."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the ucpformat package
     for candidate in (here / "_schemas" / SCHEMA_VERSION, here.parent / "schemas" / SCHEMA_VERSION):
         if candidate.is_dir():
             return candidate

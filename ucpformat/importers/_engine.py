@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat.checkpoint.writer import StreamingWriter, default_workers
+from ucpformat.checkpoint.streaming import StreamingWriter
+from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.engine import chunking
 from ucpformat.errors import InvalidValueError, LayoutError, UCPError, WriteError
 from ucpformat.format import names

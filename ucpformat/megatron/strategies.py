@@ -106,9 +106,9 @@ class Described:
 
 
 class _Source:
-    """The pipeline's :class:`~ucpformat.distributed.pipeline.FragmentSource` of one rank. ``error``:
-    this rank could not describe its state; :meth:`boxes` raises it, inside the pipeline's
-    first collective step, so that every rank fails there and nothing is written."""
+    """The pipeline's :class:`~ucpformat.distributed.pipeline.FragmentSource` of one rank.
+    ``error``: this rank could not describe its state; :meth:`boxes` raises it, inside the
+    pipeline's first collective step, so that every rank fails there and nothing is written."""
 
     def __init__(self, described: Described, error: BaseException | None = None) -> None:
         self._d = described

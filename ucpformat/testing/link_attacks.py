@@ -66,7 +66,8 @@ import numpy as np
 from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY
 from ucpformat.checkpoint.reader import open_checkpoint
-from ucpformat.checkpoint.writer import StreamingWriter, save
+from ucpformat.checkpoint.streaming import StreamingWriter
+from ucpformat.checkpoint.writer import save
 from ucpformat.errors import UCPError
 from ucpformat.store import LocalStore
 from ucpformat.testing.common import (

@@ -84,16 +84,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ucpformat.checkpoint.commit import WriteClaim, abandon, explain_failure
+from ucpformat.checkpoint.commit import commit_checkpoint as commit
 from ucpformat.checkpoint.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
-from ucpformat.checkpoint.writer import (
-    WriteClaim,
-    abandon,
-    commit,
-    default_workers,
-    explain_failure,
-    zero_bits,
-)
+from ucpformat.checkpoint.tree import zero_bits
+from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.distributed.comm import Communicator, SingleProcess
 from ucpformat.distributed.pipeline import check_written, exchange_and_prepare, mark, write
 from ucpformat.distributed.save_plan import (
@@ -418,7 +414,8 @@ class UCPWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.distributed.pipeline`) on this rank."""
+        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.distributed.pipeline`) on this
+        rank."""
         store = self._require_store()
         share = plan.storage_data
         if not isinstance(share, _RankShare):

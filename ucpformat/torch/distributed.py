@@ -549,8 +549,8 @@ def write_collected(
 
 
 def mesh_name(mesh: DeviceMesh) -> str:
-    """A device mesh's name for :class:`~ucpformat.distributed.rank_description.MeshPosition`: from the
-    global ranks at its positions (so the same on every rank of the mesh, and different
+    """A device mesh's name for :class:`~ucpformat.distributed.rank_description.MeshPosition`: from
+    the global ranks at its positions (so the same on every rank of the mesh, and different
     for a mesh of other ranks or another shape)."""
     ranks = json.dumps(mesh.mesh.tolist()).encode()
     return "torch:" + hashlib.sha256(ranks).hexdigest()[:20]
@@ -585,11 +585,11 @@ def mesh_layout(
 ) -> tuple[list[MeshPosition], list[MeshTensor]]:
     """The DTensors of ``state`` described by their device mesh (:func:`root_layout`):
     this rank's place in each mesh and each DTensor's placements (the coordinator
-    derives every rank's fragments from them, :class:`~ucpformat.distributed.rank_description.MeshTensor`).
-    Collective over ``comm`` (the save's). Left to their fragments' boxes: a DTensor
-    whose mesh has ranks outside the save's process group (or this rank not in it), and
-    the DTensors of a mesh whose ranks do not all lay out the same tensors on it
-    (:func:`agreed_meshes`)."""
+    derives every rank's fragments from them,
+    :class:`~ucpformat.distributed.rank_description.MeshTensor`). Collective over ``comm`` (the
+    save's). Left to their fragments' boxes: a DTensor whose mesh has ranks outside the save's
+    process group (or this rank not in it), and the DTensors of a mesh whose ranks do not all lay
+    out the same tensors on it (:func:`agreed_meshes`)."""
     if not isinstance(comm, TorchCommunicator):
         return [], []
     members = set(torch.distributed.get_process_group_ranks(

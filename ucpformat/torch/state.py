@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ucpformat.checkpoint.writer import ArrayValue, Group, SaveResult
+from ucpformat.checkpoint.tree import ArrayValue, Group
+from ucpformat.checkpoint.writer import SaveResult
 from ucpformat.checkpoint.writer import save as _save
 from ucpformat.errors import (
     FormatError,
