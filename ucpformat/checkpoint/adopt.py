@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ucpformat.checkpoint.commit import (
-    HASH_ALGORITHMS,
     WriteClaim,
     commit_checkpoint,
     hold_location,
@@ -28,6 +27,7 @@ from ucpformat.checkpoint.metadata import (
     parse_array,
     parse_group,
 )
+from ucpformat.checkpoint.options import HASH_ALGORITHMS
 from ucpformat.checkpoint.writer import SaveResult
 from ucpformat.engine.grid import object_coords, stored_object_coords
 from ucpformat.engine.write import StoredObject

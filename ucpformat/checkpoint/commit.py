@@ -68,8 +68,6 @@ from ucpformat.errors import (
 )
 from ucpformat.store import Store, StoreClaim, is_safe_key
 
-HASH_ALGORITHMS = ("sha256",)
-
 
 @dataclass
 class WriteClaim:

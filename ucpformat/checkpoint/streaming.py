@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from ucpformat.checkpoint.commit import (
-    HASH_ALGORITHMS,
     abandon,
     commit_checkpoint,
     explain_failure,
@@ -26,6 +25,7 @@ from ucpformat.checkpoint.metadata import (
     dumps,
     parse_array,
 )
+from ucpformat.checkpoint.options import HASH_ALGORITHMS
 from ucpformat.checkpoint.tree import zero_bits
 from ucpformat.checkpoint.writer import SaveResult
 from ucpformat.engine import chunking

@@ -7,7 +7,6 @@ written by the one write loop (:mod:`ucpformat.checkpoint.write_loop`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,6 @@ import numpy as np
 
 from ucpformat.checkpoint import deferred as feeds
 from ucpformat.checkpoint.commit import (
-    HASH_ALGORITHMS,
     claim_of,
     commit_checkpoint,
     explain_failure,
@@ -29,6 +27,7 @@ from ucpformat.checkpoint.metadata import (
     ArrayMeta,
     build_root_ucp,
 )
+from ucpformat.checkpoint.options import HASH_ALGORITHMS
 from ucpformat.checkpoint.tree import ArrayAttributes, ArrayValue, plan
 from ucpformat.checkpoint.write_loop import write_objects
 from ucpformat.engine import chunking
@@ -125,7 +124,6 @@ def save(
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
 
 
-@contextlib.contextmanager
 def write_arrays(
     store: Store,
     arrays: Sequence[tuple[ArrayMeta, ArrayValue]],
@@ -193,7 +191,8 @@ MOVED_NAMES = {
     **dict.fromkeys(
         ["WriteClaim", "prepare_destination", "mark_destination", "clear_destination",
          "unmark_destination", "create_owned", "abandon", "explain_failure",
-         "delete_checkpoint", "HASH_ALGORITHMS"], "ucpformat.checkpoint.commit"),
+         "delete_checkpoint"], "ucpformat.checkpoint.commit"),
+    "HASH_ALGORITHMS": "ucpformat.checkpoint.options",
     "commit": "ucpformat.checkpoint.commit",
     **dict.fromkeys(["Group", "plan", "ArrayValue", "ArrayAttributes", "zero_bits"],
                     "ucpformat.checkpoint.tree"),

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.distributed.comm import Communicator, error_report, failed_ranks
 from ucpformat.distributed.pipeline import (
     DistributedSaveResult,
@@ -42,7 +43,7 @@ from ucpformat.distributed.pipeline import (
     raise_if_failed,
 )
 from ucpformat.distributed.pipeline import save as run_pipeline
-from ucpformat.distributed.save_plan import PlanOptions, TensorSpec
+from ucpformat.distributed.save_plan import TensorSpec
 from ucpformat.errors import InvalidValueError, UnsupportedFeatureError
 from ucpformat.format import names
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size
@@ -470,11 +471,11 @@ def save(
             groups.setdefault("optimizer", {})["values"] = _optimizer_values(
                 engine, h, param_groups, hyper)
         meta = {"source": _source(engine, h, rules, rule_params), **dict(metadata or {})}
-    options = PlanOptions(compression=compression)
+    options = SaveOptions(compression=compression, hash_algorithm=hash_algorithm,
+                          overwrite=overwrite, workers=workers, durable=durable)
     kwargs: dict[str, Any] = dict(
         specs=list(collected.specs.values()), group_attributes=groups, metadata=meta,
-        options=options, hash_algorithm=hash_algorithm, overwrite=overwrite, workers=workers,
-        durable=durable,
+        options=options,
     )
 
     def finish(result: DistributedSaveResult) -> DistributedSaveResult:

@@ -21,19 +21,19 @@ from typing import Any
 
 import numpy as np
 
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.reader import Checkpoint, Region
 from ucpformat.distributed.comm import Communicator
 from ucpformat.distributed.pipeline import (
+    DistributedSave,
     DistributedSaveResult,
     Fragment,
     FragmentList,
     FragmentSource,
 )
-from ucpformat.distributed.pipeline import save as run_pipeline
 from ucpformat.distributed.rank_description import MeshPosition, MeshTensor
 from ucpformat.distributed.save_plan import (
     DEFAULT_MIN_SHARD_BYTES,
-    PlanOptions,
     TensorSpec,
     check_coverage,
     choose_grid,
@@ -66,6 +66,7 @@ def save_fragments(
     workers: int | None = None,
     durable: bool = True,
     progress: bool = False,
+    options: SaveOptions | None = None,
 ) -> DistributedSaveResult:
     """Collective save: every rank passes the specs of the tensors it knows and its fragments.
 
@@ -85,23 +86,22 @@ def save_fragments(
     instead of their fragments' boxes (their fragments must be the rank's local part):
     at thousands of ranks holding a piece of every tensor (FSDP), this keeps what the
     coordinator receives and plans from growing with ranks times tensors.
+
+    The settings (``compression`` to ``progress``) may instead be given as one
+    :class:`~ucpformat.checkpoint.options.SaveOptions` (``options=``), not both.
     """
-    return run_pipeline(
-        path,
-        comm,
-        specs=specs,
-        source=FragmentList(fragments) if isinstance(fragments, Sequence) else fragments,
+    saving = SaveOptions.merged(
+        options, compression=compression, hash_algorithm=hash_algorithm, overwrite=overwrite,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, min_shard_bytes=min_shard_bytes,
+        workers=workers, durable=durable, progress=progress)
+    return DistributedSave(path, comm, saving).run(
+        specs,
+        FragmentList(fragments) if isinstance(fragments, Sequence) else fragments,
         group_attributes=group_attributes,
         meshes=meshes,
         on_mesh=on_mesh,
         root_values=root_values,
         metadata=metadata,
-        options=PlanOptions(compression, chunk_bytes, shard_bytes, min_shard_bytes),
-        hash_algorithm=hash_algorithm,
-        overwrite=overwrite,
-        workers=workers,
-        durable=durable,
-        progress=progress,
     )
 
 

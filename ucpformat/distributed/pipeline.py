@@ -1,57 +1,55 @@
 """The distributed save pipeline: one checkpoint written by many ranks, each its own part.
 
-Every distributed save runs these steps, in this order.
-:func:`ucpformat.distributed.save_fragments` runs them all (:func:`save`). The DCP
-plugin (:mod:`ucpformat.torch.dcp`) runs step 2 in DCP's ``prepare_global_plan`` (the
-coordinator alone, which hands each rank its share in the plan DCP scatters), steps 3
-to 6 in ``write_data`` (every rank) and step 7 in ``finish`` (the coordinator, after
-DCP has gathered every rank's results). A framework integration hands the pipeline its
-tensor specs, a :class:`FragmentSource` (the boxes a rank holds; their values on
-request: flat ZeRO partitions are boxes of the tensors they cut through) and its JSON
-values as group attributes.
+Every distributed save is driven through one interface, :class:`DistributedSave`, by
+every framework integration: ``ucpformat.distributed.save_fragments``, torch's
+``save_distributed`` and ``AsyncSaver``, the DCP plugin, DeepSpeed, Megatron-core and
+JAX. One object per rank and save; its methods are called in this order (each checks
+that the one before it ran):
 
-====  ==========  ============================  ==========================================
-step  name        who                           what
-====  ==========  ============================  ==========================================
-1     describe    every rank, then collective  
-:func:`ucpformat.distributed.rank_description.describe`: the
-                                                specs, boxes and group attributes a rank
-                                                knows (no values), sent to the coordinator
-                                                alone (:func:`~ucpformat.distributed.comm.gather_bytes`
-                                                of its
-                                                :func:`~ucpformat.distributed.rank_description.encode_description`).
-2     plan        the coordinator, then         :func:`plan_shares`: the plan
-                  collective                    (:func:`ucpformat.distributed.save_plan.plan_from_descriptions`),
-                                                then the coordinator marks the destination
-                                                (:func:`mark`: refuse it, or hold it with
-                                                its in-progress marker; a checkpoint being
-                                                replaced stays committed) and sends each
-                                                rank its :class:`~ucpformat.distributed.save_plan.RankTasks`
-                                                (:func:`~ucpformat.distributed.comm.scatter_bytes`,
-                                                :func:`take_share`). No rank but the
-                                                coordinator receives or plans what other
-                                                ranks hold: a rank's cost does not grow with
-                                                the number of ranks times tensors.
-3     exchange    collective                    :func:`exchange`: each rank sends owners the
-                                                cells of their objects that it holds, and
-                                                every rank its status (failed or not).
-4     agree       every rank, from what the     :func:`raise_if_failed`: did any rank fail
-                  exchange told it              so far? If so, every rank raises.
-5     un-commit   coordinator, then collective  :func:`uncommit`: delete the root of the
-                                                checkpoint being replaced, clear the
-                                                location.
-6     write       every rank                    :func:`write`: assemble and write each
-                                                stored object this rank owns, whole.
-7     commit      coordinator, then collective  :func:`commit`: once every rank has
-                                                written (what each wrote is gathered by the
-                                                coordinator, failures by all), check
-                                                that every planned object was written,
-                                                then write the metadata, the manifest and,
-                                                last, the root ``zarr.json``.
-====  ==========  ============================  ==========================================
+====  ===================================  ==========================  ====================
+step  method                               who                         what
+====  ===================================  ==========================  ====================
+1-2   :meth:`DistributedSave.plan`         every rank (collective)     describe, plan, claim
+      or :meth:`~DistributedSave.claim`    the coordinator alone, and  (for a framework
+      then :meth:`~DistributedSave.take`   every rank                  that plans itself)
+3-5   :meth:`DistributedSave.exchange`     every rank (collective)     exchange, agree,
+                                                                       un-commit
+6     :meth:`DistributedSave.write`        every rank                  write owned objects
+7     :meth:`DistributedSave.commit`       every rank (collective)     gather, check, commit
+      or :meth:`~DistributedSave.commit_objects`  the coordinator      (what the framework
+                                                                       gathered)
+====  ===================================  ==========================  ====================
 
-Steps 3 to 5 are :func:`exchange_and_prepare`, which the DCP plugin's ``write_data`` and
-:func:`save` share.
+:meth:`DistributedSave.run` makes every call in order (:func:`save` is it in one call):
+the form for integrations that hand over their tensor specs, a :class:`FragmentSource`
+(the boxes a rank holds; their values on request: flat ZeRO partitions are boxes of the
+tensors they cut through) and their JSON values as group attributes. The DCP plugin
+calls :meth:`~DistributedSave.claim` in DCP's ``prepare_global_plan`` (DCP gathers the
+ranks' plans and scatters the shares), :meth:`~DistributedSave.take`,
+:meth:`~DistributedSave.exchange` and :meth:`~DistributedSave.write` in ``write_data``
+and :meth:`~DistributedSave.commit_objects` in ``finish``.
+
+What happens in the steps:
+
+1. describe: :func:`ucpformat.distributed.rank_description.describe`: the specs, boxes
+   and group attributes a rank knows (no values), sent to the coordinator alone.
+2. plan: the coordinator plans (:func:`plan_shares`,
+   :func:`ucpformat.distributed.save_plan.plan_from_descriptions`), then claims the
+   location (:func:`mark`: refuse it, or hold it with its in-progress marker; a
+   checkpoint being replaced stays committed) and sends each rank its
+   :class:`~ucpformat.distributed.save_plan.RankTasks` (:func:`take_share`). No rank but
+   the coordinator receives or plans what other ranks hold.
+3. exchange (:func:`exchange`): each rank sends owners the cells of their objects that
+   it holds, and every rank its status (failed or not).
+4. agree (:func:`raise_if_failed`): did any rank fail so far? If so, every rank raises.
+5. un-commit (:func:`uncommit`): the coordinator deletes the root of the checkpoint being
+   replaced and clears the location.
+6. write (:func:`write`): each rank assembles and writes each stored object it owns,
+   whole, through the one write loop (:mod:`ucpformat.checkpoint.write_loop`).
+7. commit: once every rank has written (what each wrote gathered by the coordinator,
+   failures by all), the coordinator checks that every planned object was written, then
+   writes the metadata, the manifest and, last, the root ``zarr.json``
+   (:func:`ucpformat.checkpoint.commit.commit_checkpoint`).
 
 How does a distributed save fail?
 
@@ -67,9 +65,9 @@ How does a distributed save fail?
   agreement that every rank wrote what it owns, and only if every planned stored object
   was written (UCP-1.0-R132), and only while it still holds the location (UCP-1.0-R059).
 * **One writer per location.** The coordinator's marker is its claim on the location
-  (:func:`ucpformat.checkpoint.writer.mark_destination`, UCP-1.0-R059): a second save there is
-  refused before it changes anything, every stored object is created (never replaces
-  another writer's), and the commit checks the claim's token first.
+  (:func:`ucpformat.checkpoint.commit.mark_destination`, UCP-1.0-R059): a second save
+  there is refused before it changes anything, every stored object is created (never
+  replaces another writer's), and the commit checks the claim's token first.
 * **The previous checkpoint survives every failure before the un-commit.** Until step
   5 nothing is written but the in-progress marker, and a checkpoint being replaced
   (``overwrite=True``) stays committed: a failure while describing, planning, reading a
@@ -79,11 +77,11 @@ How does a distributed save fail?
   loses the old checkpoint but commits nothing.
 * **A failed save cleans up (UCP-1.0-R049).** Once every rank has stopped (the
   agreement that found the failure), the coordinator abandons the save
-  (:func:`ucpformat.checkpoint.writer.abandon`): before the un-commit it withdraws its marker,
-  after it removes what every rank wrote, the marker last, and its error says what the
-  location holds now. (The DCP plugin's coordinator learns of a failure in another
-  rank's ``write_data`` only from DCP's exception: its writer's next ``reset`` removes
-  the remains, and so does the next save to that location.)
+  (:func:`ucpformat.checkpoint.commit.abandon`): before the un-commit it withdraws its
+  marker, after it removes what every rank wrote, the marker last, and its error says
+  what the location holds now. (The DCP plugin's coordinator learns of a failure in
+  another rank's ``write_data`` only from DCP's exception: its writer's next ``reset``
+  removes the remains, and so does the next save to that location.)
 """
 
 from __future__ import annotations
@@ -96,7 +94,6 @@ import struct
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -106,13 +103,14 @@ from ucpformat.checkpoint import deferred as feeds
 from ucpformat.checkpoint.commit import (
     WriteClaim,
     clear_destination,
-    create_owned,
     explain_failure,
     mark_destination,
 )
+from ucpformat.checkpoint.commit import abandon as abandon_save
 from ucpformat.checkpoint.commit import commit_checkpoint as commit_root
-from ucpformat.checkpoint.metadata import ArrayMeta, build_root_ucp
-from ucpformat.checkpoint.write_loop import default_workers
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, build_root_ucp
+from ucpformat.checkpoint.options import SaveOptions
+from ucpformat.checkpoint.write_loop import write_objects
 from ucpformat.distributed.comm import (
     Communicator,
     error_report,
@@ -132,14 +130,13 @@ from ucpformat.distributed.rank_description import (
 from ucpformat.distributed.save_plan import (
     ObjectPlan,
     Plan,
-    PlanOptions,
     RankTasks,
     TensorSpec,
     array_meta,
     class_members,
     plan_from_descriptions,
 )
-from ucpformat.engine.write import StoredObject, write_object
+from ucpformat.engine.write import StoredObject
 from ucpformat.errors import (
     LayoutError,
     UCPError,
@@ -148,7 +145,7 @@ from ucpformat.errors import (
     error_from_document,
 )
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
-from ucpformat.progress import ProgressCallback, byte_progress
+from ucpformat.progress import ProgressCallback
 from ucpformat.store import Store, open_store
 
 #: The cells received in the exchange: (tensor path, cell) -> values shaped like the cell.
@@ -519,8 +516,8 @@ def write(
     is the coordinator (``claim``) still holding the location (then that writer was
     displaced and its object is replaced, :func:`ucpformat.checkpoint.writer.create_owned`).
 
-    A prefetching source (:class:`ucpformat.checkpoint.deferred.Prefetching`) learns the order in which
-    tensors are needed first, and is stopped at the end, whatever happens.
+    A prefetching source (:class:`ucpformat.checkpoint.deferred.Prefetching`) learns the order
+    in which tensors are needed first, and is stopped at the end, whatever happens.
 
     Every rank makes its objects durable before it returns, but the coordinator
     (``claim``): its commit (:func:`ucpformat.checkpoint.writer.commit`, through the same ``store``)
@@ -545,44 +542,23 @@ def _write(
 ) -> list[StoredObject]:
     feeds.schedule(source, list(dict.fromkeys(o.path for o in tasks.objects)))
     resolved = _Resolved(source, tasks.objects)
-    total = sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize for o in tasks.objects)
-    with byte_progress(progress, total, f"rank {tasks.rank} saving") as advance:
-
-        def run(obj: ObjectPlan) -> StoredObject:
-            meta = tasks.arrays[obj.path]
-            local = resolved.get(obj.path)
-            data = assemble(meta, obj, local, inbox).astype(meta.dtype.numpy, copy=False)
-            try:
-                stored = create_owned(
-                    store, claim, meta.object_key(obj.coords),
-                    lambda: write_object(store, meta, obj.coords, data,
-                                         hash_algorithm=hash_algorithm),
-                )
-            except OSError as exc:
-                raise WriteError(
-                    f"writing {meta.object_key(obj.coords)} failed: {exc}", path=store.location
-                ) from exc
-            resolved.done(obj.path)
-            advance(data.nbytes)
-            return stored
-
-        pool = ThreadPoolExecutor(workers or default_workers())
-        with store.batch():  # the writer threads share what the store opens
-            try:
-                objects = list(pool.map(run, tasks.objects))
-            except BaseException:
-                feeds.stop(source)  # threads waiting for a tensor's values raise at once
-                # the first failure ends this rank's share: the objects not yet started
-                # are not written (on a full disk, each would only fail in turn)
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            finally:
-                pool.shutdown(wait=True)
-            if claim is None:
-                # the coordinator's objects are made durable by the commit's flush, which
-                # covers every file this store wrote, before the root (one flush of them,
-                # not two); every other rank's before it reports them written
-                store.flush()
+    objects = write_objects(
+        store, tasks.objects,
+        target=lambda obj: (tasks.arrays[obj.path], obj.coords),
+        values=lambda obj: assemble(tasks.arrays[obj.path], obj, resolved.get(obj.path), inbox),
+        written=lambda obj: resolved.done(obj.path),
+        stop=lambda: feeds.stop(source),
+        claim=claim, hash_algorithm=hash_algorithm, workers=workers, progress=progress,
+        total_bytes=sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize
+                        for o in tasks.objects),
+        label=f"rank {tasks.rank} saving",
+    )
+    if claim is None:
+        # the coordinator's objects are made durable by the commit's flush, which covers
+        # every file this store wrote, before the root (one flush of them, not two);
+        # every other rank's before it reports them written
+        with store.batch():
+            store.flush()
     return objects
 
 
@@ -646,7 +622,7 @@ _NOTHING: Mapping[str, Any] = {"specs": [], "boxes": [], "groups": {}}
 
 def plan_shares(
     blobs: Sequence[bytes],
-    options: PlanOptions,
+    options: SaveOptions,
     store: Store,
     *,
     overwrite: bool,
@@ -718,8 +694,8 @@ def take_share(
     tasks, or the error it carries to the exchange (the plan's, which every rank raises
     alike); raises at once, on every rank, if a rank failed to describe itself.
     ``plan``: the coordinator's own (None on the other ranks); ``description``: what
-    this rank described (:func:`~ucpformat.distributed.rank_description.describe`), from which it expands
-    its share of the classes of tensors on meshes."""
+    this rank described (:func:`~ucpformat.distributed.rank_description.describe`), from
+    which it expands its share of the classes of tensors on meshes."""
     doc = json.loads(share or b"{}")
     raise_if_failed([(int(r), str(e)) for r, e in doc.get("failed", ())],
                     "describing fragments", error)
@@ -755,6 +731,226 @@ class DistributedSaveResult:
     bytes_received_here: int
 
 
+class DistributedSave:
+    """One rank's part in one distributed save: the pipeline's public interface.
+
+    Create one per rank and save, then call, in this order (the module docstring's table
+    says who calls what; a call out of order raises :class:`~ucpformat.errors.WriteError`
+    before doing anything):
+
+    1. :meth:`plan` (collective), or, where the framework plans and scatters itself (DCP),
+       :meth:`claim` on the coordinator and :meth:`take` on every rank;
+    2. :meth:`exchange` (collective);
+    3. :meth:`write`;
+    4. :meth:`commit` (collective), or :meth:`commit_objects` on the coordinator with what
+       the framework gathered.
+
+    :meth:`run` makes every call. A failure on any rank raises on every rank, commits
+    nothing and keeps or cleans the location as the module docstring states. Rank 0 of
+    ``comm`` is the coordinator: it holds the location from its claim to its commit.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | Store, comm: Communicator,
+                 options: SaveOptions | None = None) -> None:
+        self.options = options or SaveOptions()
+        self.comm = comm
+        self.store = open_store(path, durable=self.options.durable)
+        self.coordinator = comm.rank == 0
+        self._step = "created"
+        self._plan: Plan | None = None
+        self._claim: WriteClaim | None = None
+        self._tasks: RankTasks | None = None
+        self._error: BaseException | None = None
+        self._tensors = 0
+        self._root_ucp: dict[str, Any] = {}
+        self._received: Exchanged | None = None
+        self._objects: list[StoredObject] = []
+
+    @property
+    def tasks(self) -> RankTasks:
+        """This rank's share of the plan (after the exchange agreed that every rank has one)."""
+        if self._tasks is None:
+            raise WriteError("this rank has no share of the plan yet", path=self.store.location)
+        return self._tasks
+
+    @property
+    def location_claim(self) -> WriteClaim | None:
+        """The coordinator's hold on the location (None on the other ranks)."""
+        return self._claim
+
+    def _advance(self, expected: tuple[str, ...], to: str) -> None:
+        if self._step not in expected:
+            raise WriteError(
+                f"DistributedSave: {to} was called after {self._step}; the order is plan (or "
+                "claim and take), exchange, write, commit", path=self.store.location)
+        self._step = to
+
+    # -- steps 1-2 ---------------------------------------------------------------------------
+
+    def plan(
+        self,
+        specs: Sequence[TensorSpec],
+        source: FragmentSource,
+        *,
+        group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        meshes: Sequence[MeshPosition] = (),
+        on_mesh: Sequence[MeshTensor] = (),
+        root_values: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Steps 1 and 2 (collective): describe what this rank holds, let the coordinator
+        plan and claim the location, take this rank's share. A failure is carried to the
+        exchange's agreement (no rank waits for a peer that failed); a rank that failed to
+        describe itself makes every rank raise here."""
+        self._advance(("created",), "plan")
+        error: BaseException | None = None
+        description: dict[str, Any] = {}
+        try:
+            description = describe(specs, boxes_off_mesh(source.boxes(), specs, meshes, on_mesh),
+                                   group_attributes, meshes=meshes, on_mesh=on_mesh)
+            if self.coordinator:
+                self._root_ucp = build_root_ucp(
+                    metadata=metadata, values=root_values,
+                    saved_by={"world_size": self.comm.world_size})
+        except BaseException as exc:  # reported collectively below
+            error = exc
+        blobs = gather_bytes(self.comm, encode_description(
+            {**(description or _NOTHING), "error": error_report(error)}))
+        shares: dict[int, bytes] | None = None
+        if self.coordinator:
+            self._plan, shares, self._claim, error = plan_shares(
+                blobs or [], self.options, self.store, overwrite=self.options.overwrite,
+                own=error)
+        mine = take_share(scatter_bytes(self.comm, shares), self._plan, self.comm.rank, error,
+                          description)
+        self._tasks, self._error, self._tensors = mine.tasks, mine.error, mine.tensors
+
+    def claim(self, plan: Plan) -> list[RankTasks]:
+        """Step 2 on the coordinator, for a framework that gathered the ranks' holdings and
+        planned itself (:func:`ucpformat.distributed.save_plan.make_plan`): claim the
+        location (refused before anything changes) and return every rank's share, for
+        the framework to hand out (each rank then calls :meth:`take`)."""
+        if not self.coordinator:
+            raise WriteError("only the coordinator (rank 0) claims the location",
+                             path=self.store.location)
+        self._advance(("created",), "claim")
+        self._plan = plan
+        self._claim = mark(self.store, overwrite=self.options.overwrite)
+        return plan.all_tasks()
+
+    def take(self, tasks: RankTasks | None, error: BaseException | None = None, *,
+             tensors: int = 0) -> None:
+        """Step 2 on every rank, after :meth:`claim`: this rank's share (None, with
+        ``error``, if it could not get it: the failure is carried to the exchange)."""
+        self._advance(("created", "claim"), "take")
+        self._tasks, self._error, self._tensors = tasks, error, tensors
+
+    # -- steps 3-6 ---------------------------------------------------------------------------
+
+    def exchange(self, source: FragmentSource, error: BaseException | None = None) -> None:
+        """Steps 3 to 5 (collective): move the boundary cells, agree that no rank failed
+        (else every rank raises and the coordinator withdraws its claim: a checkpoint it
+        was to replace is as it was), un-commit what is being replaced. ``error``: this
+        rank's failure since its share (it still takes part)."""
+        self._advance(("plan", "take"), "exchange")
+        self._received = exchange_and_prepare(
+            self.comm, self.store, self._tasks, source, error=self._error or error,
+            claim=self._claim)
+
+    def write(self, source: FragmentSource) -> list[StoredObject]:
+        """Step 6 (every rank, no collective): write each stored object this rank owns.
+        A failure here is carried to :meth:`commit`'s agreement by :meth:`run`; a
+        framework that calls this itself gathers failures its own way (DCP does)."""
+        self._advance(("exchange",), "write")
+        assert self._received is not None
+        self._objects = write(
+            self.store, self.tasks, source, self._received.inbox,
+            workers=self.options.workers, hash_algorithm=self.options.hash_algorithm,
+            progress=self.options.progress if self.coordinator else False, claim=self._claim)
+        return self._objects
+
+    # -- step 7 ------------------------------------------------------------------------------
+
+    def commit(self, error: BaseException | None = None) -> DistributedSaveResult:
+        """Step 7 (collective): what each rank wrote goes to the coordinator, whether it
+        failed to every rank; the coordinator checks every planned object was written and
+        commits; every rank learns the outcome. ``error``: this rank's failure in
+        :meth:`write` (it still takes part)."""
+        self._advance(("write", "exchange"), "commit")
+        objects = self._objects if error is None else []
+        written = gather_bytes(self.comm, json.dumps(
+            [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
+        failed = gather_failures(self.comm, error)
+        with given_up(self.store, self._claim):  # every rank has stopped writing
+            raise_if_failed(failed, "writing shards", error)
+        every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
+        commit(self.comm, self.store, self._plan, every, claim=self._claim,
+               root_ucp=self._root_ucp, hash_algorithm=self.options.hash_algorithm)
+        assert self._received is not None
+        return DistributedSaveResult(
+            self.store.location, self._tensors, len(objects), sum(o.nbytes for o in objects),
+            self._received.received_bytes)
+
+    def commit_objects(
+        self,
+        objects: Sequence[StoredObject],
+        *,
+        arrays: Sequence[ArrayMeta],
+        groups: Sequence[GroupMeta],
+        root_ucp: Mapping[str, Any],
+        expected: Iterable[str] | None = None,
+    ) -> None:
+        """Step 7 on the coordinator alone, for a framework that gathered what every rank
+        wrote itself (DCP's ``finish``): check that every planned object (``expected``:
+        default, the plan's) was written, then commit ``arrays`` and ``groups`` (the
+        plan's, with what the framework added). A failure abandons the save."""
+        if self._claim is None:
+            raise WriteError("only the coordinator that claimed the location commits",
+                             path=self.store.location)
+        self._step = "commit"
+        claim = self._claim
+        with explain_failure(self.store, claim):
+            planned = expected if expected is not None else (
+                self._plan.object_keys() if self._plan is not None else ())
+            check_written(planned, (o.key for o in objects), self.store.location)
+            commit_root(self.store, arrays=arrays, groups=groups, objects=objects,
+                        root_ucp=root_ucp, hash_algorithm=self.options.hash_algorithm,
+                        claim=claim)
+
+    def abandon(self) -> str:
+        """Give up the save on the coordinator (a framework's failure outside these steps):
+        what it wrote is removed as after any failure; what became of the location, in
+        words."""
+        return abandon_save(self.store, self._claim) if self._claim is not None else ""
+
+    # -- all steps -----------------------------------------------------------------------------
+
+    def run(
+        self,
+        specs: Sequence[TensorSpec],
+        source: FragmentSource,
+        *,
+        group_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        meshes: Sequence[MeshPosition] = (),
+        on_mesh: Sequence[MeshTensor] = (),
+        root_values: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> DistributedSaveResult:
+        """Every step, collectively, as one batch of the location (every write, the commit
+        and a failure's clean-up go to the directory the coordinator claimed,
+        :meth:`ucpformat.store.Store.batch`, whatever is put at the path meanwhile)."""
+        with self.store.batch():
+            self.plan(specs, source, group_attributes=group_attributes, meshes=meshes,
+                      on_mesh=on_mesh, root_values=root_values, metadata=metadata)
+            self.exchange(source)
+            error: BaseException | None = None
+            try:
+                self.write(source)
+            except BaseException as exc:
+                error = exc
+            return self.commit(error)
+
+
 def save(
     path: str | os.PathLike[str] | Store,
     comm: Communicator,
@@ -766,83 +962,30 @@ def save(
     on_mesh: Sequence[MeshTensor] = (),
     root_values: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
-    options: PlanOptions | None = None,
+    options: SaveOptions | None = None,
     hash_algorithm: str | None = None,
     overwrite: bool = False,
     workers: int | None = None,
     durable: bool = True,
     progress: bool = False,
 ) -> DistributedSaveResult:
-    """Every step, collectively: every rank passes the specs of the tensors it knows and
-    what it holds. Rank 0 is the coordinator; ``root_values`` and ``metadata`` are its.
-    Tensors laid out on device meshes (``on_mesh``; this rank's place in each mesh:
-    ``meshes``) are described by their layout, not their fragments' boxes: the
-    coordinator plans each class of alike tensors once, and the collectives carry no
-    box per tensor and rank. Raises on every rank if any rank fails; then nothing is
-    committed."""
-    store = open_store(path, durable=durable)
-    # the whole save in one batch: every write, the commit and a failure's clean-up go
-    # to the directory the coordinator claimed (Store.batch), whatever is put at the
-    # path meanwhile
-    with store.batch():
-        coordinator = comm.rank == 0
-        # 1. describe
-        error: BaseException | None = None
-        description: dict[str, Any] = {}
-        root_ucp: dict[str, Any] = {}
-        try:
-            description = describe(specs, boxes_off_mesh(source.boxes(), specs, meshes, on_mesh),
-                                   group_attributes, meshes=meshes, on_mesh=on_mesh)
-            if coordinator:
-                root_ucp = build_root_ucp(metadata=metadata, values=root_values,
-                                          saved_by={"world_size": comm.world_size})
-        except BaseException as exc:  # reported collectively below
-            error = exc
-        blobs = gather_bytes(comm, encode_description({**(description or _NOTHING),
-                                                        "error": error_report(error)}))
-        # 2. plan: the coordinator alone, which then marks the destination; each rank
-        # receives its share (or the describe failures, or the plan's error). A failure is
-        # carried to the agreement after the exchange (step 4).
-        plan: Plan | None = None
-        shares: dict[int, bytes] | None = None
-        claim: WriteClaim | None = None  # the coordinator's hold on the location
-        if coordinator:
-            plan, shares, claim, error = plan_shares(
-                blobs or [], options or PlanOptions(), store, overwrite=overwrite, own=error)
-        mine = take_share(scatter_bytes(comm, shares), plan, comm.rank, error, description)
-        tasks, error = mine.tasks, mine.error
-        # 3 to 5. exchange, agree, un-commit
-        received = exchange_and_prepare(comm, store, tasks, source, error=error, claim=claim)
-        assert tasks is not None  # agreed: every rank has its share of the plan
-        # 6. write
-        objects: list[StoredObject] = []
-        error = None
-        try:
-            objects = write(store, tasks, source, received.inbox, workers=workers,
-                            hash_algorithm=hash_algorithm, progress=progress and coordinator,
-                            claim=claim)
-        except BaseException as exc:
-            error = exc
-        # what each rank wrote goes to the coordinator alone; whether it failed, to every rank
-        written = gather_bytes(comm, json.dumps(
-            [[o.key, o.nbytes, o.sha256] for o in objects], separators=(",", ":")).encode())
-        failed = gather_failures(comm, error)
-        with given_up(store, claim):  # every rank has stopped writing: remove what they wrote
-            raise_if_failed(failed, "writing shards", error)
-        # 7. commit
-        every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
-        commit(comm, store, plan, every, claim=claim, root_ucp=root_ucp,
-               hash_algorithm=hash_algorithm)
-        return DistributedSaveResult(
-            store.location,
-            mine.tensors,
-            len(objects),
-            sum(o.nbytes for o in objects),
-            received.received_bytes,
-        )
+    """:meth:`DistributedSave.run` in one call: every rank passes the specs of the tensors
+    it knows and what it holds. Rank 0 is the coordinator; ``root_values`` and
+    ``metadata`` are its. Tensors laid out on device meshes (``on_mesh``; this rank's
+    place in each mesh: ``meshes``) are described by their layout, not their fragments'
+    boxes: the coordinator plans each class of alike tensors once. Raises on every rank
+    if any rank fails; then nothing is committed. The settings given as keywords
+    (``hash_algorithm`` to ``progress``) replace those fields of ``options``."""
+    given = {k: v for k, v in dict(hash_algorithm=hash_algorithm, overwrite=overwrite,
+                                   workers=workers, durable=durable, progress=progress).items()
+             if v != getattr(SaveOptions(), k)}
+    return DistributedSave(path, comm, (options or SaveOptions()).replace(**given)).run(
+        specs, source, group_attributes=group_attributes, meshes=meshes, on_mesh=on_mesh,
+        root_values=root_values, metadata=metadata)
 
 
 __all__ = [
+    "DistributedSave",
     "DistributedSaveResult",
     "Exchanged",
     "Fragment",

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, parse_array
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.tree import zero_bits
 from ucpformat.distributed.rank_description import (
     Description,
@@ -45,6 +46,7 @@ from ucpformat.distributed.rank_description import (
     mesh_boxes,
 )
 from ucpformat.engine import chunking
+from ucpformat.engine.chunking import DEFAULT_MIN_SHARD_BYTES
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords
 from ucpformat.errors import LayoutError, WriteError
@@ -56,23 +58,9 @@ from ucpformat.layout.dtensor import (
     placement_from_json,
 )
 
-#: Aligned shards smaller than this on average make the planner use a coarse grid and
-#: exchange boundary cells instead (too many tiny files otherwise). Measured
-#: (benchmarks/bench_distributed.py, 2 GiB, TP4 on 4 gloo ranks): 4 MiB sent most of the
-#: bf16 and fp32 weights through the exchange, and the save took 4.6 s; 1 MiB (shards
-#: smaller than an inner chunk are the tiny ones) 1.3 s with 1,059 files; no exchange at
-#: all 1.3 s with 1,299 files.
-DEFAULT_MIN_SHARD_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """How a plan chooses its grids: compression and the chunk and shard sizes."""
-
-    compression: str | Mapping[str, Any] | None = None
-    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES
-    shard_bytes: int = chunking.DEFAULT_SHARD_BYTES
-    min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
+#: How a plan chooses its grids: the ``compression``, ``chunk_bytes``, ``shard_bytes`` and
+#: ``min_shard_bytes`` of the save's options (one :class:`SaveOptions` passed through).
+PlanOptions = SaveOptions
 
 
 # -- the plan ----------------------------------------------------------------------------

@@ -37,9 +37,10 @@ from megatron.core.dist_checkpointing.strategies.base import (
     SaveShardedStrategy,
 )
 
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.distributed.pipeline import save as run_pipeline
-from ucpformat.distributed.save_plan import PlanOptions, TensorSpec
+from ucpformat.distributed.save_plan import TensorSpec
 from ucpformat.errors import (
     InvalidValueError,
     LayoutError,
@@ -167,7 +168,7 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
         self.params = dict(rule_params)
         self.allow_opaque = allow_opaque
         self.overwrite = overwrite
-        self.options = PlanOptions(compression)
+        self.compression = compression
         self.hash_algorithm = hash_algorithm
         self.workers = workers
         self.durable = durable
@@ -194,11 +195,9 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
             source=_Source(described, error),
             group_attributes=described.group_attributes(),
             metadata={**self.metadata, ATTRIBUTE: self.root_metadata()},
-            options=self.options,
-            hash_algorithm=self.hash_algorithm,
-            overwrite=self.overwrite,
-            workers=self.workers,
-            durable=self.durable,
+            options=SaveOptions(compression=self.compression,
+                                hash_algorithm=self.hash_algorithm, overwrite=self.overwrite,
+                                workers=self.workers, durable=self.durable),
         )
 
     def root_metadata(self) -> dict[str, Any]:

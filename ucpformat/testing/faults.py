@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.reader import open_checkpoint
 from ucpformat.checkpoint.validation import validate
 from ucpformat.checkpoint.writer import save
@@ -72,7 +73,7 @@ from ucpformat.distributed import Fragment, TensorSpec, save_fragments
 from ucpformat.distributed.comm import Communicator, run_threads
 from ucpformat.distributed.pipeline import FragmentList
 from ucpformat.distributed.rank_description import describe
-from ucpformat.distributed.save_plan import PlanOptions, plan_from_descriptions
+from ucpformat.distributed.save_plan import plan_from_descriptions
 from ucpformat.errors import CheckpointExistsError, UCPError
 from ucpformat.format import dtypes, names
 from ucpformat.store import ForwardingStore, LocalStore, Store, StoreClaim
@@ -402,7 +403,7 @@ def failing_fragments(fragments: Sequence[Fragment], reads: int) -> list[Fragmen
 def exchange_sends(seed: int, rank: int) -> int:
     """How many cells ``rank`` sends in the exchange trials' save: the planner's answer."""
     parts = distributed_parts(seed, 2)
-    options = PlanOptions(None, SMALL_CHUNKING["chunk_bytes"], SMALL_CHUNKING["shard_bytes"],
+    options = SaveOptions(None, SMALL_CHUNKING["chunk_bytes"], SMALL_CHUNKING["shard_bytes"],
                           EXCHANGE_MIN_SHARD_BYTES)
     descriptions = [describe(parts.specs, FragmentList(frags).boxes(), parts.group_attributes)
                     for frags in parts.fragments]

@@ -84,14 +84,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ucpformat.checkpoint.commit import WriteClaim, abandon, explain_failure
-from ucpformat.checkpoint.commit import commit_checkpoint as commit
+from ucpformat.checkpoint.commit import abandon, explain_failure
 from ucpformat.checkpoint.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.checkpoint.tree import zero_bits
 from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.distributed.comm import Communicator, SingleProcess
-from ucpformat.distributed.pipeline import check_written, exchange_and_prepare, mark, write
+from ucpformat.distributed.pipeline import DistributedSave, check_written
 from ucpformat.distributed.save_plan import (
     DEFAULT_MIN_SHARD_BYTES,
     RankTasks,
@@ -181,7 +181,7 @@ class _SavePlanState:
     values: dict[str, tuple[ObjectPath, ValueTarget]]
     context: SaveContext
     tensor_values: dict[str, tuple[str, tuple[int, ...]]]
-    claim: WriteClaim  # the hold on the destination (UCP-1.0-R059), from mark to commit
+    save: DistributedSave  # the coordinator's part in the save: it holds the location
 
 
 # -- the writer -----------------------------------------------------------------------------
@@ -398,13 +398,14 @@ class UCPWriter(StorageWriter):
         )
         shares = plan.all_tasks()
         self._check_group(world, any(t.sends for t in shares))
-        # Mark the destination now; write_data un-commits a checkpoint it replaces only
+        # Claim the destination now; write_data un-commits a checkpoint it replaces only
         # after the exchange, so that a rank failing until then leaves it intact.
         _refuse_existing(store, overwrite=self.overwrite)
-        claim = mark(store, overwrite=self.overwrite)
+        save = DistributedSave(store, self._communicator(), self._options())
+        save.claim(plan)
         self._state = _SavePlanState(
             world, {p: tp.meta for p, tp in plan.tensors.items()}, plan.object_keys(),
-            tensor_entries, values, ctx, tensor_values, claim,
+            tensor_entries, values, ctx, tensor_values, save,
         )
         return [
             replace(p, storage_data=_RankShare(
@@ -444,17 +445,16 @@ class UCPWriter(StorageWriter):
             error = exc
         source = _ItemFragments(planner, items_of, share.key_of,
                                 tasks.arrays if tasks is not None else {}, self.staging)
-        # the coordinator holds the destination from prepare_global_plan (mark) on
-        claim = self._state.claim if self._is_coordinator and self._state else None
-        received = exchange_and_prepare(
-            self._communicator(), store, tasks, source, error=error, claim=claim)
-        assert tasks is not None  # agreed: no rank failed
+        # the coordinator's save holds the destination from prepare_global_plan (claim) on
+        save = self._state.save if self._is_coordinator and self._state else DistributedSave(
+            store, self._communicator(), self._options())
+        save.take(tasks, error)
+        save.exchange(source)
         # A failure from here on is DCP's to gather: the coordinator's writer removes what
         # the ranks wrote in its next reset (no rank may still be writing then).
-        stored = write(store, tasks, source, received.inbox, workers=self.workers,
-                       hash_algorithm=self.hash_algorithm, claim=claim)  # stops the staging
+        stored = save.write(source)  # stops the staging
         by_path: dict[str, list[StoredObject]] = {}
-        for obj, written in zip(tasks.objects, stored, strict=True):
+        for obj, written in zip(save.tasks.objects, stored, strict=True):
             by_path.setdefault(obj.path, []).append(written)
         for apath, objs in sorted(by_path.items()):
             key = share.key_of[apath]
@@ -473,7 +473,10 @@ class UCPWriter(StorageWriter):
         if state is None:
             raise WriteError("finish() without a global plan: this UCPWriter was not the "
                              "coordinator's", path=store.location)
-        with explain_failure(store, state.claim):
+        claim = state.save.location_claim
+        if claim is None:  # pragma: no cover - claim() sets it, or raised
+            raise WriteError("the coordinator's save holds no claim", path=store.location)
+        with explain_failure(store, claim):
             self._commit(store, state, results, _save_id(metadata, self.save_id))
         self._state = None
 
@@ -554,10 +557,17 @@ class UCPWriter(StorageWriter):
                 RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()}
             },
         )
-        commit(store, arrays=final_metas, groups=group_metas, objects=objects,
-               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm, claim=state.claim)
+        state.save.commit_objects(objects, arrays=final_metas, groups=group_metas,
+                                  root_ucp=root_ucp, expected=state.expected)
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _options(self) -> SaveOptions:
+        return SaveOptions(
+            compression=self.compression, chunk_bytes=self.chunk_bytes,
+            shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
+            hash_algorithm=self.hash_algorithm, overwrite=self.overwrite, workers=self.workers,
+            durable=self.durable)
 
     def _require_store(self) -> Store:
         if self._store is None:
