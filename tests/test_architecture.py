@@ -20,7 +20,7 @@ PACKAGE = REPO / "ucpformat"
 #: Layers from the bottom up: (name, module patterns). A pattern names a module or, ending
 #: in ``.*``, a package and everything in it. docs/architecture.md explains each layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "_version", "_moved", "optional", "progress", "format.*")),
+    ("foundation", ("errors", "_version", "compat", "optional", "progress", "format.*")),
     ("storage and geometry", ("store.*", "layout.*")),
     ("engine", ("engine.*",)),
     ("checkpoint API", ("", "checkpoint.*")),
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 #: The modules that sit at the package's root (the foundation every layer shares); every
 #: other module is in the package of its layer.
-ROOT_MODULES = {"", "errors", "_version", "_moved", "optional", "progress", "interchange"}
+ROOT_MODULES = {"", "errors", "_version", "compat", "optional", "progress", "interchange"}
 #: The first layer that may import torch (and the frameworks built on it).
 TORCH_LAYER = "torch"
 FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers")
@@ -197,7 +197,7 @@ def test_old_import_paths_still_work_with_a_deprecation_warning() -> None:
     import importlib
     import sys
 
-    from ucpformat._moved import MOVED
+    from ucpformat.compat import MOVED
 
     for old, new in MOVED.items():
         if old.split(".")[1] in ("torch", "deepspeed", "megatron"):

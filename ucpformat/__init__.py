@@ -9,9 +9,9 @@ The format core (this package minus ``ucpformat.torch``) needs numpy and zarr on
     ucpformat.validate("ckpt", deep=True)  # a Report; every problem names its requirement
 """
 
-# _moved first: the old import paths of moved modules work for one release (it installs
+# compat first: the old import paths of moved modules work for one release (it installs
 # its finder on import, before anything else of ucpformat is imported)
-from ucpformat import _moved, errors  # noqa: F401
+from ucpformat import compat, errors  # noqa: F401
 from ucpformat._version import __version__
 from ucpformat.checkpoint.adopt import adopt
 from ucpformat.checkpoint.metadata import FORMAT_VERSION

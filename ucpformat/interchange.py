@@ -9,11 +9,15 @@
   conversion never imports it): :func:`torch_module` (an error saying how to install it
   where it is missing), and the bit-exact conversions of :mod:`ucpformat.torch.numpy_bridge`
   (:func:`data_type_of`, :func:`torch_dtype_of`, :func:`to_numpy`, :func:`from_numpy`).
+* What both directions say of a format: safetensors' data-type codes
+  (:data:`SAFETENSORS_TO_UCP`, :data:`UCP_TO_SAFETENSORS`); whether a value is stored as
+  JSON (:func:`is_json_value`); a conversion's result as JSON (:func:`result_to_json`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,11 +26,58 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ucpformat.errors import InvalidValueError
+from ucpformat.format import jsonvalues
 from ucpformat.format.dtypes import DataType
 from ucpformat.optional import require
 
 if TYPE_CHECKING:
     import torch
+
+#: safetensors' data-type codes -> the names of format 1.0's closed list.
+SAFETENSORS_TO_UCP: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+#: The reverse of :data:`SAFETENSORS_TO_UCP`.
+UCP_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_TO_UCP.items()}
+
+
+def is_json_value(value: Any) -> bool:
+    """Whether ``value`` is stored as a JSON value (spec section "JSON values")."""
+    try:
+        jsonvalues.encode(value, where="")
+    except InvalidValueError:
+        return False
+    return True
+
+
+def result_to_json(result: Any) -> dict[str, Any]:
+    """An import or export result (a dataclass) as JSON: tuples as lists, seconds rounded
+    to the millisecond."""
+    doc: dict[str, Any] = {}
+    for f in dataclasses.fields(result):
+        value = getattr(result, f.name)
+        doc[f.name] = (round(value, 3) if f.name == "seconds" else
+                       list(value) if isinstance(value, tuple) else value)
+    return doc
+
 
 #: Default bound on tensor bytes held in memory at once by a conversion.
 DEFAULT_MEMORY_LIMIT = 1 << 30

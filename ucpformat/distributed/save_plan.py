@@ -29,7 +29,6 @@ which :mod:`ucpformat.distributed.pipeline` carries out.
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,24 +38,27 @@ import numpy as np
 from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, parse_array
 from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.tree import zero_bits
+from ucpformat.distributed.mesh_classes import (
+    HeldEntry,
+    MeshClass,
+    class_key,
+    class_members,
+    distinct_boxes,
+    mesh_classes,
+)
 from ucpformat.distributed.rank_description import (
     Description,
     TensorSpec,
     dumps,
-    mesh_boxes,
 )
+from ucpformat.distributed.shard_grid import check_coverage, choose_grid
 from ucpformat.engine import chunking
 from ucpformat.engine.chunking import DEFAULT_MIN_SHARD_BYTES
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords
 from ucpformat.errors import LayoutError, WriteError
 from ucpformat.format import dtypes
-from ucpformat.layout.boxes import Box, box_size, contains, full_box, intersect
-from ucpformat.layout.dtensor import (
-    Placement,
-    Replicate,
-    placement_from_json,
-)
+from ucpformat.layout.boxes import Box, box_size, contains, intersect
 
 #: How a plan chooses its grids: the ``compression``, ``chunk_bytes``, ``shard_bytes`` and
 #: ``min_shard_bytes`` of the save's options (one :class:`SaveOptions` passed through).
@@ -353,13 +355,13 @@ def plan_from_descriptions(
                     tensor=spec.path,
                 )
         checked.add(id(listed))
-    entries = _distinct_boxes(described)
+    entries = distinct_boxes(described)
     unknown = sorted(set(entries) - set(specs_by_path))
     if unknown:
         raise LayoutError(
             f"fragments of tensors no rank described: {unknown[:5]}", rule="UCP-1.0-R131"
         )
-    classes = _mesh_classes(described, specs_by_path)
+    classes = mesh_classes(described, specs_by_path)
     both = sorted({p for c in classes for p in c.paths} & set(entries))
     if both:
         raise LayoutError(
@@ -380,187 +382,6 @@ def plan_from_descriptions(
 
 
 # -- tensors on meshes -------------------------------------------------------------------
-
-
-def class_key(spec: TensorSpec, mesh: str, placements: Sequence[Any]) -> str:
-    """The class of a tensor on a mesh (``placements`` as JSON): tensors of one class
-    have the same fragments on the same ranks and the same grid, and are planned once."""
-    return dumps([mesh, list(placements), list(spec.shape), spec.dtype,
-                   list(_split_dims(spec))]).decode()
-
-
-def class_members(
-    spec_of: Mapping[str, TensorSpec], sharded: Iterable[Sequence[Any]]
-) -> dict[str, list[str]]:
-    """Each class (:func:`class_key`) of the tensors on meshes, (path, mesh, placements
-    as JSON) as :func:`describe` lists them: its member paths, sorted. The coordinator
-    and each rank compute it alike from what the rank described."""
-    out: dict[str, list[str]] = {}
-    for path, mesh, placements in sharded:
-        spec = spec_of.get(path)
-        if spec is None:
-            raise LayoutError(f"the tensor on mesh {mesh!r} has no spec", rule="UCP-1.0-R131",
-                              tensor=path)
-        out.setdefault(class_key(spec, mesh, placements), []).append(path)
-    for paths in out.values():
-        paths.sort()
-    return out
-
-
-@dataclass
-class _MeshClass:
-    """One class of tensors on a mesh, as the coordinator plans it."""
-
-    key: str
-    paths: list[str]
-    mesh_shape: tuple[int, ...]
-    placements: tuple[Placement, ...]
-    ranks: Mapping[tuple[int, ...], int]  # each position of the mesh: its rank
-
-    def entries(self, spec: TensorSpec) -> list[_Entry]:
-        """The distinct boxes of a member and the ranks holding them, from each rank's
-        place in the mesh (positions that differ only along replicated mesh
-        dimensions hold the same boxes, computed once)."""
-        sharded = [i for i, p in enumerate(self.placements) if not isinstance(p, Replicate)]
-        maps: dict[tuple[int, ...], list[Box]] = {}
-        by_box: dict[Box, list[int]] = {}
-        for coords, rank in self.ranks.items():
-            seen = tuple(coords[i] for i in sharded)
-            boxes = maps.get(seen)
-            if boxes is None:
-                boxes = maps[seen] = mesh_boxes(spec.shape, self.mesh_shape, coords,
-                                                self.placements, tensor=spec.path)
-            for box in boxes:
-                by_box.setdefault(box, []).append(rank)
-        return [(box, sorted(set(ranks)), ranks) for box, ranks in by_box.items()]
-
-
-def _mesh_places(described: Sequence[Description]
-                 ) -> dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], int]]]:
-    """Each mesh: its shape and the rank at each position. Refuses ranks that disagree
-    on a mesh's shape, two ranks at one position, and a position without a rank."""
-    places: dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], int]]] = {}
-    for rank, d in enumerate(described):
-        for name, place in d.meshes.items():
-            shape = tuple(int(n) for n in place["shape"])
-            coords = tuple(int(c) for c in place["coords"])
-            known, at = places.setdefault(name, (shape, {}))
-            if known != shape:
-                raise LayoutError(f"ranks disagree on the shape of mesh {name!r}: "
-                                  f"{list(known)} vs rank {rank}: {list(shape)}",
-                                  rule="UCP-1.0-R114")
-            if len(coords) != len(shape) or not all(
-                    0 <= c < n for c, n in zip(coords, shape, strict=True)):
-                raise LayoutError(f"rank {rank} sits at {list(coords)}, outside mesh "
-                                  f"{name!r} of shape {list(shape)}", rule="UCP-1.0-R114")
-            other = at.setdefault(coords, rank)
-            if other != rank:
-                raise LayoutError(f"ranks {other} and {rank} both sit at {list(coords)} of "
-                                  f"mesh {name!r}", rule="UCP-1.0-R114")
-    for name, (shape, at) in places.items():
-        if len(at) != math.prod(shape):
-            raise LayoutError(f"mesh {name!r} of shape {list(shape)} has {len(at)} ranks: "
-                              "every position needs one", rule="UCP-1.0-R114")
-    return places
-
-
-def _mesh_classes(
-    described: Sequence[Description], specs_by_path: Mapping[str, TensorSpec]
-) -> list[_MeshClass]:
-    """The classes of the tensors on meshes, ordered by their first member. Every rank
-    of a mesh must lay out the same tensors on it, and a tensor lies on one mesh."""
-    places = _mesh_places(described)
-    by_list: dict[int, dict[str, list[Sequence[Any]]]] = {}  # id(sharded) -> per mesh
-    agreed: dict[str, tuple[int, list[Sequence[Any]]]] = {}
-    same: set[tuple[int, int]] = set()
-    for rank, d in enumerate(described):
-        per_mesh = by_list.get(id(d.sharded))
-        if per_mesh is None:
-            per_mesh = by_list[id(d.sharded)] = {}
-            for entry in d.sharded:
-                per_mesh.setdefault(str(entry[1]), []).append(entry)
-        for name in sorted(per_mesh.keys() - d.meshes.keys()):
-            raise LayoutError(f"rank {rank} lays out tensors on mesh {name!r} but has no "
-                              "place in it", rule="UCP-1.0-R114",
-                              tensor=str(per_mesh[name][0][0]))
-        for name in d.meshes:
-            mine = per_mesh.get(name, [])
-            first, theirs = agreed.setdefault(name, (rank, mine))
-            pair = (id(theirs), id(mine))
-            if theirs is not mine and pair not in same:
-                if theirs != mine:
-                    differ = sorted(
-                        {str(e[0]) for e in theirs} ^ {str(e[0]) for e in mine}
-                        or {str(a[0]) for a, b in zip(theirs, mine, strict=False) if a != b})
-                    raise LayoutError(f"ranks {first} and {rank} lay out different tensors "
-                                      f"on mesh {name!r} (differing: {differ[:3]})",
-                                      rule="UCP-1.0-R131", tensor=differ[0] if differ else None)
-                same.add(pair)
-    classes: list[_MeshClass] = []
-    mesh_of: dict[str, str] = {}
-    for name, (_, entries) in agreed.items():
-        for path, mesh, _ in entries:
-            if path in mesh_of:
-                where = (f"listed twice on mesh {mesh!r}" if mesh_of[path] == name else
-                         f"laid out on mesh {mesh_of[path]!r} and on mesh {mesh!r}")
-                raise LayoutError(f"the tensor is {where}", rule="UCP-1.0-R131",
-                                  tensor=str(path))
-            mesh_of[path] = name
-        shape, at = places[name]
-        placements = {path: p for path, _, p in entries}
-        for key, paths in class_members(specs_by_path, entries).items():
-            classes.append(_MeshClass(
-                key, paths, shape,
-                tuple(placement_from_json(p) for p in placements[paths[0]]), at))
-    return sorted(classes, key=lambda c: c.paths[0])
-
-
-#: One distinct box of a tensor: (box, the ranks holding it ascending, the ranks as they
-#: listed it: a rank may list a box twice).
-_Entry = tuple[Box, list[int], list[int]]
-
-
-def _distinct_boxes(described: Sequence[Description]) -> dict[str, list[_Entry]]:
-    """Every tensor's distinct boxes in the order they first appear (by rank, then as
-    listed), each with its holders. Grouped by sorting every rank's records at once:
-    replicas (the same box on data-parallel ranks) cost no Python work each."""
-    ids: dict[str, int] = {}
-    mapped: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
-    width = 2 + 2 * max((d.boxes.shape[1] // 2 - 1 for d in described), default=0)
-    parts = []
-    for rank, d in enumerate(described):
-        if not len(d.boxes):
-            continue
-        to_global = mapped.get(id(d.paths))
-        if to_global is None:
-            to_global = mapped[id(d.paths)] = np.array(
-                [ids.setdefault(p, len(ids)) for p in d.paths], dtype=np.int64)
-        block = np.zeros((len(d.boxes), width + 1), dtype=np.int64)
-        block[:, 0] = to_global[d.boxes[:, 0]]
-        block[:, 1:d.boxes.shape[1]] = d.boxes[:, 1:]
-        block[:, width] = rank
-        parts.append(block)
-    if not parts:
-        return {}
-    table = np.concatenate(parts)
-    order = np.lexsort(table[:, :width].T[::-1])  # stable: by rank and listing within
-    keys = table[order, :width]
-    first = np.ones(len(keys), dtype=bool)
-    first[1:] = (keys[1:] != keys[:-1]).any(axis=1)
-    starts = np.flatnonzero(first)
-    ends = [*starts[1:].tolist(), len(keys)]
-    holders = table[order, width].tolist()
-    rows = keys[starts].tolist()
-    names = list(ids)
-    out: dict[str, list[_Entry]] = {}
-    for g in np.argsort(order[starts], kind="stable").tolist():  # first appearance
-        p, n, *coords = rows[g]
-        listed = holders[starts[g]:ends[g]]
-        box = tuple(zip(coords[0:2 * n:2], coords[1:2 * n:2], strict=True))
-        out.setdefault(names[p], []).append((box, sorted(set(listed)), listed))
-    return out
-
-
 def merge_group_attributes(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Union of every rank's group attributes; object values merge key by key.
 
@@ -594,148 +415,6 @@ def merge_group_attributes(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, d
     return merged
 
 
-# -- coverage and grids ------------------------------------------------------------------
-
-
-def _boundaries(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:
-    cuts: list[set[int]] = [{0, n} for n in shape]
-    for box in boxes:
-        for d, (a, b) in enumerate(box):
-            cuts[d].update((a, b))
-    return [sorted(c) for c in cuts]
-
-
-def check_coverage(path: str, shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]]:
-    """Refuse unless the boxes cover every element; returns the refinement cuts."""
-    boxes = list(dict.fromkeys(boxes))  # replicas: each distinct box once
-    whole = full_box(shape)
-    for box in boxes:
-        if len(box) != len(shape) or not contains(whole, box):
-            raise LayoutError(
-                f"fragment {list(box)} lies outside shape {list(shape)}",
-                rule="UCP-1.0-R131",
-                tensor=path,
-            )
-    if math.prod(shape) == 0:
-        return [[0, n] for n in shape]
-    cuts = _boundaries(shape, boxes)
-    covered = np.zeros(tuple(len(c) - 1 for c in cuts), dtype=bool)
-    for box in boxes:
-        sl = tuple(
-            slice(bisect.bisect_left(c, a), bisect.bisect_left(c, b))
-            for c, (a, b) in zip(cuts, box, strict=True)
-        )
-        covered[sl] = True
-    if not covered.all():
-        hole = tuple(int(i) for i in np.argwhere(~covered)[0])
-        cell = [(cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(hole)]
-        raise LayoutError(
-            f"no rank holds the region {cell}: the fragments do not cover the tensor",
-            rule="UCP-1.0-R131",
-            tensor=path,
-        )
-    return cuts
-
-
-def _aligned_edges(shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> list[int]:
-    return [
-        chunking.regular_grid_for_boundaries(n, c) if n else 1
-        for n, c in zip(shape, cuts, strict=True)
-    ]
-
-
-def _cap_edges(edges: list[int], itemsize: int, limit: int) -> list[int]:
-    """Shrink edges to divisors of themselves until a shard is at most ``limit`` bytes."""
-    edges = list(edges)
-    while math.prod(edges) * itemsize > limit:
-        d = max(range(len(edges)), key=lambda i: edges[i])
-        if edges[d] == 1:
-            break
-        for k in range(2, edges[d] + 1):
-            if edges[d] % k == 0:
-                edges[d] //= k
-                break
-    return edges
-
-
-def chunk_alignment(
-    shape: Sequence[int],
-    itemsize: int,
-    edges: Sequence[int],
-    cuts: Sequence[Sequence[int]],
-    min_bytes: int = chunking.DEFAULT_MIN_CHUNK_BYTES,
-) -> list[int | None]:
-    """Per dimension, the edge inner chunks must divide (None: free) under a coarse grid.
-
-    Inner chunks follow the fragments' boundaries along the dimensions the fragments
-    cut, unless the largest chunk that alignment allows is under ``min_bytes``: then the
-    alignment of the last such dimension is dropped, and so on. Flat ZeRO partitions end
-    anywhere inside a row: following their column cuts gave chunks of a few elements
-    (a 256 x 256 tensor cut at column 2: 32,768 chunks of 8 bytes, a shard index larger
-    than the data, every read of the tensor reading all of it), and more than the
-    2^24 inner chunks a shard may hold for large tensors (UCP-1.0-R028). The cells across such a
-    boundary are exchanged to the shard's writer like any other.
-    """
-    align: list[int | None] = [e if len(c) > 2 else None
-                               for e, c in zip(edges, cuts, strict=True)]
-    for d in reversed(range(len(shape))):
-        largest = math.prod(a if a is not None else n for a, n in zip(align, shape,
-                                                                       strict=True))
-        if largest * itemsize >= min_bytes:
-            break
-        align[d] = None
-    return align
-
-
-def choose_grid(
-    spec: TensorSpec,
-    itemsize: int,
-    cuts: Sequence[Sequence[int]],
-    *,
-    chunk_bytes: int,
-    shard_bytes: int,
-    min_shard_bytes: int,
-) -> chunking.Chunking:
-    """Shard and inner chunk shapes of a tensor saved from fragments with these ``cuts``.
-
-    Inner chunk edges always fall on the fragments' boundaries (the saving layout's
-    cuts), also where the shards are coarser than the fragments: a load that splits the
-    tensor as the saving layout did, or in fewer parts, reads only what it needs.
-    """
-    shape = spec.shape
-    split_dims = _split_dims(spec)
-    if len(shape) == 0 or math.prod(shape) == 0:
-        return chunking.choose(
-            shape, itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
-            split_dims=split_dims,
-        )
-    nbytes = math.prod(shape) * itemsize
-    edges = _aligned_edges(shape, cuts)
-    count = math.prod(-(-n // e) for n, e in zip(shape, edges, strict=True))
-    if count > 1 and count > max(1, nbytes // max(1, min_shard_bytes)):  # 0: no minimum
-        # Too fine for shards: a coarse shard grid, boundary cells exchanged; the inner
-        # chunks still follow the fragments along the dimensions they cut, as long as
-        # that leaves them of a useful size (:func:`chunk_alignment`).
-        align = chunk_alignment(shape, itemsize, edges, cuts)
-        chunk = chunking.tile_shape(
-            shape, itemsize, chunk_bytes, align=align, split_dims=split_dims,
-        )
-        return chunking.Chunking(chunk, chunking.shard_shape_for(
-            shape, chunk, itemsize, shard_bytes=shard_bytes))
-    edges = _cap_edges(edges, itemsize, shard_bytes)
-    if count == 1 and nbytes <= chunk_bytes:
-        return chunking.Chunking(tuple(max(1, n) for n in shape), None)
-    chunk = chunking.tile_shape(
-        edges, itemsize, chunk_bytes, align=edges, full_shape=shape, split_dims=split_dims,
-    )
-    return chunking.Chunking(chunk, tuple(edges))
-
-
-def _split_dims(spec: TensorSpec) -> tuple[int, ...]:
-    ucp = spec.attributes.get("ucp", {})
-    return chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {})
-
-
 # -- owners ------------------------------------------------------------------------------
 
 
@@ -753,7 +432,7 @@ def make_plan(
     """The plan from the gathered specs and fragment boxes (a pure function: the same
     wherever it is computed). Linear in the objects and fragments: the ranks holding a
     region are looked up among the fragments near it."""
-    entries: dict[str, list[_Entry]] = {}
+    entries: dict[str, list[HeldEntry]] = {}
     for path, held in boxes.items():
         by_box: dict[Box, list[int]] = {}
         for rank, box in held:
@@ -814,7 +493,7 @@ class _TensorResult:
 
 def _plan_tensor(
     spec: TensorSpec,
-    held: Sequence[_Entry],
+    held: Sequence[HeldEntry],
     owners: _Owners,
     options: PlanOptions,
 ) -> _TensorResult:
@@ -856,7 +535,7 @@ def _plan_tensor(
 
 def _plan(
     specs: Mapping[str, TensorSpec],
-    entries: Mapping[str, Sequence[_Entry]],
+    entries: Mapping[str, Sequence[HeldEntry]],
     world_size: int,
     *,
     compression: str | Mapping[str, Any] | None,
@@ -864,7 +543,7 @@ def _plan(
     shard_bytes: int,
     min_shard_bytes: int,
     group_attributes: Mapping[str, Mapping[str, Any]] | None,
-    classes: Sequence[_MeshClass] = (),
+    classes: Sequence[MeshClass] = (),
 ) -> Plan:
     """:func:`make_plan` from each tensor's distinct boxes (in the order they first
     appear) and their holders, and from the ``classes`` of tensors on meshes."""
@@ -921,9 +600,9 @@ class _Holders:
     ranks) are one entry, and entries are bucketed by the intervals between the
     fragments' boundaries along dimension 0 that they span."""
 
-    def __init__(self, entries: Sequence[_Entry]) -> None:
+    def __init__(self, entries: Sequence[HeldEntry]) -> None:
         self._starts = sorted({x for box, _, _ in entries if box for x in box[0]})
-        self._buckets: list[list[_Entry]] = [
+        self._buckets: list[list[HeldEntry]] = [
             [] for _ in range(max(1, len(self._starts) - 1))]
         for entry in entries:
             for i in self._span(entry[0]):
@@ -938,7 +617,7 @@ class _Holders:
         hi = bisect.bisect_left(self._starts, b)
         return range(lo, min(hi, len(self._buckets)))
 
-    def _near(self, region: Box) -> list[_Entry]:
+    def _near(self, region: Box) -> list[HeldEntry]:
         span = self._span(region)
         if len(span) == 1:
             return self._buckets[span[0]]

@@ -27,7 +27,7 @@ from ucpformat.engine import chunking
 from ucpformat.errors import InvalidValueError, LayoutError, UCPError, WriteError
 from ucpformat.format import names
 from ucpformat.format.dtypes import DataType
-from ucpformat.interchange import DEFAULT_MEMORY_LIMIT, bounded_map
+from ucpformat.interchange import DEFAULT_MEMORY_LIMIT, bounded_map, result_to_json
 from ucpformat.layout.rules import RuleSet
 from ucpformat.progress import byte_progress
 
@@ -91,16 +91,7 @@ class ImportResult:
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "destination": self.destination,
-            "format": self.format,
-            "tensors": self.tensors,
-            "nbytes": self.nbytes,
-            "objects": self.objects,
-            "seconds": round(self.seconds, 3),
-            "notes": list(self.notes),
-        }
+        return result_to_json(self)
 
 
 # -- layout semantics from a rule file ------------------------------------------------

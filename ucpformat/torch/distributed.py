@@ -103,7 +103,6 @@ from ucpformat.torch.staging import Stager, Staging
 from ucpformat.torch.state import (
     LoadResult,
     Stateful,
-    meta_left,
     non_persistent_buffers,
     qualified_name,
     tied_aliases,
@@ -903,20 +902,8 @@ def load_distributed(
         except BaseException as exc:
             error = exc
         _agree(comm, error, "loading the checked state", staged.written)
-        step = training.get("step")
-        mp, op = plan.model, plan.optimizer
-        return LoadResult(
-            step=int(step) if isinstance(step, int) else None,
-            training=training,
-            metadata=ckpt.metadata,
-            missing_keys=mp.missing if mp else [],
-            unexpected_keys=mp.unexpected if mp else [],
-            ignored_keys=mp.ignored if mp else [],
-            missing_optimizer_params=op.missing if op else [],
-            unexpected_optimizer_params=op.unexpected if op else [],
-            bytes_read=ckpt.stats.bytes_read - start,
-            on_meta=meta_left(model),
-        )
+        return LoadResult.of(ckpt, training, plan.model, plan.optimizer,
+                             bytes_read=ckpt.stats.bytes_read - start, model=model)
 
 
 __all__ = [
