@@ -841,7 +841,7 @@ def _refusals(rank: int, root: Path, checks: Checks) -> None:
 
 def crash_job(rank: int, world: int, out: str) -> dict[str, Any]:
     import ucpformat.deepspeed as uds
-    from ucpformat.distributed import pipeline
+    from ucpformat.checkpoint import write_loop
 
     _env(rank, world)
     engine = make_engine("dsnet", 2, "fp32")
@@ -852,7 +852,7 @@ def crash_job(rank: int, world: int, out: str) -> dict[str, Any]:
         def die(*args: Any, **kwargs: Any) -> Any:
             os._exit(17)  # the process is gone, as if killed, in the middle of writing
 
-        pipeline.write_object = die  # type: ignore[assignment]
+        write_loop.write_object = die  # type: ignore[assignment]
     uds.save(engine, Path(out) / "crashed", tag="step4")
     return {"saved": True}
 

@@ -217,7 +217,7 @@ def test_a_marker_that_cannot_be_written_leaves_nothing(
     def full(fd: int, buffers: Any) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("ucpformat.store._write_all", full)
+    monkeypatch.setattr("ucpformat.store.posix.write_all", full)
     with pytest.raises(WriteError) as info:
         ucpformat.save(dest, small_state(2), overwrite=True, **SMALL_CHUNKING)
     monkeypatch.undo()

@@ -16,7 +16,8 @@ from typing import Any
 from ucpformat.store.base import Store, StoreClaim, check_key, close_quietly, is_safe_key
 from ucpformat.store.forwarding import ForwardingStore
 from ucpformat.store.guard import ReadGuard, read_guarded
-from ucpformat.store.local import LocalStore, start_writeback
+from ucpformat.store.local import LocalStore
+from ucpformat.store.posix import start_writeback
 from ucpformat.store.read_once import ReadOnceStore
 
 

@@ -13,18 +13,14 @@ path, so that a link planted between a check and an open is never followed. Writ
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import fcntl
 import os
 import posixpath
 import shutil
 import stat
-import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +28,23 @@ from ucpformat.errors import (
     ConcurrentWriteError,
     UnsafePathError,
 )
+from ucpformat.store import posix
 from ucpformat.store.base import Store, StoreClaim, check_key, is_safe_key_part
+from ucpformat.store.posix import (
+    CLAIM_FLAGS,
+    CREATE_FLAGS,
+    FSYNC_FLAGS,
+    READ_FLAGS,
+    advance_views,
+    is_dir,
+    is_link,
+    parallel,
+    pread_all,
+    same_file,
+    start_writeback,
+    try_lock,
+    walk,
+)
 
 
 class _HeldLocation:
@@ -184,7 +196,7 @@ class LocalStore(Store):
         if held is None:
             return location
         try:
-            return os.open(".", _DIR_FLAGS, dir_fd=location)
+            return os.open(".", posix.DIR_FLAGS, dir_fd=location)
         finally:
             self._release_location(location, held)
 
@@ -235,7 +247,7 @@ class LocalStore(Store):
                     nxt = self._open_dir(fd, parts, i)
                 else:
                     try:
-                        nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                        nxt = os.open(part, posix.DIR_FLAGS, dir_fd=fd)
                     except FileNotFoundError:
                         if not create:
                             raise
@@ -265,7 +277,7 @@ class LocalStore(Store):
         directory path, unless ``missed``; else of the deepest directory on the way that
         this hold made or met; else the location itself (index 0), from which the walk
         makes what is missing and says precisely what was refused."""
-        if len(parts) < 2 or _OPENAT2 is None:
+        if len(parts) < 2 or posix.OPENAT2 is None:
             return location, 0
         tries = [] if missed else [len(parts) - 1]
         if held is not None:
@@ -275,7 +287,7 @@ class LocalStore(Store):
                 tries.append(known)
         for i in tries:
             try:
-                return _OPENAT2(location, "/".join(parts[:i]), _DIR_FLAGS), i
+                return posix.OPENAT2(location, "/".join(parts[:i]), posix.DIR_FLAGS), i
             except OSError:
                 continue
         return location, 0
@@ -286,7 +298,7 @@ class LocalStore(Store):
         the caller then takes :meth:`_directory`'s walk, which makes what is missing and
         says precisely what was refused. Each system call saved matters: each one
         releases and retakes the GIL that the other writer threads wait for."""
-        if _OPENAT2 is None or "/" not in key:
+        if posix.OPENAT2 is None or "/" not in key:
             return None
         check_key(key)
         try:
@@ -294,7 +306,7 @@ class LocalStore(Store):
         except OSError:
             return None
         try:
-            fd = _OPENAT2(location, key, flags, mode)
+            fd = posix.OPENAT2(location, key, flags, mode)
         except OSError:
             return None
         finally:
@@ -305,14 +317,14 @@ class LocalStore(Store):
 
     def _open_dir(self, parent: int, parts: Sequence[str], i: int) -> int:
         try:
-            return os.open(parts[i], _DIR_FLAGS, dir_fd=parent)
+            return os.open(parts[i], posix.DIR_FLAGS, dir_fd=parent)
         except OSError as exc:
             return self._refuse_dir(exc, parent, parts, i)
 
     def _refuse_dir(self, exc: OSError, parent: int, parts: Sequence[str], i: int) -> int:
         """Raise the right error for a directory component that could not be opened."""
         if exc.errno == errno.ENOTDIR:
-            if _is_link(parent, parts[i]):
+            if is_link(parent, parts[i]):
                 self._refuse_link(parent, parts[: i + 1], "/".join(parts))
             raise exc  # a file where a directory is expected (a read error: UCP-1.0-R099)
         if exc.errno == errno.ELOOP:
@@ -353,14 +365,14 @@ class LocalStore(Store):
         Opened without following a link at any component, and checked on the descriptor
         (UCP-1.0-R089): what was opened is what is read, whatever replaced the path since.
         """
-        fd_fast = self._open_beneath(key, _READ_FLAGS)
+        fd_fast = self._open_beneath(key, READ_FLAGS)
         try:
             if fd_fast is not None:
                 fd = fd_fast
             else:
                 with self._directory(key, create=False) as (parent, leaf):
                     try:
-                        fd = os.open(leaf, _READ_FLAGS, dir_fd=parent)
+                        fd = os.open(leaf, READ_FLAGS, dir_fd=parent)
                     except OSError as exc:
                         if exc.errno == errno.ELOOP:
                             self._refuse_link(parent, key.split("/"), key)
@@ -393,7 +405,7 @@ class LocalStore(Store):
             # Never allocate for more than the file holds: a hostile shard index may ask
             # for 2**60 bytes (UCP-1.0-R094).
             length = max(0, min(length, os.fstat(fd).st_size - offset))
-            return _pread_all(fd, length, offset)
+            return pread_all(fd, length, offset)
         finally:
             os.close(fd)
 
@@ -404,7 +416,7 @@ class LocalStore(Store):
         try:
             size = os.fstat(fd).st_size
             start = max(0, size - length)
-            return _pread_all(fd, size - start, start)
+            return pread_all(fd, size - start, start)
         finally:
             os.close(fd)
 
@@ -420,7 +432,7 @@ class LocalStore(Store):
                 if n == 0:
                     break
                 total += n
-                _advance(views, n)
+                advance_views(views, n)
             return total
         finally:
             os.close(fd)
@@ -460,9 +472,9 @@ class LocalStore(Store):
         try:
             for part in prefix.split("/") if prefix else ():
                 try:
-                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    nxt = os.open(part, posix.DIR_FLAGS, dir_fd=fd)
                 except (FileNotFoundError, NotADirectoryError, OSError) as exc:
-                    if exc.errno == errno.ELOOP or _is_link(fd, part):
+                    if exc.errno == errno.ELOOP or is_link(fd, part):
                         yield prefix, None  # the prefix itself is a link: not followed
                     if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                         return
@@ -470,7 +482,7 @@ class LocalStore(Store):
                 os.close(fd)
                 fd = nxt
             ok = sized and all(is_safe_key_part(p) for p in prefix.split("/")) if prefix else sized
-            yield from _walk(fd, f"{prefix}/" if prefix else "", ok)
+            yield from walk(fd, f"{prefix}/" if prefix else "", ok)
         finally:
             os.close(fd)
 
@@ -484,7 +496,7 @@ class LocalStore(Store):
 
     def _write(self, key: str, buffers: Sequence[Any], *, atomic: bool, exclusive: bool) -> int:
         dir_key = key.rpartition("/")[0]
-        fd = None if atomic else self._open_beneath(key, _CREATE_FLAGS, 0o644)
+        fd = None if atomic else self._open_beneath(key, CREATE_FLAGS, 0o644)
         if fd is not None:  # a new file in a directory that is there: the common case
             try:
                 written = self._write_new(fd, buffers)
@@ -496,7 +508,7 @@ class LocalStore(Store):
             if atomic:  # a commit marker, the root: never where the path no longer leads
                 self._check_held()
             written = self._write_walked(key, buffers, atomic=atomic, exclusive=exclusive,
-                                         missed=not atomic and _OPENAT2 is not None)
+                                         missed=not atomic and posix.OPENAT2 is not None)
             if atomic:
                 return written
         with self._lock:
@@ -508,7 +520,7 @@ class LocalStore(Store):
     def _write_new(self, fd: int, buffers: Sequence[Any]) -> int:
         """Write ``buffers`` to the new file ``fd``, start its write-back, close it."""
         try:
-            written = _write_all(fd, buffers)
+            written = posix.write_all(fd, buffers)
             if self.durable:
                 start_writeback(fd)
         finally:
@@ -524,14 +536,14 @@ class LocalStore(Store):
                     os.fsync(parent)
                 return written
             try:
-                fd = os.open(leaf, _CREATE_FLAGS, 0o644, dir_fd=parent)
+                fd = os.open(leaf, CREATE_FLAGS, 0o644, dir_fd=parent)
             except FileExistsError:
                 if exclusive:
                     raise
                 # replace the entry, never write through it: it may be a link (hard or
                 # symbolic) to a file outside the checkpoint
                 os.unlink(leaf, dir_fd=parent)
-                fd = os.open(leaf, _CREATE_FLAGS, 0o644, dir_fd=parent)
+                fd = os.open(leaf, CREATE_FLAGS, 0o644, dir_fd=parent)
             try:
                 return self._write_new(fd, buffers)
             except BaseException:  # leave no partial file (a full disk stays full otherwise)
@@ -544,10 +556,10 @@ class LocalStore(Store):
         """A temporary file beside ``leaf``, made durable, then renamed (or, if
         ``exclusive``, hard-linked: that fails if ``leaf`` exists) onto it."""
         tmp = f"{leaf}.tmp-{uuid.uuid4().hex}"
-        fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=parent)
+        fd = os.open(tmp, CREATE_FLAGS, 0o644, dir_fd=parent)
         try:
             try:
-                written = _write_all(fd, buffers)
+                written = posix.write_all(fd, buffers)
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -573,20 +585,20 @@ class LocalStore(Store):
         with self._directory(key, create=True) as (parent, leaf):
             while True:
                 try:
-                    fd = os.open(leaf, _CLAIM_FLAGS, 0o644, dir_fd=parent)
+                    fd = os.open(leaf, CLAIM_FLAGS, 0o644, dir_fd=parent)
                 except FileExistsError:
                     pass
                 else:  # ours: lock it, unless another writer found it first (then theirs)
-                    locked = _try_lock(fd)
+                    locked = try_lock(fd)
                     if locked is False:
                         os.close(fd)
                         raise BlockingIOError(errno.EWOULDBLOCK, "another writer holds the "
                                               "location", key) from None
-                    if locked and not _same_file(fd, parent, leaf):
+                    if locked and not same_file(fd, parent, leaf):
                         os.close(fd)
                         continue
                     try:
-                        _write_all(fd, [body])
+                        posix.write_all(fd, [body])
                         if self.durable:
                             os.fsync(fd)
                             os.fsync(parent)
@@ -612,11 +624,11 @@ class LocalStore(Store):
                                                     take_over=take_over)
                     raise
                 try:
-                    locked = _try_lock(fd)
+                    locked = try_lock(fd)
                     if locked is False:
                         raise BlockingIOError(errno.EWOULDBLOCK, "another writer holds the "
                                               "location", key)
-                    if locked and not _same_file(fd, parent, leaf):
+                    if locked and not same_file(fd, parent, leaf):
                         continue  # replaced between our open and our lock: look again
                     # its writer has stopped (the lock is free): take over; without locks,
                     # only if asked to. The old lock is held until the new marker is in.
@@ -637,10 +649,10 @@ class LocalStore(Store):
         if not take_over:
             raise FileExistsError(errno.EEXIST, "a marker is there", key)
         tmp = f"{leaf}.tmp-{uuid.uuid4().hex}"
-        fd = os.open(tmp, _CLAIM_FLAGS, 0o644, dir_fd=parent)
+        fd = os.open(tmp, CLAIM_FLAGS, 0o644, dir_fd=parent)
         try:
-            locked = _try_lock(fd)
-            _write_all(fd, [body])
+            locked = try_lock(fd)
+            posix.write_all(fd, [body])
             if self.durable:
                 os.fsync(fd)
             os.rename(tmp, leaf, src_dir_fd=parent, dst_dir_fd=parent)
@@ -688,7 +700,7 @@ class LocalStore(Store):
             return
         try:
             for name in sorted(os.listdir(fd)):
-                if _is_dir(fd, name):
+                if is_dir(fd, name):
                     shutil.rmtree(name, dir_fd=fd)
                 else:
                     with contextlib.suppress(FileNotFoundError):
@@ -727,7 +739,7 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError):
             return  # removed since: nothing left to make durable
         try:
-            _parallel(lambda d: self._fsync_in(d, files_in[d], location=location),
+            parallel(lambda d: self._fsync_in(d, files_in[d], location=location),
                       sorted(files_in), self.SYNC_THREADS)
         finally:
             self._release_location(location, held)
@@ -739,9 +751,9 @@ class LocalStore(Store):
         then the directory itself. What was deleted since needs nothing. ``location``: a
         descriptor of the location to open the directory from (one ``openat2``)."""
         fd = -1
-        if location is not None and _OPENAT2 is not None:
+        if location is not None and posix.OPENAT2 is not None:
             try:  # noqa: SIM105 - no contextlib.suppress per directory of every flush
-                fd = _OPENAT2(location, dir_key or ".", _DIR_FLAGS)
+                fd = posix.OPENAT2(location, dir_key or ".", posix.DIR_FLAGS)
             except OSError:
                 pass  # the walk below says what went wrong
         try:
@@ -757,7 +769,7 @@ class LocalStore(Store):
         try:
             for leaf in leaves:
                 try:
-                    file_fd = os.open(leaf, _FSYNC_FLAGS, dir_fd=fd)
+                    file_fd = os.open(leaf, FSYNC_FLAGS, dir_fd=fd)
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 try:
@@ -769,200 +781,3 @@ class LocalStore(Store):
             os.close(fd)
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: O_NONBLOCK: a FIFO planted in a checkpoint must not block the open (it is refused after).
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_FSYNC_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _is_link(parent: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _is_dir(parent: int, name: str) -> bool:
-    try:
-        return stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _walk(fd: int, prefix: str, sized: bool = False) -> Iterator[tuple[str, int | None]]:
-    """(key, size) of every non-directory entry under the directory ``fd``, sorted, depth
-    first; directories are entered without following links (a link to one is an entry).
-    ``sized``: the size of each regular file whose key (``prefix`` included) :func:`check_key`
-    accepts, else None, as for links, other entries and every entry when not ``sized``."""
-    with os.scandir(fd) as it:
-        entries = sorted(((e.name, e.is_dir(follow_symlinks=False), e) for e in it),
-                         key=lambda t: t[0])
-    for name, is_dir, entry in entries:
-        ok = sized and is_safe_key_part(name)
-        if not is_dir:
-            size = None
-            if ok:
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    size = st.st_size if stat.S_ISREG(st.st_mode) else None
-            yield prefix + name, size
-            continue
-        try:
-            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            continue  # removed meanwhile
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                yield prefix + name, None  # replaced by a link or a file meanwhile: an entry
-                continue
-            raise
-        try:
-            yield from _walk(sub, f"{prefix}{name}/", ok)
-        finally:
-            os.close(sub)
-
-
-def _try_lock(fd: int) -> bool | None:
-    """Lock ``fd`` exclusively without waiting: True, False if another holds it, None if
-    this file system has no locks."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as exc:
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF,
-                         errno.EINVAL):
-            return None
-        raise
-    return True
-
-
-def _same_file(fd: int, parent: int, leaf: str) -> bool:
-    """True if ``leaf`` in ``parent`` is still the file open as ``fd``."""
-    try:
-        st = os.stat(leaf, dir_fd=parent, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
-def _pread_all(fd: int, length: int, offset: int) -> bytes:
-    chunks = []
-    remaining = length
-    while remaining > 0:
-        data = os.pread(fd, remaining, offset)
-        if not data:
-            break
-        chunks.append(data)
-        offset += len(data)
-        remaining -= len(data)
-    return b"".join(chunks)
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
-    while n and views:
-        if n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        else:
-            views[0] = views[0][n:]
-            n = 0
-
-
-def _write_all(fd: int, buffers: Sequence[Any]) -> int:
-    views = [memoryview(b).cast("B") for b in buffers]
-    total = sum(len(v) for v in views)
-    while views:
-        _advance(views, os.writev(fd, views[:1024]))
-    return total
-
-
-def _parallel(fn: Callable[[str], None], paths: Sequence[str], threads: int) -> None:
-    if len(paths) <= 1 or threads <= 1:
-        for p in paths:
-            fn(p)
-        return
-    with ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="ucp-fsync") as pool:
-        for _ in pool.map(fn, paths):
-            pass
-
-
-def _linux_libc_function(name: str) -> Any:
-    """The C library's function ``name`` (errno kept), or None off Linux or without it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
-        return None
-
-
-def _load_sync_file_range() -> Callable[[int], None] | None:
-    fn = _linux_libc_function("sync_file_range")
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    write = 2  # SYNC_FILE_RANGE_WRITE: start write-back of dirty pages, do not wait
-
-    def start(fd: int) -> None:
-        fn(fd, 0, 0, write)  # a hint: a failure shows at the fsync, which is what counts
-
-    return start
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-
-
-def _load_openat2() -> Callable[..., int] | None:
-    """Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``: a path
-    opened relative to a directory descriptor in one system call, refused (ELOOP, EXDEV)
-    if any component is a link or leads out. None where it is missing or not allowed."""
-    syscall = _linux_libc_function("syscall")
-    if syscall is None:
-        return None
-    syscall.restype = ctypes.c_long
-
-    class OpenHow(ctypes.Structure):
-        _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                    ("resolve", ctypes.c_uint64)]
-
-    sys_openat2 = 437  # the same number on every architecture (added in Linux 5.6)
-    resolve = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
-    size = ctypes.c_size_t(ctypes.sizeof(OpenHow))
-    # the kernel only reads the struct: one per (flags, mode), shared by every thread
-    hows: dict[tuple[int, int], Any] = {}
-
-    def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-        how = hows.get((flags, mode))
-        if how is None:
-            how = hows[flags, mode] = ctypes.byref(OpenHow(flags, mode, resolve))
-        fd = syscall(sys_openat2, ctypes.c_int(dir_fd), os.fsencode(path), how, size)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-        return int(fd)
-
-    root = os.open("/", _DIR_FLAGS)
-    try:  # a probe: ENOSYS (old kernel) or EPERM (a seccomp filter) mean unavailable
-        os.close(openat2(root, ".", _DIR_FLAGS))
-    except OSError:
-        return None
-    finally:
-        os.close(root)
-    return openat2
-
-
-_OPENAT2 = _load_openat2()
-
-
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing a file's dirty pages to the disk now, without
-    waiting (Linux ``sync_file_range``; elsewhere nothing): the later fsync then has
-    little left to do, and the disk works while the writer encodes the next file."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd)
