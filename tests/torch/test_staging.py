@@ -457,7 +457,7 @@ def _dcp_checkpoint(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
 
 def test_dcp_load_reads_straight_into_cpu_targets(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucpformat.torch.dcp as plugin
+    import ucpformat.torch.dcp_reader as plugin
     from ucpformat.torch.dcp import UCPReader
 
     model, path = _dcp_checkpoint(tmp_path)
