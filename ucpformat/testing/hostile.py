@@ -503,11 +503,15 @@ def _root_bytes(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | Non
     return strategy, lambda data: {ZARR_JSON: data}
 
 
-@target("array-document")
-def _array_document(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
-    path = "model/fc.weight"
+def _node_document(fx: Fixture, path: str
+                   ) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
     node = fx.doc(ZARR_JSON)["consolidated_metadata"]["metadata"][path]
     return mutated(node), lambda doc: _with_node(fx, path, doc)
+
+
+@target("array-document")
+def _array_document(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
+    return _node_document(fx, "model/fc.weight")
 
 
 @target("unsharded-array-document")
@@ -549,9 +553,7 @@ def _unsharded_document(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, byt
 
 @target("group-document")
 def _group_document(fx: Fixture) -> tuple[Any, Callable[[Any], dict[str, bytes | None]]]:
-    path = "optimizer"
-    node = fx.doc(ZARR_JSON)["consolidated_metadata"]["metadata"][path]
-    return mutated(node), lambda doc: _with_node(fx, path, doc)
+    return _node_document(fx, "optimizer")
 
 
 @target("layout")
