@@ -1,4 +1,4 @@
-"""Key-value storage under a checkpoint: the only code that touches files.
+"""The Store interface: the key rules, the claim on a location, the calls backends answer.
 
 Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
 Every key is checked before use (UCP-1.0-R091). On a file system, nothing under the
