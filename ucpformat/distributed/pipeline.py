@@ -362,7 +362,7 @@ def check_written(expected: Iterable[str], written: Iterable[str], location: str
         )
 
 
-def commit(
+def commit_collective(
     comm: Communicator,
     store: Store,
     plan: Plan | None,
@@ -671,7 +671,7 @@ class DistributedSave:
         with given_up(self.store, self._claim):  # every rank has stopped writing
             raise_if_failed(failed, "writing shards", error)
         every = (StoredObject(k, n, h) for raw in written or () for k, n, h in json.loads(raw))
-        commit(self.comm, self.store, self._plan, every, claim=self._claim,
+        commit_collective(self.comm, self.store, self._plan, every, claim=self._claim,
                root_ucp=self._root_ucp, hash_algorithm=self.options.hash_algorithm)
         assert self._received is not None
         return DistributedSaveResult(
@@ -783,7 +783,7 @@ __all__ = [
     "agree",
     "assemble",
     "check_written",
-    "commit",
+    "commit_collective",
     "exchange",
     "exchange_and_prepare",
     "extract",
