@@ -10,7 +10,7 @@ import jax
 import ucpformat
 import ucpformat.jax as ucpj
 from tests.jax.helpers import abstract, assert_bit_equal, host_state, mesh, sharded_state
-from ucpformat.manager import CheckpointManager
+from ucpformat.checkpoint.manager import CheckpointManager
 
 
 def test_async_save_needs_no_device_buffer_once_it_returns(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes
 from ucpformat.errors import FormatError
+from ucpformat.format import dtypes
 from ucpformat.importers._engine import Scan, TensorSource
 from ucpformat.optional import require
 

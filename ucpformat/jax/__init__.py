@@ -8,11 +8,10 @@
     state = ucpj.load("ckpt", jax.eval_shape(init))   # any mesh: shardings of the target
 
 Every process writes only the boxes its devices hold, through the one distributed save
-(:func:`ucpformat.pipeline.save`); parameters and Adam moments are stored under the
-names the torch integrations use (:mod:`ucpformat.jax.tree`), so the same checkpoint
-loads in PyTorch. JAX is imported only here and below: ``import ucpformat`` does not
-need it. See docs/jax.md.
-"""
+(:class:`ucpformat.distributed.pipeline.DistributedSave`); parameters and Adam moments
+are stored under the names the torch integrations use (:mod:`ucpformat.jax.tree`), so
+the same checkpoint loads in PyTorch. JAX is imported only here and below: ``import
+ucpformat`` does not need it. See docs/jax.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""A :class:`~ucpformat.comm.Communicator` over JAX's multi-process runtime.
+"""A :class:`~ucpformat.distributed.comm.Communicator` over JAX's multi-process runtime.
 
-One process: :class:`ucpformat.comm.SingleProcess`. Several (``jax.distributed``
+One process: :class:`ucpformat.distributed.comm.SingleProcess`. Several (``jax.distributed``
 initialized): :class:`CoordinationCommunicator`, whose collectives go through the
 coordination service that ``jax.distributed.initialize`` already runs (its key-value
 store and its barrier), so a save needs no second runtime.
@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from ucpformat.comm import Communicator, SingleProcess
+from ucpformat.distributed.comm import Communicator, SingleProcess
 from ucpformat.errors import MissingDependencyError, WriteError
 from ucpformat.optional import require
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ucpformat.checkpoint.reader import Checkpoint, Region, open_checkpoint
 from ucpformat.errors import KeyMismatchError, LoadError, ShapeMismatchError
 from ucpformat.jax.save import box_of, permuted
 from ucpformat.jax.tree import (
@@ -32,8 +33,7 @@ from ucpformat.jax.tree import (
 )
 from ucpformat.layout.boxes import Box, box_size
 from ucpformat.optional import require
-from ucpformat.reader import Checkpoint, Region, open_checkpoint
-from ucpformat.storage import Store
+from ucpformat.store import Store
 
 
 def _jax() -> Any:

@@ -1,15 +1,14 @@
 """Save a JAX training state from every process, straight into one UCP checkpoint.
 
 Each process describes the boxes of the arrays its devices hold and hands them to the
-one distributed save (:func:`ucpformat.pipeline.save`). A box several devices hold
-(a replicated mesh axis) is written once: by the process of the lowest device id that
-holds it, a rule every process applies to the sharding alone, without talking to the
-others. Host values (numpy arrays), and in a run of several processes the arrays that
-live on one process's devices alone (a ``jax.random.key`` made locally), are taken
-from process 0, as torch's plain tensors are from rank 0. Values are copied from a
-device only when the pipeline asks for them (:func:`save`), or all at once before the
-write starts (:func:`save_async`, which then writes in a thread).
-"""
+one distributed save (:meth:`ucpformat.distributed.pipeline.DistributedSave.run`). A box
+several devices hold (a replicated mesh axis) is written once: by the process of the
+lowest device id that holds it, a rule every process applies to the sharding alone,
+without talking to the others. Host values (numpy arrays), and in a run of several
+processes the arrays that live on one process's devices alone (a ``jax.random.key`` made
+locally), are taken from process 0, as torch's plain tensors are from rank 0. Values are
+copied from a device only when the pipeline asks for them (:func:`save`), or all at once
+before the write starts (:func:`save_async`, which then writes in a thread)."""
 
 from __future__ import annotations
 
@@ -22,10 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes, names
-from ucpformat.comm import Communicator
-from ucpformat.engine import chunking
+from ucpformat.checkpoint.options import SaveOptions
+from ucpformat.distributed.comm import Communicator
+from ucpformat.distributed.pipeline import DistributedSave, DistributedSaveResult
+from ucpformat.distributed.rank_description import TensorSpec
+from ucpformat.engine.chunking import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MIN_SHARD_BYTES,
+    DEFAULT_SHARD_BYTES,
+)
 from ucpformat.errors import InvalidValueError
+from ucpformat.format import dtypes, names
 from ucpformat.jax.comm import communicator
 from ucpformat.jax.tree import (
     OPT_STATE,
@@ -41,10 +47,7 @@ from ucpformat.jax.tree import (
 )
 from ucpformat.layout.boxes import Box, box_shape, box_size
 from ucpformat.optional import require
-from ucpformat.pipeline import DistributedSaveResult
-from ucpformat.pipeline import save as run_pipeline
-from ucpformat.saveplan import DEFAULT_MIN_SHARD_BYTES, PlanOptions, TensorSpec
-from ucpformat.storage import Store
+from ucpformat.store import Store
 
 #: Gives a fragment's values on the host, shaped like its box (stored orientation).
 Getter = Callable[[], np.ndarray[Any, Any]]
@@ -257,11 +260,6 @@ def _collect_array(jax: Any, out: Collected, leaf: Leaf, rank: int) -> None:
         out.parts[leaf.path] = parts
 
 
-def _options(compression: str | Mapping[str, Any] | None, chunk_bytes: int, shard_bytes: int,
-             min_shard_bytes: int) -> PlanOptions:
-    return PlanOptions(compression, chunk_bytes, shard_bytes, min_shard_bytes)
-
-
 def save(
     path: str | os.PathLike[str] | Store,
     state: Any,
@@ -271,11 +269,12 @@ def save(
     keymap: KeyMap | None = None,
     optimizer_type: str | None = None,
     comm: Communicator | None = None,
+    options: SaveOptions | None = None,
     overwrite: bool = False,
     compression: str | Mapping[str, Any] | None = None,
     hash_algorithm: str | None = None,
-    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
-    shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     workers: int | None = None,
     durable: bool = True,
@@ -288,21 +287,24 @@ def save(
     ``step`` goes to ``training`` (unless the state has one); ``keymap`` stores
     parameters under other names and axes (:mod:`ucpformat.jax.mapping`);
     ``optimizer_type`` is the ``optimizer`` group's ``type`` (default ``"optax"``).
-    ``comm``: default :func:`ucpformat.jax.comm.communicator`. Raises on every process
-    if any fails; then nothing is committed (see :mod:`ucpformat.pipeline`)."""
+    ``comm``: default :func:`ucpformat.jax.comm.communicator`. The save's settings are
+    ``options`` or the same fields as keywords (:class:`ucpformat.checkpoint.options.SaveOptions`).
+    Raises on every process if any fails; then nothing is committed (see
+    :mod:`ucpformat.distributed.pipeline`)."""
+    settings = SaveOptions.merged(
+        options, overwrite=overwrite, compression=compression, hash_algorithm=hash_algorithm,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, min_shard_bytes=min_shard_bytes,
+        workers=workers, durable=durable, progress=progress)
     comm = comm if comm is not None else communicator()
     collected = collect(state, rank=comm.rank, step=step, keymap=keymap,
                         optimizer_type=optimizer_type)
-    return _write(path, comm, collected, metadata=metadata, overwrite=overwrite,
-                  options=_options(compression, chunk_bytes, shard_bytes, min_shard_bytes),
-                  hash_algorithm=hash_algorithm, workers=workers, durable=durable,
-                  progress=progress)
+    return _write(path, comm, collected, settings, metadata)
 
 
 def _write(path: str | os.PathLike[str] | Store, comm: Communicator, collected: Collected,
-           **kwargs: Any) -> DistributedSaveResult:
-    return run_pipeline(path, comm, specs=collected.specs, source=collected,
-                        group_attributes=collected.groups, **kwargs)
+           settings: SaveOptions, metadata: Mapping[str, Any] | None) -> DistributedSaveResult:
+    return DistributedSave(path, comm, settings).run(
+        collected.specs, collected, group_attributes=collected.groups, metadata=metadata)
 
 
 def save_async(
@@ -314,11 +316,12 @@ def save_async(
     keymap: KeyMap | None = None,
     optimizer_type: str | None = None,
     comm: Communicator | None = None,
+    options: SaveOptions | None = None,
     overwrite: bool = False,
     compression: str | Mapping[str, Any] | None = None,
     hash_algorithm: str | None = None,
-    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
-    shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     workers: int | None = None,
     durable: bool = True,
@@ -327,18 +330,18 @@ def save_async(
     the write runs in a thread. The future's ``result()`` raises what the save raised.
     Every process must call it (and the next collective of this communicator) in the
     same order; the state may change as soon as it returns."""
+    settings = SaveOptions.merged(
+        options, overwrite=overwrite, compression=compression, hash_algorithm=hash_algorithm,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, min_shard_bytes=min_shard_bytes,
+        workers=workers, durable=durable)
     comm = comm if comm is not None else communicator()
     collected = collect(state, rank=comm.rank, step=step, keymap=keymap,
                         optimizer_type=optimizer_type).snapshot()
     future: Future[DistributedSaveResult] = Future()
-    options = _options(compression, chunk_bytes, shard_bytes, min_shard_bytes)
 
     def run() -> None:
         try:
-            future.set_result(_write(path, comm, collected, metadata=metadata,
-                                     overwrite=overwrite, options=options,
-                                     hash_algorithm=hash_algorithm, workers=workers,
-                                     durable=durable))
+            future.set_result(_write(path, comm, collected, settings, metadata))
         except BaseException as exc:
             future.set_exception(exc)
 

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucpformat import names
 from ucpformat.errors import InvalidValueError
+from ucpformat.format import names
 from ucpformat.optional import require
 
 PARAMS = "params"

@@ -8,9 +8,10 @@ layout: its boxes are checked to cover the tensor, UCP-1.0-R131), laid out as a
 ``jax.Array`` on a (2, 4) mesh of 8 virtual CPU devices with the first PartitionSpec that
 divides its shape, and written as ``ucpformat.jax.save`` writes arrays: each distinct
 device box once (:func:`ucpformat.jax.save.shard_parts`), through the one distributed
-save (:func:`ucpformat.pipeline.save`). 64-bit types need ``jax_enable_x64``, which the
-adapter turns on. Scenario names are kept as they are (this adapter tests the JAX path's
-boxes and writes, not its naming of a training state).
+save (:class:`ucpformat.distributed.pipeline.DistributedSave`). 64-bit types need
+``jax_enable_x64``, which the adapter turns on. Scenario names are kept as they are
+(this adapter tests the JAX path's boxes and writes, not its naming of a training
+state).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):  # before JAX starts its backen
 
 import numpy as np  # noqa: E402
 
-from ucpformat import dtypes, jsonvalues, names  # noqa: E402
 from ucpformat._version import __version__  # noqa: E402
 from ucpformat.conformance.adapters.reference import (  # noqa: E402
     EXIT_ADAPTER,
@@ -37,6 +37,7 @@ from ucpformat.conformance.adapters.reference import (  # noqa: E402
     tensor_values,
 )
 from ucpformat.errors import UCPError  # noqa: E402
+from ucpformat.format import dtypes, jsonvalues, names  # noqa: E402
 from ucpformat.layout.boxes import as_slices, box_shape  # noqa: E402
 from ucpformat.optional import require  # noqa: E402
 
@@ -69,10 +70,12 @@ def write(scenario_path: str | Path, out_dir: str | Path) -> None:
     sharding = require("jax.sharding", extra="jax", purpose="the JAX writer adapter")
     Mesh, NamedSharding = sharding.Mesh, sharding.NamedSharding
 
-    from ucpformat.comm import SingleProcess
+    from ucpformat.checkpoint.options import SaveOptions
+    from ucpformat.distributed.comm import SingleProcess
+    from ucpformat.distributed.pipeline import DistributedSave
+    from ucpformat.distributed.rank_description import TensorSpec
+    from ucpformat.distributed.shard_grid import check_coverage
     from ucpformat.jax.save import Collected, shard_parts
-    from ucpformat.pipeline import save
-    from ucpformat.saveplan import TensorSpec, check_coverage
 
     scenario_path = Path(scenario_path)
     doc = json.loads(scenario_path.read_text(encoding="utf-8"))
@@ -108,9 +111,9 @@ def write(scenario_path: str | Path, out_dir: str | Path) -> None:
             attrs["values"] = values
         collected.groups[names.path_of(*group["name"])] = attrs
     metadata = jsonvalues.decode(doc.get("metadata", {}), where="metadata")
-    save(out_dir, SingleProcess(), specs=collected.specs, source=collected,
-         group_attributes=collected.groups, root_values=root_values or None,
-         metadata=metadata or None, hash_algorithm="sha256")
+    DistributedSave(out_dir, SingleProcess(), SaveOptions(hash_algorithm="sha256")).run(
+        collected.specs, collected, group_attributes=collected.groups,
+        root_values=root_values or None, metadata=metadata or None)
 
 
 def _print(doc: Any) -> None:
