@@ -1,6 +1,6 @@
 """The JAX path passes the conformance writer suite (a few scenarios here, to stay fast;
-``python -m ucpformat.conformance writer -- python -m
-ucpformat.conformance.adapters.jax_writer`` runs them all, fault checks included)."""
+``ucp conformance writer -- python -m ucpformat.conformance.adapters.jax_writer`` runs
+them all, fault checks included)."""
 
 from __future__ import annotations
 
