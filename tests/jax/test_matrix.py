@@ -64,7 +64,9 @@ def test_replicas_are_written_once(tmp_path: Path) -> None:
     from jax.sharding import PartitionSpec as P
 
     x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(m, P("a")))
-    collected = ucpj.save.__globals__["collect"]({"params": {"w": x}}, rank=0)
+    from ucpformat.jax.save import collect
+
+    collected = collect({"params": {"w": x}}, rank=0)
     boxes = [b for p, b in collected.boxes() if p == "model/w"]
     assert sorted(boxes) == [((0, 4), (0, 8)), ((4, 8), (0, 8))]
 
@@ -80,3 +82,28 @@ def test_load_without_target_gives_host_arrays(tmp_path: Path) -> None:
     stored = got["opt_state"]["state"]["embed"]["exp_avg"]
     assert isinstance(stored, np.ndarray) and stored.tobytes() == np.asarray(mu).tobytes()
     assert got["note"] == {"run": "matrix", "lr": 0.01}
+
+
+def test_a_flax_train_state_round_trips(tmp_path: Path) -> None:
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+    from flax.training.train_state import TrainState
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nn.Dense(3)(nn.Dense(4)(x))
+
+    model = Model()
+    params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+    state = state.apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like, params))
+    ucpj.save(tmp_path / "c", state)
+    ckpt = ucpformat.open_checkpoint(tmp_path / "c")
+    assert "model/Dense_1.kernel" in ckpt and ckpt.values("training") == {"step": 1}
+    assert ckpt["optimizer/state/Dense_0.kernel/step"].read() == 1.0
+    got = ucpj.load(tmp_path / "c", jax.eval_shape(lambda: state))
+    assert type(got) is TrainState and int(got.step) == 1
+    assert_bit_equal({"p": state.params, "o": state.opt_state},
+                     {"p": got.params, "o": got.opt_state})
