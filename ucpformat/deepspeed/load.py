@@ -39,8 +39,8 @@ from ucpformat.errors import (
 from ucpformat.format import names
 from ucpformat.layout.boxes import LocalMap, Piece, box_size
 from ucpformat.store import open_store
-from ucpformat.torch.comm import communicator
 from ucpformat.torch import load_plan
+from ucpformat.torch.comm import communicator
 from ucpformat.torch.numpy_bridge import from_numpy
 
 from .rank_fragments import FP32_COPIES, ZERO, ZERO3, Flat, Holdings, Naming, Placed, holdings
