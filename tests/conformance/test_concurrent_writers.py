@@ -1,0 +1,75 @@
+"""The writer suite's concurrency check makes the two writes overlap in every run
+(issue 27; UCP-1.0-R059, UCP-1.0-R065): the first writer is stopped once it has made its
+first change in the location (its claim), and the second runs to its end meanwhile.
+
+Run 20 times with the reference writer: every run overlaps (within the check's three
+tries: on a loaded machine the first writer may commit before the suite is scheduled to
+stop it, and that try is not counted), the second writer is refused and the first
+commits. (The whole check, with its deep validation and
+comparison of contents, runs in tests/conformance/test_reference.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conformance.conftest import reference
+from ucpformat.conformance import watch
+from ucpformat.conformance.cases import load_scenarios
+from ucpformat.conformance.report import Result
+from ucpformat.conformance.suites import writer as suite
+from ucpformat.conformance.suites.core import ALL_TYPES
+
+RUNS = 20
+
+
+@pytest.mark.skipif(not watch.available(), reason="needs Linux inotify")
+def test_the_two_writes_overlap_in_every_run(tmp_path: Path) -> None:
+    adapter = reference()
+    by_name = {s.name: s for s in load_scenarios()}
+    files = [str(suite._prepare(by_name[name], set(ALL_TYPES), tmp_path / f"in-{name}")[0])
+             for name in ("many-tensors", "basic")]
+    start = time.monotonic()
+    retried = 0
+    for run in range(RUNS):
+        # as the check does: a first writer that committed before it could be stopped (a
+        # loaded machine may not run the suite for that long) is tried again elsewhere
+        for attempt in range(1, suite._OVERLAP_TRIES + 1):
+            dest = tmp_path / f"out{run}-{attempt}"
+            dest.mkdir()
+            made = suite._overlapping(adapter, files, dest)
+            if made is not None:
+                break
+            retried += 1
+        assert made is not None, f"run {run}: no overlap in {suite._OVERLAP_TRIES} tries"
+        (first, second), waited = made
+        assert not waited, run
+        # the second ran wholly while the first held the location: it was refused
+        assert second.returncode != 0, (run, second.describe())
+        assert json.loads(second.stdout)["error"]["rule"] == "UCP-1.0-R059", second.stdout
+        assert first.returncode == 0, (run, first.describe())
+        root = json.loads((dest / "zarr.json").read_bytes())
+        assert len(root["consolidated_metadata"]["metadata"]) > 10  # many-tensors
+    assert retried <= RUNS // 4, f"{retried} tries did not overlap"
+    assert time.monotonic() - start < 180
+
+
+@pytest.mark.skipif(not watch.available(), reason="needs Linux inotify")
+def test_a_first_writer_that_never_changes_the_location_is_tried_again_then_skipped(
+        tmp_path: Path) -> None:
+    """No overlap can be made with a writer that ends before its first change: never a
+    pass by luck, a skip after three tries."""
+    from tests.conformance.conftest import adapter as command_adapter
+
+    refusing = command_adapter("sh", "-c", 'echo \'{"error": {"message": "no"}}\'; exit 1',
+                               "refuse")
+    by_name = {s.name: s for s in load_scenarios()}
+    result = Result("writer.concurrent", "many-tensors | basic")
+    suite._concurrent(result, refusing, [by_name["many-tensors"], by_name["basic"]],
+                      set(ALL_TYPES), tmp_path)
+    assert result.status == "skip", result.findings
+    assert result.extra["overlap"] is False
