@@ -482,7 +482,8 @@ class Checkpoint:
     def check_present(self, path: str, lo: Sequence[int], hi: Sequence[int]) -> None:
         """Every stored object and inner chunk the box [lo, hi) needs exists (UCP-1.0-R031), lies
         before its shard's index (UCP-1.0-R048), and, zstd-compressed, is one frame that declares
-        its size (UCP-1.0-R047): tensorstore checks none of these."""
+        its size (UCP-1.0-R047), within the bound of UCP-1.0-R098 (CRC32C included):
+        tensorstore checks none of these."""
         node = self.nodes[path]
         shape = node["shape"]
         if any(b <= a for a, b in zip(lo, hi, strict=True)):
@@ -502,6 +503,11 @@ class Checkpoint:
                 raise Refused(R + "031", f"{path}: stored object {key} is missing (never read "
                                          "as fill values)")
             if inner is None:
+                # the stored size, its CRC32C included, is at most twice the decoded
+                # size plus 64 KiB (UCP-1.0-R098): tensorstore reads whatever is there
+                if file.stat().st_size > 2 * chunk_bytes + 65536:
+                    raise Refused(R + "098", f"{key}: stored in {file.stat().st_size} bytes, "
+                                             "more than twice its size plus 64 KiB")
                 if zstd:
                     check_zstd(file.read_bytes()[:-4], chunk_bytes, key)
                 continue
@@ -541,6 +547,9 @@ class Checkpoint:
             if offset + nbytes > size:
                 raise Refused(R + "094", f"{key}: inner chunk {list(local)} reaches beyond "
                                          "the end of its shard")
+            if nbytes > 2 * chunk_bytes + 65536:
+                raise Refused(R + "098", f"{key}: inner chunk {list(local)} is stored in "
+                                         f"{nbytes} bytes, more than twice its size plus 64 KiB")
             if offset + nbytes > size - 16 * n - 4:
                 raise Refused(R + "048", f"{key}: inner chunk {list(local)} reaches into the "
                                          "shard index")
