@@ -1302,6 +1302,8 @@ CONVENTION_CONFIGS: list[tuple[str, Target]] = [
     ("ep2.r1.no-num-experts", Target(ep=2, ep_rank=1)),
     ("ep2.r1.num-experts-8", Target(ep=2, ep_rank=1, num_experts=8)),
     ("ep2.r1", Target(ep=2, ep_rank=1, num_experts=4)),
+    ("ep1.num-experts-2", Target(num_experts=2)),  # expert 2 of 2 experts: refused (R117)
+    ("ep1.no-num-experts", Target()),  # ep 1 and no E: the one rank holds every expert
 ]
 
 
