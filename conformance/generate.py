@@ -1482,6 +1482,7 @@ R = "UCP-1.0-R"
 #: Other requirements an implementation may name for a case (what a reader sees of it).
 ALSO: dict[str, list[str]] = {
     "chunk-parent-is-file": ["031", "072"],
+    "sparse-chunk-parent-is-file": ["031", "072"],
     "zstd-declares-other-size": ["047"],
     "shard-index-huge-range": ["098"],
     "root-edited-data-type": ["055"],
@@ -2272,6 +2273,22 @@ def _(d: Damage) -> None:
 @invalid("chunk-parent-is-file", "read", ["099"],
          "Where model/fc.bias/c/ should be a directory holding the chunk 0, a file stands: "
          "the chunk cannot be read (the file system says 'not a directory').")
+def _(d: Damage) -> None:
+    d.delete("model/fc.bias/c")
+    d.put("model/fc.bias/c", b"not a directory\n", listed=False)
+
+
+def _sparse_arrays() -> list[Arr]:
+    """The base checkpoint with model/fc.bias sparse."""
+    return [arr("model/fc.bias", "float32", (6,), 2, chunk=(4,),
+                ucp={"role": "parameter", "sparse": True}) if a.name[-1] == "fc.bias" else a
+            for a in base_arrays()]
+
+
+@invalid("sparse-chunk-parent-is-file", "read", ["099"],
+         "As chunk-parent-is-file, in a sparse array: a file stands where model/fc.bias/c/ "
+         "should be a directory. Something is there, so the chunks are not absent: refused, "
+         "never read as fill values (1.0.1, R099).", arrays=_sparse_arrays)
 def _(d: Damage) -> None:
     d.delete("model/fc.bias/c")
     d.put("model/fc.bias/c", b"not a directory\n", listed=False)

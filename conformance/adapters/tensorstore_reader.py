@@ -467,6 +467,12 @@ class Checkpoint:
     def _file(self, key: str) -> Path | None:
         path = self.root_dir / key
         if not os.path.lexists(path):
+            parts = key.split("/")
+            for i in range(1, len(parts)):  # a file where a directory should be (R099)
+                above = self.root_dir.joinpath(*parts[:i])
+                if os.path.lexists(above) and not above.is_dir():
+                    raise Refused(R + "099", f"{key} cannot be read: {'/'.join(parts[:i])} is "
+                                             "not a directory")
             return None
         real = Path(os.path.realpath(path))
         if real != self.root_dir and self.root_dir not in real.parents:

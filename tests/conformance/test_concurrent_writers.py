@@ -4,9 +4,10 @@ first change in the location (its claim), and the second runs to its end meanwhi
 
 Run 20 times with the reference writer: every run overlaps (within the check's three
 tries: on a loaded machine the first writer may commit before the suite is scheduled to
-stop it, and that try is not counted), the second writer is refused and the first
-commits. (The whole check, with its deep validation and
-comparison of contents, runs in tests/conformance/test_reference.py.)
+stop it, and that try is not counted), exactly one writer commits, and (but for a rare
+stop between the first writer's creating and locking its marker) it is the first. (The
+whole check, with its deep validation and comparison of contents, runs in
+tests/conformance/test_reference.py.)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def test_the_two_writes_overlap_in_every_run(tmp_path: Path) -> None:
     files = [str(suite._prepare(by_name[name], set(ALL_TYPES), tmp_path / f"in-{name}")[0])
              for name in ("many-tensors", "basic")]
     start = time.monotonic()
-    retried = 0
+    retried = refused = 0
     for run in range(RUNS):
         # as the check does: a first writer that committed before it could be stopped (a
         # loaded machine may not run the suite for that long) is tried again elsewhere
@@ -48,13 +49,23 @@ def test_the_two_writes_overlap_in_every_run(tmp_path: Path) -> None:
         assert made is not None, f"run {run}: no overlap in {suite._OVERLAP_TRIES} tries"
         (first, second), waited = made
         assert not waited, run
-        # the second ran wholly while the first held the location: it was refused
-        assert second.returncode != 0, (run, second.describe())
-        assert json.loads(second.stdout)["error"]["rule"] == "UCP-1.0-R059", second.stdout
-        assert first.returncode == 0, (run, first.describe())
+        # exactly one commits, and the location holds its checkpoint: the second, run
+        # wholly while the first held the location, is refused (R059) -- unless the first
+        # was stopped between creating its marker and locking it, which the reference
+        # writer takes for a stopped writer's marker: then the second commits and the
+        # first is refused when it goes on
+        assert [first.returncode, second.returncode].count(0) == 1, (
+            run, first.describe(), second.describe())
         root = json.loads((dest / "zarr.json").read_bytes())
-        assert len(root["consolidated_metadata"]["metadata"]) > 10  # many-tensors
+        nodes = len(root["consolidated_metadata"]["metadata"])
+        if first.returncode == 0:
+            assert nodes > 10, run  # many-tensors
+            assert json.loads(second.stdout)["error"]["rule"] == "UCP-1.0-R059", second.stdout
+            refused += 1
+        else:
+            assert nodes < 10, run  # basic
     assert retried <= RUNS // 4, f"{retried} tries did not overlap"
+    assert refused >= RUNS - 2, f"the second writer was refused in {refused} runs of {RUNS}"
     assert time.monotonic() - start < 180
 
 
