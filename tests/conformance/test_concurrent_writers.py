@@ -39,14 +39,14 @@ def test_the_two_writes_overlap_in_every_run(tmp_path: Path) -> None:
     for run in range(RUNS):
         # as the check does: a first writer that committed before it could be stopped (a
         # loaded machine may not run the suite for that long) is tried again elsewhere
-        for attempt in range(1, suite._OVERLAP_TRIES + 1):
+        for attempt in range(1, suite.OVERLAP_TRIES + 1):
             dest = tmp_path / f"out{run}-{attempt}"
             dest.mkdir()
-            made = suite._overlapping(adapter, files, dest)
+            made = suite.overlapping_writes(adapter, files, dest)
             if made is not None:
                 break
             retried += 1
-        assert made is not None, f"run {run}: no overlap in {suite._OVERLAP_TRIES} tries"
+        assert made is not None, f"run {run}: no overlap in {suite.OVERLAP_TRIES} tries"
         (first, second), waited = made
         assert not waited, run
         # exactly one commits, and the location holds its checkpoint: the second, run

@@ -493,13 +493,13 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
     if not available() or isinstance(adapter, CallableAdapter):
         _concurrent_at_once(result, adapter, prepared, names, work / "out")
         return
-    for attempt in range(1, _OVERLAP_TRIES + 1):
+    for attempt in range(1, OVERLAP_TRIES + 1):
         dest = work / f"out-{attempt}"
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)  # OUT_DIR is an empty folder (UCP-1.0-R233)
         with timed(result):
-            made = _overlapping(adapter, [str(p[0]) for p in prepared], dest)
+            made = overlapping_writes(adapter, [str(p[0]) for p in prepared], dest)
         if made is None:
             continue
         runs, waited = made
@@ -511,17 +511,17 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
         _judge_concurrent(result, list(runs), dest, prepared, names)
         return
     result.extra["overlap"] = False
-    result.skip(f"the writer of {names[0]} ended each of {_OVERLAP_TRIES} times before it "
+    result.skip(f"the writer of {names[0]} ended each of {OVERLAP_TRIES} times before it "
                 "could be stopped: the two writes could not be made to overlap")
 
 
 #: Locations the concurrency check tries before it gives up making two writes overlap.
-_OVERLAP_TRIES = 3
+OVERLAP_TRIES = 3
 #: How long the second writer may run while the first is stopped (seconds).
 _SECOND_WAIT = 60.0
 
 
-def _overlapping(adapter: Adapter, scenario_files: Sequence[str], dest: Path
+def overlapping_writes(adapter: Adapter, scenario_files: Sequence[str], dest: Path
                  ) -> tuple[tuple[Run, Run], bool] | None:
     """Run two writes into ``dest``, the second wholly while the first is stopped after its
     first change there: ((first run, second run), whether the second had to be let go on
