@@ -1,5 +1,6 @@
 """What a writer adapter prints on success (UCP-1.0-R233, issue 27 point 15): nothing, or
-one JSON object without ``error``; the writer suite fails any other output."""
+one JSON object without ``error``; the writer suite fails any other output. And the fill
+values it writes, spelled as UCP-1.0-R033 spells them (point 16; a warning otherwise)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,5 @@ def test_text_on_success_fails_the_writer_suite() -> None:
     valid = report.by_check("writer.valid")
     assert valid and valid[0].status == "fail", report.render()
     assert any(f.rule == "UCP-1.0-R233" and "'saved'" in f.message for f in valid[0].findings)
+    # the reference writer spells its fill values as R033 does: no warning
+    assert not [f for f in valid[0].findings if f.rule == "UCP-1.0-R033"], valid[0].findings

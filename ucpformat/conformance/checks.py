@@ -68,8 +68,8 @@ CHECKS: dict[str, CheckInfo] = {
         CheckInfo(
             "writer.valid",
             "the checkpoint of every scenario validates, deep; the adapter prints nothing "
-            "or a JSON object on success",
-            ("UCP-1.0-R063", "UCP-1.0-R220", "UCP-1.0-R233"),
+            "or a JSON object on success; zero fill values spelled out (a warning)",
+            ("UCP-1.0-R033", "UCP-1.0-R063", "UCP-1.0-R220", "UCP-1.0-R233"),
         ),
         CheckInfo(
             "writer.contents",

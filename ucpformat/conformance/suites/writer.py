@@ -215,10 +215,40 @@ def _judge_output(report: SuiteReport, result: Result, name: str, out: Path,
         result.error(issue.rule, f"{issue.path}: {issue.message}")
     for issue in validation.warnings:
         result.warn(issue.rule, f"{issue.path}: {issue.message}")
+    if not validation.errors:
+        _judge_fill_values(result, out)
     contents_result = report.add(Result("writer.contents", name,
                                         requirements_of("writer.contents")))
     with timed(contents_result):
         judge_contents(contents_result, out, expected)
+
+
+#: The fill value UCP-1.0-R033 asks writers to write, spelled out, by data type.
+_ZERO_FILL: dict[str, Any] = {
+    "bool": False, "float32": 0.0, "float64": 0.0, "complex64": [0.0, 0.0],
+    "complex128": [0.0, 0.0], "float16": "0x0000", "bfloat16": "0x0000",
+    **{t: 0 for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                      "uint64")},
+    **{t: "0x00" for t in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                           "float8_e5m2fnuz", "float8_e8m0fnu")},
+}
+
+
+def _judge_fill_values(result: Result, out: Path) -> None:
+    """A warning (SHOULD) for each array whose fill value is not the zero bits spelled as
+    UCP-1.0-R033 spells them ("0x0000" for float16, "0x00" for every 1-byte float type)."""
+    try:
+        root = json.loads((out / "zarr.json").read_bytes())
+        nodes = root["consolidated_metadata"]["metadata"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for path, doc in sorted(nodes.items()):
+        if not isinstance(doc, dict) or doc.get("node_type") != "array":
+            continue
+        want = _ZERO_FILL.get(str(doc.get("data_type")))
+        if want is not None and not json_equal(doc.get("fill_value"), want):
+            result.warn("UCP-1.0-R033", f"{path}: fill value {doc.get('fill_value')!r}; writers "
+                                        f"write {json.dumps(want)} for {doc['data_type']}")
 
 
 def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) -> None:
