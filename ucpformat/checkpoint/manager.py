@@ -30,7 +30,7 @@ per save, so readers of older ones are never disturbed: spec section 11.3). The 
   than the newest valid checkpoint is deleted, incomplete remains included;
 - a checkpoint is deleted by first removing its root ``zarr.json`` (UCP-1.0-R053), and
   only what is a checkpoint, or the remains of a save, is deleted
-  (``writer.delete_checkpoint``): a ``step-*`` link or a directory of other files is left
+  (``commit.delete_checkpoint``): a ``step-*`` link or a directory of other files is left
   as it is with a :class:`CheckpointWarning`; nothing is read, written or deleted through
   a link;
 - a save that fails removes what it wrote, and the remains of earlier interrupted saves;

@@ -104,7 +104,9 @@ def __getattr__(name: str) -> Any:
         from ucpformat.megatron import strategies
 
         return getattr(strategies, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ucpformat.compat import moved_attribute  # store: moved in 0.2
+
+    return moved_attribute(__name__, name)
 
 
 __all__ = ["BACKEND", "VERSION", "UCPLoadStrategy", "UCPSaveStrategy", "register",
