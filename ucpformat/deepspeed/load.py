@@ -34,11 +34,12 @@ from ucpformat.errors import (
     LoadError,
     ShapeMismatchError,
     UCPError,
+    UnsafePathError,
 )
 from ucpformat.layout.boxes import LocalMap, Piece, box_size
 from ucpformat.pipeline import raise_if_failed
 from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.storage import open_store
+from ucpformat.storage import LocalStore, open_store
 from ucpformat.torch.comm import communicator
 from ucpformat.torch.convert import from_numpy
 from ucpformat.torch.planner import value_like
@@ -64,21 +65,52 @@ class LoadResult:
 
 def resolve_location(path: str | os.PathLike[str], tag: str | None = None) -> str:
     """The checkpoint to load: ``path/tag``; ``path`` if it is a checkpoint; else the one
-    ``path/latest`` names (the file :func:`ucpformat.deepspeed.save` writes with a tag)."""
+    ``path/latest`` names (the file :func:`ucpformat.deepspeed.save` writes with a tag).
+
+    A name read from ``latest`` is content: a link there is refused (UCP-1.0-R089), and
+    :func:`load` opens it without following one (:func:`open_location`)."""
+    location, from_content = _resolve(path, tag)
+    if from_content and "://" not in location:
+        _no_link(location)
+    return location
+
+
+def _resolve(path: str | os.PathLike[str], tag: str | None) -> tuple[str, bool]:
+    """The location, and whether its last name came from the ``latest`` file."""
     from .save import checkpoint_location
 
     base = os.fspath(path)
     if tag is not None:
-        return checkpoint_location(base, tag)
+        return checkpoint_location(base, tag), False
     store = open_store(base, durable=False)
     if store.exists("zarr.json"):
-        return base
+        return base, False
     latest = store.get("latest")
     if latest is None:
         raise CheckpointNotFoundError("no checkpoint here (no zarr.json) and no 'latest' file "
                                       "naming one", rule="UCP-1.0-R051", path=base)
     name = latest.decode(errors="replace").strip()
-    return checkpoint_location(base, name)
+    return checkpoint_location(base, name), True
+
+
+def _no_link(location: str) -> None:
+    local = location[len("file://"):] if location.startswith("file://") else location
+    if os.path.islink(local):
+        raise UnsafePathError(
+            f"'latest' names {os.path.basename(local)!r}, a symbolic link: a name read from a "
+            "checkpoint's files is resolved without following links", rule="UCP-1.0-R089",
+            path=local)
+
+
+def open_location(path: str | os.PathLike[str], tag: str | None = None) -> Checkpoint:
+    """Open the checkpoint :func:`resolve_location` finds; one that ``latest`` names is
+    opened through a store that never follows a link, even at its own name."""
+    location, from_content = _resolve(path, tag)
+    if not from_content or "://" in location:
+        return open_checkpoint(location)
+    _no_link(location)
+    local = location[len("file://"):] if location.startswith("file://") else location
+    return open_checkpoint(LocalStore(local, durable=False, follow_link=False))
 
 
 # -- the plan: every check, and the reads ------------------------------------------------------
@@ -492,16 +524,21 @@ def load(
     location = os.fspath(path)
     mine: list[str] = []
     try:
-        location = resolve_location(path, tag)
+        location = _resolve(path, tag)[0]
+        ckpt = open_location(path, tag)
         rule_set = rules if isinstance(rules, RuleSet) or rules is None else RuleSet.load(rules)
         h = holdings(engine, Naming(rule_set, dict(rule_params or {})))
         mine = list(h.params) + list(h.buffers) + list(h.aliases)
-        ckpt = open_checkpoint(location)
     except BaseException as exc:  # reported collectively
         error = exc
     gathered = comm.allgather({"error": error_report(error), "names": mine})
-    raise_if_failed(failed_ranks([g["error"] for g in gathered]), "opening the checkpoint",
-                    error)
+    try:
+        raise_if_failed(failed_ranks([g["error"] for g in gathered]),
+                        "opening the checkpoint", error)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
     assert h is not None and ckpt is not None
     plan: _Plan | None = None
     try:
@@ -528,4 +565,4 @@ def load(
         ckpt.close()
 
 
-__all__ = ["LoadResult", "load", "resolve_location"]
+__all__ = ["LoadResult", "load", "open_location", "resolve_location"]

@@ -1,0 +1,46 @@
+"""Issue 31 on the DeepSpeed doors, without engines: ``latest`` through a link (item 4),
+counters of another kind (item 6), ``engine.load_checkpoint`` with the plug-in (item 7)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import ucpformat
+from ucpformat.errors import UCPError, UnsafePathError
+from ucpformat.testing.common import SMALL_CHUNKING, small_state
+
+pytest.importorskip("torch")
+
+
+def _planted_latest(tmp_path: Path) -> Path:
+    """``run/latest`` names ``evil``, a link to a valid checkpoint outside ``run``."""
+    run = tmp_path / "run"
+    ucpformat.save(run / "good", small_state(1), durable=False, **SMALL_CHUNKING)
+    ucpformat.save(tmp_path / "outside", small_state(2), durable=False, **SMALL_CHUNKING)
+    (run / "evil").symlink_to(tmp_path / "outside", target_is_directory=True)
+    (run / "latest").write_text("evil")
+    return run
+
+
+def test_latest_naming_a_link_is_refused(tmp_path: Path) -> None:
+    """Before: ``load`` opened ``run/evil`` and loaded the checkpoint outside."""
+    from ucpformat.deepspeed.load import load, open_location, resolve_location
+
+    run = _planted_latest(tmp_path)
+    with pytest.raises(UnsafePathError, match="R089"):
+        resolve_location(run)
+    with pytest.raises(UnsafePathError, match="R089"):
+        open_location(run)
+    with pytest.raises(UCPError, match="R089"):
+        load(object(), run)  # refused on opening, before the engine is looked at
+    (run / "latest").write_text("good")
+    with open_location(run) as ckpt:
+        assert ckpt.values("training")["step"] == small_state(1)["training"]["step"]
+    assert resolve_location(run) == os.fspath(run / "good")
+    # the caller's own path (and a tag the caller gives) may still be a link
+    (tmp_path / "mine").symlink_to(run / "good", target_is_directory=True)
+    with open_location(tmp_path / "mine") as ckpt:
+        assert "model/fc.weight" in ckpt
