@@ -30,6 +30,7 @@ from ucpformat.errors import (
     ResourceLimitError,
     SelectionError,
     TensorNotFoundError,
+    UCPError,
     UnsafePathError,
     UnsupportedFeatureError,
 )
@@ -609,7 +610,41 @@ def parse_root(
             check_values(ucp[member], what=f"attributes.ucp.{member}", where=where)
     with gc_paused():
         arrays, groups = parse_consolidated(doc, where=where)
+    check_aliases(arrays, groups, where=where)
     return root, arrays, groups
+
+
+def check_aliases(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], *, where: str
+) -> None:
+    """Refuse what UCP-1.0-R108 forbids, on open: an alias that is also stored (a loader
+    would hand out its target's values under a stored tensor's name), one that points to
+    another alias or to no array of its group. A malformed ``aliases`` member is left to
+    validation (its schema)."""
+    for gpath, group in groups.items():
+        aliases = group.ucp.get("aliases")
+        if not isinstance(aliases, Mapping):
+            continue
+        for alias, target in aliases.items():
+            if not isinstance(alias, str) or not isinstance(target, str):
+                continue
+            try:
+                alias_path = names.join(gpath, names.escape(alias))
+                target_path = names.join(gpath, names.escape(target))
+            except UCPError as exc:
+                raise FormatError(f"alias {alias!r} -> {target!r}: {exc.message}",
+                                  rule="UCP-1.0-R108", path=where, tensor=gpath) from exc
+            if alias_path in arrays:
+                raise FormatError(
+                    f"is declared an alias of {target!r} in {gpath!r} and is also stored: "
+                    "an alias is not stored (refused: a loader would give it the values of "
+                    f"{target!r})", rule="UCP-1.0-R108", tensor=alias_path)
+            if target in aliases:
+                raise FormatError(f"alias {alias!r} points to another alias {target!r}",
+                                  rule="UCP-1.0-R108", tensor=gpath)
+            if target_path not in arrays:
+                raise FormatError(f"alias {alias!r} points to {target!r}, which is not an "
+                                  "array of this group", rule="UCP-1.0-R108", tensor=gpath)
 
 
 def _is_count(value: Any) -> bool:
