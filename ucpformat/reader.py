@@ -69,10 +69,28 @@ UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
 
 def physical_memory() -> int:
+    """The memory this process can have: the physical memory, or less where an address
+    space limit (RLIMIT_AS) or a cgroup's memory.max says so."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        memory = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 1 << 40
+        memory = 1 << 40
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            memory = min(memory, int(soft))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - non-POSIX
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            memory = min(memory, int(text))
+    except OSError:
+        pass
+    return memory
 
 
 @dataclass
@@ -195,6 +213,22 @@ class Checkpoint:
         return out
 
     # -- reading ------------------------------------------------------------------------
+
+    def check_new_arrays(self, sizes: Sequence[tuple[str, int]]) -> None:
+        """Refuse, before anything is allocated, new arrays of ``(tensor path, bytes)`` for
+        a read whose bytes, one alone or all together, exceed :attr:`max_read_bytes` (the
+        caller's stated bound; by default the memory this process can have): a declared
+        shape of 2^40 rows over tiny chunks must not be allocated first (UCP-1.0-R090)."""
+        total = 0
+        for path, nbytes in sizes:
+            total += nbytes
+            if total > self.max_read_bytes:
+                what = (f"{nbytes} bytes" if total == nbytes
+                        else f"{nbytes} bytes, {total} with the tensors read with it")
+                raise ResourceLimitError(
+                    f"a new array for it needs {what}, over the limit of "
+                    f"{self.max_read_bytes} (read a slice, load into existing tensors, or "
+                    "open with a larger max_read_bytes)", rule="UCP-1.0-R090", tensor=path)
 
     def _count(self, nbytes: int) -> None:
         with self._stats_lock:

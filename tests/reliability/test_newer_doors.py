@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 import ucpformat
-from ucpformat.errors import FormatError
+from ucpformat.errors import FormatError, ResourceLimitError
+from ucpformat.layout.boxes import box_shape
 from ucpformat.testing import hostile
 
 
@@ -46,3 +47,36 @@ def test_an_alias_that_shadows_a_stored_tensor_is_refused_on_open(
         torch_flat.load_file(root)
     with pytest.raises(FormatError, match="R108"):
         torch_flat.safe_open(root)
+
+
+def _huge(node: dict[str, Any]) -> None:
+    node["shape"] = [2**40, node["shape"][1]]
+
+
+def test_a_huge_declared_shape_is_refused_before_allocating(tmp_path: Path) -> None:
+    """Before: load_file allocated 32 TiB for the declared shape before reading a chunk
+    (numpy's MemoryError), on every load path."""
+    root = _edited(tmp_path, "model/fc.weight", _huge)
+    with ucpformat.open(root) as ckpt:
+        assert ckpt["model/fc.weight"].shape[0] == 2**40  # opening allocates nothing
+        with pytest.raises(ResourceLimitError, match=r"fc\.weight"):
+            ckpt["model/fc.weight"].read()
+        from ucpformat.distributed import read_locals
+        from ucpformat.layout.boxes import LocalMap, Piece, full_box
+
+        box = full_box(ckpt["model/fc.weight"].shape)
+        with pytest.raises(ResourceLimitError, match=r"R090.*fc\.weight"):
+            read_locals(ckpt, [("model/fc.weight", LocalMap(box_shape(box), (Piece(box, box),)),
+                                None)])
+    torch_flat = pytest.importorskip("ucpformat.torch.flat")
+    with pytest.raises(ResourceLimitError, match=r"fc\.weight"):
+        torch_flat.load_file(root)
+    with torch_flat.safe_open(root) as f, pytest.raises(ResourceLimitError, match=r"fc\.weight"):
+        f.get_tensor("fc.weight")
+    import ucpformat.torch as ucpt
+
+    with pytest.raises(ResourceLimitError, match=r"fc\.weight"):
+        ucpt.load_state_dict(root)
+    # a bound the caller states: a small tensor over it is refused too
+    with ucpformat.open(root, max_read_bytes=64) as ckpt, pytest.raises(ResourceLimitError):
+        torch_flat.load_file(ckpt)

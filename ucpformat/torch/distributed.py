@@ -720,6 +720,7 @@ def _new_state_tensor(
     parameter if it has the parameter's shape, else whole on every rank."""
     meta = ckpt.arrays[path]
     dtype = torch_dtype(meta.dtype.name, tensor=path)
+    ckpt.check_new_arrays([(path, math.prod(meta.shape) * meta.dtype.itemsize)])
     if (
         isinstance(param, DTensor)
         and tuple(int(n) for n in param.shape) == meta.shape

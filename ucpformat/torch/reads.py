@@ -255,6 +255,10 @@ def read_tensors(
     next reads (``staging``, see :class:`DeviceStaging`).
     """
     how = staging if staging is not None else DeviceStaging()
+    ckpt.check_new_arrays([  # new tensors are all held at once: refused before any exists
+        (r.path, math.prod(r.local.local_shape if r.local is not None
+                           else ckpt[r.path].shape) * ckpt[r.path].dtype.itemsize)
+        for r in reads if r.target is None])
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([], device=how)
     to_device = [i for i, r in enumerate(reads) if (
