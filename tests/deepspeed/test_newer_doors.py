@@ -44,3 +44,25 @@ def test_latest_naming_a_link_is_refused(tmp_path: Path) -> None:
     (tmp_path / "mine").symlink_to(run / "good", target_is_directory=True)
     with open_location(tmp_path / "mine") as ckpt:
         assert "model/fc.weight" in ckpt
+
+
+@pytest.mark.parametrize("training", [
+    {"step": "abc"}, {"step": 2**70}, {"step": -5}, {"step": True}, {"step": 3.0},
+    {"step": 3, "global_samples": 1.5}, {"step": 3, "skipped_steps": -1},
+    {"global_samples": 10},
+])
+def test_counters_of_another_kind_are_refused(training: dict[str, object]) -> None:
+    """Before: "abc" left global_steps unchanged and result.step None; 2**70 and -5 were
+    accepted; global_samples 1.5 became 1."""
+    from ucpformat.deepspeed.load import check_counters
+    from ucpformat.errors import LoadError
+
+    with pytest.raises(LoadError, match=r"training/(step|global_samples|skipped_steps)"):
+        check_counters(training, where="ckpt")
+
+
+def test_counters_of_the_engines_kind_load() -> None:
+    from ucpformat.deepspeed.load import check_counters
+
+    check_counters({"step": 0, "global_samples": 2**63 - 1, "skipped_steps": 2}, where="c")
+    check_counters({"epoch": "abc"}, where="c")  # client state: not a counter

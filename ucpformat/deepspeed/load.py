@@ -323,6 +323,7 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
         ds = values.get("deepspeed")
         plan.deepspeed = _global_state(engine.optimizer, ds if isinstance(ds, Mapping) else {})
     training = ckpt.values("training") if "training" in ckpt.groups else {}
+    check_counters(training, where=ckpt.location)
     plan.training = training
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         scheduler = training.get("scheduler", training.get("lr_scheduler"))
@@ -482,16 +483,42 @@ def _load_global_state(opt: Any, ds: Mapping[str, Any]) -> None:
         setattr(scaler, key, value)
 
 
+#: The engine's counters in ``training``: integers from 0 to 2**63 - 1 (DeepSpeed keeps
+#: them as Python ints and logs them as int64 tensors).
+COUNTERS = ("step", "global_samples", "skipped_steps")
+_COUNTER_MAX = 2**63 - 1
+
+
+def check_counters(training: Mapping[str, Any], *, where: str) -> None:
+    """Refuse (:class:`~ucpformat.errors.LoadError`, naming the value) a counter of
+    ``training`` that is not an integer from 0 to 2**63 - 1 (``"abc"``, ``1.5``, ``True``,
+    ``-5``, ``2**70``), before anything of the engine changes; ``global_samples`` and
+    ``skipped_steps`` without ``step`` are refused too (nothing would set them)."""
+    for key in COUNTERS:
+        if key not in training:
+            continue
+        value = training[key]
+        if type(value) is not int or not 0 <= value <= _COUNTER_MAX:
+            raise LoadError(
+                f"is {value!r} ({type(value).__name__}); the engine's counter is an integer "
+                f"from 0 to 2**63 - 1: refused, the engine is unchanged",
+                path=where, tensor=f"training/{key}")
+    if "step" not in training and any(k in training for k in COUNTERS[1:]):
+        raise LoadError("training holds global_samples or skipped_steps but no step: refused, "
+                        "the engine is unchanged", path=where, tensor="training/step")
+
+
 def _apply_training(engine: Any, plan: _Plan, *, load_lr_scheduler_states: bool) -> int | None:
+    """Set the engine's counters (checked by :func:`check_counters` when planned)."""
     training = plan.training
     step = training.get("step")
     if load_lr_scheduler_states and plan.scheduler is not None:
         engine.lr_scheduler.load_state_dict(plan.scheduler)
-    if isinstance(step, int):
+    if step is not None:
         engine.global_steps = step
-        engine.global_samples = int(training.get("global_samples",
-                                                 step * engine.train_batch_size()))
-        engine.skipped_steps = int(training.get("skipped_steps", 0))
+        engine.global_samples = training.get("global_samples",
+                                             step * engine.train_batch_size())
+        engine.skipped_steps = training.get("skipped_steps", 0)
     return step if isinstance(step, int) else None
 
 
@@ -565,4 +592,5 @@ def load(
         ckpt.close()
 
 
-__all__ = ["LoadResult", "load", "open_location", "resolve_location"]
+__all__ = ["COUNTERS", "LoadResult", "check_counters", "load", "open_location",
+           "resolve_location"]
