@@ -66,3 +66,37 @@ def test_counters_of_the_engines_kind_load() -> None:
 
     check_counters({"step": 0, "global_samples": 2**63 - 1, "skipped_steps": 2}, where="c")
     check_counters({"epoch": "abc"}, where="c")  # client state: not a counter
+
+
+class _Engine:
+    """What DeepSpeed 0.19.8's engine does on load_checkpoint of a UCP checkpoint: its
+    SDLoaderBase.check_ckpt_list asserts that mp_rank_* files exist, before any
+    checkpoint engine's load is called."""
+
+    def __init__(self) -> None:
+        self.checkpoint_engine: object = None
+        self.calls = 0
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        self.calls += 1
+        ckpt_list: list[str] = []
+        assert len(ckpt_list) > 0
+        return load_dir, {}
+
+
+def test_load_checkpoint_with_the_plugin_names_the_ucp_load(tmp_path: Path) -> None:
+    """Before: a bare AssertionError from DeepSpeed's check_ckpt_list; the documented
+    message pointing to ucpformat.deepspeed.load never appeared."""
+    from ucpformat.deepspeed.plugin import UCPCheckpointEngine
+    from ucpformat.errors import UnsupportedFeatureError
+
+    engine = _Engine()
+    engine.checkpoint_engine = UCPCheckpointEngine(engine)
+    with pytest.raises(UnsupportedFeatureError, match=r"ucpformat\.deepspeed\.load"):
+        engine.load_checkpoint(tmp_path, tag="global_step3")
+    assert engine.calls == 0
+    UCPCheckpointEngine(engine)  # made again: one guard
+    engine.checkpoint_engine = None  # the user went back to DeepSpeed's engine
+    with pytest.raises(AssertionError):
+        engine.load_checkpoint(tmp_path)
+    assert engine.calls == 1
