@@ -562,7 +562,7 @@ class CheckpointManager:
         try:
             decision = self._before_save(step, location, store) if self.primary else ""
         except WriteError:  # the record could not say that a save begins: none did
-            self.remove_partial()  # the remains of earlier saves
+            self._clean_up_after_failure()  # the remains of earlier saves
             raise
         if self.comm is not None:
             decision = str(self.comm.allgather(decision)[0])
@@ -591,7 +591,7 @@ class CheckpointManager:
                 result = None
         except BaseException:
             if self.primary:
-                self.remove_partial()  # this save's remains, and those of earlier ones
+                self._clean_up_after_failure()  # this save's remains, and earlier ones'
             raise
         if preempt:
             self._preemption_step = step
@@ -638,7 +638,7 @@ class CheckpointManager:
             pending.future.result()
         except BaseException:
             if self.primary:
-                self.remove_partial()
+                self._clean_up_after_failure()
             raise
         self._record(pending.step, pending.location, pending.metrics)
         return Entry(pending.step, pending.location)
@@ -694,6 +694,15 @@ class CheckpointManager:
             self._root_store().put(_metrics_key(step), [metrics], atomic=True)
         self._metrics[step] = None if metrics is None else json.loads(metrics)
         self.prune(newest=step)
+
+    def _clean_up_after_failure(self) -> None:
+        """:meth:`remove_partial` while a save's error is raised: its own failure (a record
+        that cannot be trusted, say) is a warning, so that the save's error is the one seen."""
+        try:
+            self.remove_partial()
+        except UCPError as exc:
+            warnings.warn(f"the remains of failed saves under {self.root} were not removed: "
+                          f"{exc}", CheckpointWarning, stacklevel=3)
 
     def remove_partial(self) -> list[Entry]:
         """Delete the remains of this manager's saves that failed or were interrupted (its
