@@ -167,6 +167,12 @@ class CheckpointManager:
     :class:`~ucpformat.comm.Communicator`, e.g. ``ucpformat.torch.comm.communicator()``)
     is for saves that all ranks make together: the ranks agree on preemption saves and
     rank 0 alone verifies, records metrics and deletes.
+
+    The manager restores, counts and deletes only what it wrote: its record
+    (:data:`RECORD_KEY` under ``root``) names each checkpoint with the SHA-256 of its
+    root; ``record_key`` (bytes or str, kept outside the root) signs the record with an
+    HMAC, so that a record rewritten by anyone without the key is refused after a restart
+    too (docs/manager.md).
     """
 
     def __init__(

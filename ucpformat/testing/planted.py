@@ -29,7 +29,8 @@ moment. Kinds:
 After the last save, a new manager restores the newest checkpoint. Outcomes, per trial:
 ``refused`` (the restore, or a save, raised an error that says why), ``restored own``
 (a checkpoint holding exactly what the manager saved at that step), ``restored foreign``
-(anything else), ``nothing`` (no checkpoint: possible only if every save was refused);
+(anything else), ``nothing`` (no checkpoint: right only where every checkpoint it
+keeps was replaced);
 and over all trials: ``deleted foreign`` (a planted file, directory, link or link target
 changed or gone), ``deleted own`` (a checkpoint the manager saved and retention keeps —
 of its newest ``keep_last`` saves, those not replaced — gone or changed) and ``unreported`` (a
@@ -244,10 +245,11 @@ class _Run:
         if isinstance(got, UCPError):
             self.trial.outcome = "refused"
             return
+        kept = self._kept()
         if got is None:
             self.trial.outcome = "nothing"
-            if self.saved and not self.trial.refusals:
-                self.trial.problems.append("nothing restored after saves that succeeded")
+            if kept:  # possible only when every checkpoint it keeps was replaced
+                self.trial.problems.append(f"nothing restored, though it keeps steps {kept}")
             return
         with got as ckpt:
             step = parse_step_name(ckpt.location.rstrip("/").rsplit("/", 1)[-1])
@@ -257,8 +259,13 @@ class _Run:
         self.trial.outcome = "restored own" if own else "restored foreign"
         if not own:
             self.trial.problems.append(f"restored {ckpt.location}, not the manager's own")
-        elif step != max(s for s in self.saved if s not in self.replaced):
+        elif step != max(kept):
             self.trial.problems.append(f"restored step {step}, not the newest of its own")
+
+    def _kept(self) -> list[int]:
+        """What retention keeps of its own: the newest ``keep_last`` of its saves (as of the
+        last one), those not replaced."""
+        return [s for s in self.saved[-self.keep_last:] if s not in self.replaced]
 
     def _check(self) -> None:
         said = "\n".join(self.messages)
@@ -270,8 +277,7 @@ class _Run:
             if plant.said not in said:
                 self.trial.unreported += 1
                 self.trial.problems.append(f"nothing said about {plant.path}")
-        # retention keeps the newest keep_last of its own saves (as of the last one)
-        for step in [s for s in self.saved[-self.keep_last:] if s not in self.replaced]:
+        for step in self._kept():
             location = self.root / step_name(step)
             try:
                 with ucpformat.open(location) as ckpt:
