@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.manager import (
+    RECORD_KEY,
+    CheckpointManager,
+    CheckpointWarning,
+    step_name,
+)
 from ucpformat.errors import UCPError
-from ucpformat.manager import RECORD_KEY, CheckpointManager, CheckpointWarning, step_name
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import faults
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ucpformat.manager import CheckpointManager
+from ucpformat.checkpoint.manager import CheckpointManager
 from ucpformat.testing import planted
 
 

@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import ucpformat
+from ucpformat.checkpoint.manager import RECORD_KEY, CheckpointManager, parse_step_name, step_name
 from ucpformat.errors import UCPError
-from ucpformat.manager import RECORD_KEY, CheckpointManager, parse_step_name, step_name
 from ucpformat.testing.common import SMALL_CHUNKING, differences, print_figures, small_state
 
 KINDS = ("planted-newest", "planted-older", "odd-name", "step-link", "replaced-own",
