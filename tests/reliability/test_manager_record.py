@@ -20,7 +20,12 @@ from ucpformat.checkpoint.manager import (
     parse_step_name,
     step_name,
 )
-from ucpformat.errors import CheckpointExistsError, CheckpointNotFoundError, ManagerRecordError
+from ucpformat.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ManagerRecordError,
+    UCPError,
+)
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 
 
@@ -175,3 +180,32 @@ def test_adopt_takes_a_checkpoint_explicitly(tmp_path: Path) -> None:
     assert manager.latest_step() == 7
     with manager.restore(7) as ckpt:  # type: ignore[union-attr]
         assert differences(ckpt.to_dict(), small_state(7)) == []
+
+
+def test_ranks_all_refuse_when_rank_0_cannot_trust_the_record(tmp_path: Path) -> None:
+    """With comm, a record rank 0 refuses is every rank's refusal (none waits alone in a
+    collective for a rank 0 that raised)."""
+    import numpy as np
+
+    from ucpformat.distributed.comm import ThreadGroup, run_threads
+    from ucpformat.store import LocalStore
+
+    root = tmp_path / "run"
+    _manager(root).maybe_save(1, small_state(1))
+    (root / RECORD_KEY).write_text("{}")  # not a record of this manager
+
+    def rank_main(comm: ThreadGroup) -> str:
+        manager = CheckpointManager(root, comm=comm)
+        try:
+            manager.maybe_save(2, lambda path: LocalStore(path).put(
+                "x", [np.zeros(1).tobytes()]))
+        except ManagerRecordError as exc:
+            return f"refused: {exc}"
+        except UCPError as exc:
+            return f"refused by rank 0: {exc}"
+        return "saved"
+
+    outcomes = run_threads(2, rank_main, timeout=60)
+    assert outcomes[0].startswith("refused: ") and "record" in outcomes[0]
+    assert outcomes[1].startswith("refused by rank 0") and "record" in outcomes[1]
+    assert not (root / "step-0000000002").exists()

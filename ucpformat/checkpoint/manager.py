@@ -571,13 +571,22 @@ class CheckpointManager:
         if self.comm is not None and not takes_location:
             raise ValueError("with comm, the state is saved by a callback that every rank "
                              "calls with the location (e.g. ucpformat.torch.save_async)")
+        failure: UCPError | None = None
         try:
             decision = self._before_save(step, location, store) if self.primary else ""
-        except WriteError:  # the record could not say that a save begins: none did
-            self._clean_up_after_failure()  # the remains of earlier saves
-            raise
-        if self.comm is not None:
+        except UCPError as exc:  # a record that cannot be trusted, or not be written
+            if isinstance(exc, WriteError):  # no save began: the remains of earlier ones
+                self._clean_up_after_failure()
+            if self.comm is None:
+                raise
+            failure, decision = exc, f"failed: {exc}"
+        if self.comm is not None:  # every rank learns rank 0's decision (none waits alone)
             decision = str(self.comm.allgather(decision)[0])
+            if failure is not None:
+                raise failure
+            if decision.startswith("failed: "):
+                raise UCPError(f"rank 0 refused the save: {decision[len('failed: '):]}",
+                               path=location)
         if decision == "kept":
             warnings.warn(f"step {step} is already saved at {location}; kept as it is",
                           CheckpointWarning, stacklevel=2)
