@@ -221,8 +221,12 @@ def test_works_with_ucpformat_torch_save(tmp_path: Path) -> None:
     assert torch.equal(fresh.weight, weights[4])
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError):
         CheckpointManager("x", keep_last=0)
     with pytest.raises(UCPError):
         CheckpointManager("x").maybe_save(1, {"model": "not a group"})
+    # the failed save left nothing, not even its entry in the record
+    assert CheckpointManager("x").record() == {}
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["ucp-manager.json"]

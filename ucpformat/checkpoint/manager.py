@@ -751,6 +751,14 @@ class CheckpointManager:
                 continue
             if self._delete(entry.location):
                 deleted.append(entry)
+        present = {e.location.rsplit("/", 1)[-1] for e in self.checkpoints()}
+        pending = None if self._pending is None else step_name(self._pending.step)
+        for name, own in record.items():  # saves that failed before they made a location
+            if own["state"] == "saving" and name not in present and name != pending:
+                try:
+                    self._update_record(name, None)
+                except WriteError as exc:
+                    warnings.warn(f"{exc}", CheckpointWarning, stacklevel=2)
         return deleted
 
     def prune(self, *, newest: int | None = None) -> list[Entry]:
