@@ -186,6 +186,7 @@ def test_old_module_attributes_and_entry_points(tmp_path: Path) -> None:
 
     from ucpformat.compat import MOVED
 
+    vars(ucpformat).pop("storage", None)  # set by an earlier import of the old path
     with pytest.warns(DeprecationWarning, match="ucpformat.store"):
         assert ucpformat.storage.LocalStore is importlib.import_module(  # type: ignore[attr-defined]
             "ucpformat.store").LocalStore

@@ -58,12 +58,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import json
 import math
-import operator
 import os
-import re
 import signal
 import threading
 import warnings
@@ -73,6 +70,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ucpformat.checkpoint.commit import delete_checkpoint
+from ucpformat.checkpoint.manager_record import (
+    MAX_RECORD_BYTES,
+    METRICS_SUFFIX,
+    RECORD_FORMAT,
+    RECORD_KEY,
+    parse_record,
+    parse_step_name,
+    record_mac,
+    step_name,
+)
 from ucpformat.checkpoint.metadata import ZARR_JSON
 from ucpformat.checkpoint.reader import (
     MAX_METADATA_BYTES,
@@ -94,38 +101,6 @@ from ucpformat.store import LocalStore, Store, open_store
 
 if TYPE_CHECKING:  # the distributed layer sits above this one (docs/architecture.md)
     from ucpformat.distributed.comm import Communicator
-
-_NAME = re.compile(r"step-([0-9]{10,})")
-
-#: The object, beside a checkpoint's location, that holds the metrics it was saved with.
-METRICS_SUFFIX = ".metrics.json"
-#: The manager's record of the checkpoints it wrote, under its root.
-RECORD_KEY = "ucp-manager.json"
-#: The largest record read (a record names each checkpoint in about 130 bytes).
-MAX_RECORD_BYTES = 16 << 20
-_RECORD_FORMAT = "ucpformat.manager.record/1"
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def step_name(step: int) -> str:
-    """The name of the location of ``step``: ``step-`` and at least 10 digits (the one
-    formatter; :func:`parse_step_name` is its inverse)."""
-    if isinstance(step, bool):
-        raise ValueError("a step is an integer, not a bool")
-    step = operator.index(step)
-    if step < 0:
-        raise ValueError("steps are non-negative")
-    return f"step-{step:010d}"
-
-
-def parse_step_name(name: str) -> int | None:
-    """The step of a location name that :func:`step_name` writes, or None for any other
-    name (``step-00000000012``, 11 digits with a leading zero, is not step 12's name)."""
-    m = _NAME.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_name(step) == name else None
 
 StateOrCallback = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | Callable[[str], Any]
 
@@ -346,17 +321,17 @@ class CheckpointManager:
                 raise ManagerRecordError(
                     f"the record belongs to user {owner}, not to this process's user "
                     f"{os.geteuid()}: not written by this manager; refused", path=where)
-        entries = _parse_record(body, self._record_key, where)
+        entries = parse_record(body, self._record_key, where)
         if self.primary:
             self._record_bytes = body  # from now on, only this manager changes it
         return entries
 
     def _write_record(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
         """Write the record (atomically, never through a link)."""
-        doc: dict[str, Any] = {"format": _RECORD_FORMAT,
+        doc: dict[str, Any] = {"format": RECORD_FORMAT,
                                "checkpoints": {k: dict(entries[k]) for k in sorted(entries)}}
         if self._record_key is not None:
-            doc["hmac_sha256"] = _record_mac(doc, self._record_key)
+            doc["hmac_sha256"] = record_mac(doc, self._record_key)
         body = json.dumps(doc, sort_keys=True, indent=1).encode()
         try:
             self._root_store().put(RECORD_KEY, [body], atomic=True)
@@ -870,48 +845,6 @@ def _local(location: str) -> str:
 
 def _metrics_key(step: int) -> str:
     return step_name(step) + METRICS_SUFFIX
-
-
-def _record_mac(doc: Mapping[str, Any], key: bytes) -> str:
-    body = json.dumps({k: v for k, v in doc.items() if k != "hmac_sha256"},
-                      sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key, body, hashlib.sha256).hexdigest()
-
-
-def _parse_record(body: bytes, key: bytes | None, where: str) -> dict[str, dict[str, Any]]:
-    """The checkpoints of a record's bytes, checked (ManagerRecordError if malformed or, with
-    ``key``, if its HMAC does not verify)."""
-
-    def bad(why: str) -> ManagerRecordError:
-        return ManagerRecordError(f"the record is refused: {why}", path=where)
-
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise bad(f"not JSON ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("format") != _RECORD_FORMAT:
-        raise bad(f"not a record of this manager (format {_RECORD_FORMAT!r})")
-    if key is not None:
-        mac = doc.get("hmac_sha256")
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, _record_mac(doc, key)):
-            raise bad("its HMAC does not verify with this manager's record_key (not written "
-                      "by it, or changed since)")
-    checkpoints = doc.get("checkpoints")
-    if not isinstance(checkpoints, dict):
-        raise bad("'checkpoints' is not an object")
-    out: dict[str, dict[str, Any]] = {}
-    for name, entry in checkpoints.items():
-        step = parse_step_name(name) if isinstance(name, str) else None
-        if (step is None or not isinstance(entry, dict) or entry.get("step") != step
-                or type(entry.get("step")) is not int):
-            raise bad(f"entry {name!r} is not a step's location name with its step")
-        state, digest = entry.get("state"), entry.get("root_sha256")
-        if not ((state == "saving" and digest is None)
-                or (state == "saved" and isinstance(digest, str) and _SHA256.fullmatch(digest))):
-            raise bad(f"entry {name!r}: state must be 'saving' (no root_sha256) or 'saved' "
-                      "(with the root's SHA-256)")
-        out[name] = {"step": step, "state": state, "root_sha256": digest}
-    return out
 
 
 def _encode_metrics(metrics: Mapping[str, Any] | None, location: str) -> bytes | None:
