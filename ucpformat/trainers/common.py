@@ -20,6 +20,7 @@ refused, naming where it is.
 from __future__ import annotations
 
 import math
+import os
 import random
 import warnings
 from collections.abc import Mapping
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ucpformat.errors import FormatError, InvalidValueError
+from ucpformat.errors import FormatError, InvalidValueError, StorageError
+from ucpformat.storage import open_store
+from ucpformat.writer import delete_checkpoint
 
 #: The ``extra`` / ``training`` key of the per-rank generators.
 RANK_RNG = "rank_rng"
@@ -54,6 +57,20 @@ def check_version(package: str, version: str, tested: tuple[tuple[int, int], tup
             f"{package} {version} is outside the versions ucpformat's integration was tested "
             f"with ({low[0]}.{low[1]} to {high[0]}.{high[1]}.x); see docs/trainers.md",
             UntestedVersionWarning, stacklevel=3)
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete the UCP checkpoint at ``path`` (its root metadata first, UCP-1.0-R053) and
+    then its empty directory; a file, or a directory that is not a checkpoint, is
+    refused and left as it is."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise StorageError("not a UCP checkpoint (a file, not a directory); left as it is",
+                           path=path)
+    delete_checkpoint(open_store(path))
+    os.rmdir(path)
 
 
 # -- per-rank generators -----------------------------------------------------------------
@@ -208,4 +225,4 @@ def _hashable(key: Any) -> Any:
 
 
 __all__ = ["RANK_RNG", "UntestedVersionWarning", "check_version", "decode_state",
-           "encode_state", "gathered_rng", "own_rng", "restore_rng"]
+           "encode_state", "gathered_rng", "own_rng", "remove", "restore_rng"]

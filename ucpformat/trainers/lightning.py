@@ -34,7 +34,6 @@ from ucpformat.errors import (
     InvalidValueError,
     KeyMismatchError,
     ShapeMismatchError,
-    StorageError,
 )
 from ucpformat.optional import require
 from ucpformat.trainers.common import (
@@ -43,6 +42,7 @@ from ucpformat.trainers.common import (
     decode_state,
     encode_state,
     gathered_rng,
+    remove,
     restore_rng,
 )
 
@@ -53,8 +53,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
-from ucpformat.storage import open_store  # noqa: E402
-from ucpformat.writer import delete_checkpoint  # noqa: E402
 
 #: The Lightning versions (major.minor, first and last) these classes were tested with.
 TESTED = ((2, 6), (2, 6))
@@ -88,19 +86,6 @@ def _stored_state(training: Mapping[str, Any], path: str) -> dict[str, Any]:
         raise KeyMismatchError("not a checkpoint of ucpformat's Lightning integration: no "
                                "training/lightning", path=path)
     return decode_state(training["lightning"], where=f"{path}: training/lightning")
-
-
-def remove(path: str | os.PathLike[str]) -> None:
-    """Delete the UCP checkpoint at ``path`` and its directory (what Lightning's
-    ``remove_checkpoint`` does); a location that is not a checkpoint is refused."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        return
-    if not os.path.isdir(path):
-        raise StorageError("not a UCP checkpoint (a file, not a directory); left as it is",
-                           path=path)
-    delete_checkpoint(open_store(path))
-    os.rmdir(path)
 
 
 class UCPCheckpointIO(CheckpointIO):
@@ -257,4 +242,4 @@ class UCPModelParallelStrategy(ModelParallelStrategy):  # type: ignore[misc]
 
 
 __all__ = ["RNG_KEY", "TESTED", "UCPCheckpointIO", "UCPCheckpointing",
-           "UCPModelParallelStrategy", "remove"]
+           "UCPModelParallelStrategy"]
