@@ -95,7 +95,7 @@ class UCPTrainer(Trainer):  # type: ignore[misc]
                                 f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
                 self.state.best_model_checkpoint = best
-        for cb in self.callback_handler.callbacks + [self.control]:
+        for cb in [*self.callback_handler.callbacks, self.control]:
             if isinstance(cb, ExportableState):
                 name = cb.__class__.__name__
                 if isinstance(self.state.stateful_callbacks[name], list):
