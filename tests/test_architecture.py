@@ -32,12 +32,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                               "layout.framework")),
     ("torch", ("torch.*",)),
     ("frameworks", ("conversion", "importers.*", "exporters.*", "deepspeed.*",
-                    "megatron.*")),
+                    "megatron.*", "trainers.*")),
     ("tools", ("cli.*", "conformance.*", "testing.*")),
 ]
 #: The first layer that may import torch (and the frameworks built on it).
 TORCH_LAYER = "torch"
-FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers")
+FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers", "lightning", "accelerate",
+              "torchtitan")
 
 
 def layer_of(module: str) -> int:

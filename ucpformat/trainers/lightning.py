@@ -88,7 +88,7 @@ def _stored_state(training: Mapping[str, Any], path: str) -> dict[str, Any]:
     return decode_state(training["lightning"], where=f"{path}: training/lightning")
 
 
-class UCPCheckpointIO(CheckpointIO):
+class UCPCheckpointIO(CheckpointIO):  # type: ignore[misc]
     """Lightning's ``CheckpointIO`` writing and reading UCP (single device, DDP).
 
     Installed by :class:`UCPCheckpointing` (it needs the trainer: Lightning hands a
@@ -167,7 +167,7 @@ def _optimizer_by_id(ckpt: Any, module: torch.nn.Module) -> dict[str, Any]:
             "param_groups": groups}
 
 
-class UCPCheckpointing(Callback):
+class UCPCheckpointing(Callback):  # type: ignore[misc]
     """Lightning saves and resumes UCP: installs :class:`UCPCheckpointIO` (single device,
     DDP) and records every rank's generators in each checkpoint (with
     :class:`UCPModelParallelStrategy` too)."""
