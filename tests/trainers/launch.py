@@ -18,15 +18,15 @@ def free_port() -> int:
 
 
 def launch(module: str, args: list[str], root: Path, world: int, name: str,
-           timeout: float = 180, extra_env: dict[str, str] | None = None) -> None:
+           timeout: float = 240, extra_env: dict[str, str] | None = None) -> None:
     """Run ``python -m module *args`` on ``world`` ranks with torchrun's variables set;
     output goes to files under ``root`` (a full pipe blocks); a failing rank fails the
     test with its log."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               **(extra_env or {}))
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra_env or {})
     logs = [root / f"{name}-rank{r}.log" for r in range(world)]
     procs = []
     for r, log in enumerate(logs):
