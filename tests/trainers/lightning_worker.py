@@ -146,7 +146,8 @@ def run(scenario: str, root: Path, world: int) -> None:
     L.seed_everything(7, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
-        callbacks=callbacks, logger=False, enable_progress_bar=False,
+        callbacks=callbacks, logger=False, default_root_dir=root / f"{scenario}-root",
+        enable_checkpointing=step == "full", enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
     trainer.fit(Net(parallel=parallel), train_dataloaders=data(), ckpt_path=ckpt_path)
     (root / f"{scenario}-{trainer.global_rank}.json").write_text(

@@ -84,7 +84,7 @@ def test_every_checkpoint_validates_deep(runs: Path) -> None:
         assert not report.issues, (path, report.issues)
 
 
-def test_another_model_is_refused_before_anything_changes(runs: Path) -> None:
+def test_another_model_is_refused_before_anything_changes(runs: Path, tmp_path: Path) -> None:
     import lightning as L
     import torch
 
@@ -96,6 +96,7 @@ def test_another_model_is_refused_before_anything_changes(runs: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=4, logger=False,
+                            default_root_dir=tmp_path,
                             callbacks=[UCPCheckpointing()], enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0)
         with pytest.raises(ShapeMismatchError, match=r"model/layers\.0\.(weight|bias)"):

@@ -11,8 +11,8 @@ from typing import Any
 
 from rich.text import Text
 
+from ucpformat.checkpoint.validation import Issue, Report, validate
 from ucpformat.cli.common import FOUND, OK, check_location, console, write_json
-from ucpformat.validation import Issue, Report, validate
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

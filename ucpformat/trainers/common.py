@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ucpformat.checkpoint.commit import delete_checkpoint
 from ucpformat.errors import FormatError, InvalidValueError, StorageError
-from ucpformat.storage import open_store
-from ucpformat.writer import delete_checkpoint
+from ucpformat.store import open_store
 
 #: The ``extra`` / ``training`` key of the per-rank generators.
 RANK_RNG = "rank_rng"

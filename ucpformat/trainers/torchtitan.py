@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save  # no
 from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER  # noqa: E402
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager  # noqa: E402
 
-from ucpformat.torch.dcp import UCPReader, UCPWriter  # noqa: E402
+from ucpformat.torch.dcp import UCPWriter  # noqa: E402
 from ucpformat.torch.dcp_keys import KeyMap  # noqa: E402
+from ucpformat.torch.dcp_reader import UCPReader  # noqa: E402
 
 #: The torchtitan versions (major.minor, first and last) this manager was tested with.
 TESTED = ((0, 3), (0, 3))
