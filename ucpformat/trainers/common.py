@@ -103,12 +103,15 @@ def gathered_rng() -> dict[str, Any]:
     own = own_rng()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return {"0": own}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    # numpy in transit (torch's object collectives cannot carry tensors' storages here)
-    dist.all_gather_object(everyone, {k: v.numpy() if isinstance(v, torch.Tensor) else v
-                                      for k, v in own.items()})
-    return {str(r): {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                     for k, v in state.items()} for r, state in enumerate(everyone)}
+    # JSON on the wire (never pickle): tensors as their dtype and values
+    from ucpformat.torch.comm import TorchCommunicator
+
+    wire = {k: {"dtype": str(v.dtype).removeprefix("torch."), "values": v.tolist()}
+            if isinstance(v, torch.Tensor) else v for k, v in own.items()}
+    everyone = TorchCommunicator().allgather(wire)
+    return {str(r): {k: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"]))
+                     if isinstance(v, dict) else v for k, v in state.items()}
+            for r, state in enumerate(everyone)}
 
 
 def restore_rng(training: Mapping[str, Any], rank: int, world: int) -> None:
