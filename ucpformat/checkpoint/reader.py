@@ -61,8 +61,6 @@ MAX_METADATA_BYTES = 256 << 20
 METADATA_MEMORY_FACTOR = 48
 #: The default limit is never below this (a small max_read_bytes still opens small roots).
 MIN_METADATA_BYTES = 64 << 10
-#: Chunks (or stored objects) handed to the thread pool at a time.
-MAP_BATCH = 256
 #: Features a 1.x reader understands (``attributes.ucp.must_understand``).
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
@@ -241,17 +239,38 @@ class Checkpoint:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers)
             pool = self._pool
-        # In batches: a failure stops the work early, and a region of millions of tiny
-        # chunks never holds millions of pending tasks at once.
-        # A failure is raised only once every task of its batch has ended: the tasks write
-        # into the caller's arrays (a live tensor's memory), which must not change after
-        # the caller has seen the error.
-        out: list[Any] = []
-        for start in range(0, len(items), MAP_BATCH):
-            futures = [pool.submit(fn, item) for item in items[start : start + MAP_BATCH]]
-            wait(futures)
-            out.extend(f.result() for f in futures)
-        return out
+        # One task per worker, each taking the next item until none is left: a future per
+        # item cost more than reading a small tensor (thousands of tensors per load).
+        # A failure stops the work early: no task takes another item once one failed. It
+        # is raised only once every task has ended (the tasks write into the caller's
+        # arrays, a live tensor's memory, which must not change after the caller has seen
+        # the error), and it is the failure of the first item in order among those that
+        # failed.
+        results: list[Any] = [None] * len(items)
+        failures: dict[int, BaseException] = {}
+        cursor = iter(range(len(items)))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = -1 if failures else next(cursor, -1)
+                if i < 0:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as exc:
+                    with lock:
+                        failures[i] = exc
+                    return
+
+        futures = [pool.submit(work) for _ in range(min(self._workers, len(items)))]
+        wait(futures)
+        for f in futures:
+            f.result()
+        if failures:
+            raise failures[min(failures)]
+        return results
 
     def close(self) -> None:
         if self._pool is not None:

@@ -39,8 +39,8 @@ from ucpformat.errors import (
 from ucpformat.format import names
 from ucpformat.layout.boxes import LocalMap, Piece, box_size
 from ucpformat.store import open_store
+from ucpformat.torch import load_plan
 from ucpformat.torch.comm import communicator
-from ucpformat.torch.load_plan import value_like
 from ucpformat.torch.numpy_bridge import from_numpy
 
 from .rank_fragments import FP32_COPIES, ZERO, ZERO3, Flat, Holdings, Naming, Placed, holdings
@@ -270,7 +270,7 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
                     raise LoadError(f"{key} differs between parameters of the same flat "
                                     "partition", tensor=group_path)
                 fp.raw_values[key] = value
-                fp.values[key] = value_like(live_state.get(key), value,
+                fp.values[key] = load_plan.value_like(live_state.get(key), value,
                                             where=f"{group_path}.{key}")
         if load_optimizer_states and inner is not None and state_keys is not None:
             live = set(inner.state.get(flat.master, {}))
@@ -283,7 +283,7 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
         hyper = _param_group_values(ckpt, h)
         if hyper is not None:
             plan.hyper = [
-                {key: value_like(group.get(key), value,
+                {key: load_plan.value_like(group.get(key), value,
                                  where=f"optimizer/param_groups[{g}].{key}")
                  for key, value in stored.items()}
                 for g, (group, stored) in enumerate(zip(inner.param_groups, hyper, strict=True))]
@@ -298,7 +298,7 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
             raise LoadError("the engine has an LR scheduler and the checkpoint no scheduler "
                             "state (training/scheduler); pass load_lr_scheduler_states=False",
                             path=ckpt.location)
-        plan.scheduler = value_like(engine.lr_scheduler.state_dict(), scheduler,
+        plan.scheduler = load_plan.value_like(engine.lr_scheduler.state_dict(), scheduler,
                                     where="training/scheduler")
     plan.client_state = {k: v for k, v in training.items() if k not in _ENGINE_KEYS}
     for key, path in _children(ckpt, "training").items():
@@ -421,7 +421,7 @@ def _global_state(opt: Any, ds: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for attr in ("clip_grad", "dynamic_loss_scale", "overflow"):
         if attr in ds and hasattr(opt, attr):
-            out[attr] = value_like(getattr(opt, attr), ds[attr],
+            out[attr] = load_plan.value_like(getattr(opt, attr), ds[attr],
                                    where=f"optimizer/deepspeed.{attr}")
     scaler = loss_scaler(opt)
     stored = ds.get("loss_scaler")
