@@ -72,6 +72,6 @@ def test_remove_deletes_checkpoints_only(tmp_path: Path) -> None:
     remove(tmp_path / "c")
     assert not (tmp_path / "c").exists()
     (tmp_path / "f.ckpt").write_text("not a checkpoint")
-    with pytest.raises(StorageError, match="f.ckpt"):
+    with pytest.raises(StorageError, match=r"f\.ckpt"):
         remove(tmp_path / "f.ckpt")
     assert (tmp_path / "f.ckpt").exists()

@@ -76,7 +76,7 @@ class UCPTrainer(Trainer):  # type: ignore[misc]
         if self.args.load_best_model_at_end:
             raise InvalidValueError(
                 "UCPTrainer does not load the best model at the end (load it with "
-                "ucpformat.torch.load from state.best_model_checkpoint)",
+                "ucpformat.torch's load from state.best_model_checkpoint)",
                 path="TrainingArguments.load_best_model_at_end")
         if self.is_deepspeed_enabled:
             raise InvalidValueError("UCPTrainer does not save DeepSpeed engines (see "
