@@ -75,6 +75,7 @@ stress: $(STAMP)
 	$(BIN)/python -m ucpformat.testing.link_attacks --trials 20 --reads 3000 --dist-trials 20
 	$(BIN)/python -m ucpformat.testing.concurrency --trials 100 --gloo-trials 100
 	$(BIN)/python -m ucpformat.testing.failed_saves --trials 100
+	$(BIN)/python -m ucpformat.testing.planted --trials 20
 
 # Coverage-guided fuzzing with atheris (not part of make test): FUZZ_RUNS inputs.
 FUZZ_RUNS ?= 20000

@@ -264,6 +264,16 @@ def read_tensors(
     next reads (``staging``, see :class:`DeviceStaging`).
     """
     how = staging if staging is not None else DeviceStaging()
+    # new tensors are refused before any exists: each over max_read_bytes, and those in host
+    # memory together (a device's memory is not the host's: there, each alone)
+    new = [(r, (r.path, math.prod(r.local.local_shape if r.local is not None
+                                  else ckpt[r.path].shape) * ckpt[r.path].dtype.itemsize))
+           for r in reads if r.target is None]
+    ckpt.check_new_arrays([size for r, size in new
+                           if r.device is None or torch.device(r.device).type == "cpu"])
+    for r, size in new:
+        if r.device is not None and torch.device(r.device).type != "cpu":
+            ckpt.check_new_arrays([size])
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([], device=how)
     to_device = [i for i, r in enumerate(reads) if (
