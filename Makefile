@@ -9,6 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core 0.17+ needs Python 3.12; its dependencies are all in torch's set
 MEGATRON_PIN ?= megatron-core==0.16.1
+TORCHTITAN_PINS ?= torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.4.4 einops==0.8.2 spmd_types==0.2.3
 PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint typecheck bench bench-quick stress fuzz clean conformance-cases docs browser
@@ -17,11 +18,15 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[dev,torch,import,bench,docs]"
+	$(BIN)/python -m pip install -q -e ".[dev,torch,import,bench,docs,trainers]"
 	# Real frameworks for the importer tests; flags pip extras cannot carry: no CUDA ops
 	# built, and the pinned torch kept (no build isolation).
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_PIN)"
 	$(BIN)/python -m pip install -q --no-deps "$(MEGATRON_PIN)"
+	# torchtitan's checkpoint manager without its dependency set (datasets<4.8 would
+	# downgrade huggingface_hub and fsspec, which the importer and S3 tests need): only
+	# the modules it imports (docs/trainers.md)
+	$(BIN)/python -m pip install -q --no-deps $(TORCHTITAN_PINS)
 	touch $(STAMP)
 
 install: $(STAMP)
