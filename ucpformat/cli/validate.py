@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.text import Text
 
-from ucpformat.cli.common import FOUND, OK, check_location, console, write_json
+from ucpformat.cli.common import FOUND, OK, console, resolve_location, write_json
 from ucpformat.validation import Issue, Report, validate
 
 
@@ -64,9 +64,9 @@ def verdict(report: Report) -> Text:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_location(args.path)
+    path = resolve_location(args.path)
     progress = args.deep and not args.quiet and sys.stderr.isatty()
-    report = validate(args.path, deep=args.deep, progress=progress)
+    report = validate(path, deep=args.deep, progress=progress)
     if args.json:
         write_json(report.to_json())
     elif not args.quiet:
