@@ -59,3 +59,47 @@ def test_a_latest_that_escapes_is_refused(capsys: pytest.CaptureFixture[str],
     code, out, err = ucp(capsys, "inspect", str(save_dir))
     assert code == 2
     assert "not a directory name of this directory" in out + err
+
+
+# -- item 10: what a shallow validation did not check; deep by default in CI ---------------------
+
+
+@pytest.fixture
+def flipped(tmp_path: Path) -> Path:
+    """A checkpoint with one byte of a chunk flipped (no SHA-256 in its manifest)."""
+    path = tmp_path / "ckpt"
+    ucpformat.save(path, {"model": {"w": np.arange(64, dtype=np.float32)}}, durable=False)
+    victim = next(p for p in (path / "model" / "w").rglob("*")
+                  if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(victim.read_bytes())
+    raw[0] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    return path
+
+
+def test_shallow_success_says_what_it_did_not_check(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    flipped: Path) -> None:
+    monkeypatch.delenv("UCP_VALIDATE_DEEP", raising=False)
+    code, out, _ = ucp(capsys, "validate", str(flipped))
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    assert "no chunk read: damage inside a chunk goes unnoticed" in lines[0]
+    assert "UCP_VALIDATE_DEEP=1" in lines[0]
+
+
+def test_environment_makes_validate_deep(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch, flipped: Path) -> None:
+    monkeypatch.setenv("UCP_VALIDATE_DEEP", "1")
+    code, out, _ = ucp(capsys, "validate", str(flipped))
+    assert code == 1, out
+    assert "[UCP-1.0-R041]" in out  # the chunk's CRC32C
+    assert ucp(capsys, "validate", "--shallow", str(flipped))[0] == 0
+    monkeypatch.setenv("UCP_VALIDATE_DEEP", "0")
+    assert ucp(capsys, "validate", str(flipped))[0] == 0
+    assert ucp(capsys, "validate", "--deep", str(flipped))[0] == 1
+    monkeypatch.setenv("UCP_VALIDATE_DEEP", "maybe")
+    code, out, err = ucp(capsys, "validate", str(flipped))
+    assert code == 2
+    assert "UCP_VALIDATE_DEEP='maybe'" in out + err
