@@ -218,3 +218,67 @@ def test_minilm_round_trip_bit_exact_and_same_outputs(tmp_path: Path, minilm_dir
     with torch.no_grad():
         assert torch.equal(exported(**batch).last_hidden_state, want)
     assert np.isfinite(want.numpy()).all()
+
+
+# -- __metadata__ through import and export (issue 29, item 3) --------------------------------
+
+
+def _header(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    doc: dict[str, Any] = json.loads(raw[8 : 8 + n])
+    return doc
+
+
+@pytest.mark.parametrize("metadata", [
+    None,
+    {"format": "pt"},
+    {"z": "1", "a": "2", "format": "pt", "m": "3", "b": "4"},  # any order the library picks
+    {"name": "mine"},
+])
+def test_metadata_comes_back_byte_for_byte(tmp_path: Path,
+                                           metadata: dict[str, str] | None) -> None:
+    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.ones(3, dtype=torch.bfloat16)}
+    src = tmp_path / "model.safetensors"
+    st.save_file(tensors, str(src), metadata=metadata)
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    for dest in (tmp_path / "one.safetensors", tmp_path / "dir"):
+        exporters.export(tmp_path / "ckpt", dest, to="safetensors")
+        out = dest if dest.suffix else dest / "model.safetensors"
+        assert out.read_bytes() == src.read_bytes(), dest
+        assert list((_header(out).get("__metadata__") or {}).items()) == list(
+            (_header(src).get("__metadata__") or {}).items())
+
+
+def test_shards_keep_their_metadata(tmp_path: Path) -> None:
+    """Hugging Face's shards (``{"format": "pt"}`` each, the user's metadata in the index)
+    export back byte for byte, the index's metadata kept."""
+    hub = pytest.importorskip("huggingface_hub")
+    tensors = {f"layer.{i}": torch.full((8,), float(i)) for i in range(4)}
+    src = tmp_path / "hf"
+    src.mkdir()
+    hub.save_torch_state_dict(tensors, src, max_shard_size=64, metadata={"run": "r1"})
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    exporters.export(tmp_path / "ckpt", tmp_path / "out", to="safetensors", max_shard_size=64)
+    shards = sorted(src.glob("*.safetensors"))
+    assert len(shards) > 1
+    for f in shards:
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    index = "model.safetensors.index.json"
+    assert json.loads((tmp_path / "out" / index).read_text()) == json.loads(
+        (src / index).read_text())
+
+
+def test_differing_file_metadata_is_a_note(tmp_path: Path) -> None:
+    src = tmp_path / "two"
+    src.mkdir()
+    st.save_file({"a": torch.ones(2)}, str(src / "a.safetensors"), metadata={"part": "a"})
+    st.save_file({"b": torch.ones(2)}, str(src / "b.safetensors"), metadata={"part": "b"})
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    result = exporters.export(tmp_path / "ckpt", tmp_path / "one.safetensors", to="safetensors")
+    assert _header(tmp_path / "one.safetensors")["__metadata__"] == {"format": "pt"}
+    assert any("__metadata__ differ" in n for n in result.notes), result.notes
+    exporters.export(tmp_path / "ckpt", tmp_path / "mine.safetensors", to="safetensors",
+                     metadata={"k": "v"})
+    assert _header(tmp_path / "mine.safetensors")["__metadata__"] == {"k": "v"}

@@ -6,9 +6,11 @@ against the file before anything is allocated) and reads each tensor's byte rang
 Every data type keeps its bits: ``BF16`` becomes ``bfloat16``, ``F8_E4M3`` becomes
 ``float8_e4m3fn`` (PyTorch's, no infinities), ``F8_E5M2`` ``float8_e5m2``.
 
-Tensors go to ``model/<name>``; the file's ``__metadata__`` and a ``config.json``
-beside it are kept in the root metadata (``metadata.safetensors``,
-``metadata.huggingface.config``), so that an export gives them back. Layout semantics
+Tensors go to ``model/<name>``; each file's ``__metadata__`` (keys in the file's
+order), the index's ``metadata`` of a sharded directory and a ``config.json`` beside
+them are kept in the root metadata (``metadata.source.file_metadata``,
+``metadata.source.index_metadata``, ``metadata.huggingface.config``), so that an
+export gives them back. Layout semantics
 come from a rule file (``rules=``), or are inferred from ``config.json`` for the
 model families ucpformat ships rules for (Llama-style and Mixtral-style models).
 """
@@ -145,10 +147,11 @@ class Header:
         return read
 
 
-def _files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of a checkpoint and, for a sharded one, its weight map."""
+def _files(path: Path) -> tuple[list[Path], dict[str, str] | None, dict[str, Any] | None]:
+    """The safetensors files of a checkpoint and, for a sharded one, its weight map and the
+    index's ``metadata``."""
     if path.is_file():
-        return [path], None
+        return [path], None, None
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise _fail(f"several index files: {[p.name for p in indexes]}; give one", path)
@@ -157,10 +160,10 @@ def _files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise _fail("no .safetensors file here", path)
-    return files, None
+    return files, None, None
 
 
-def _from_index(index: Path) -> tuple[list[Path], dict[str, str]]:
+def _from_index(index: Path) -> tuple[list[Path], dict[str, str], dict[str, Any] | None]:
     try:
         doc = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -177,7 +180,8 @@ def _from_index(index: Path) -> tuple[list[Path], dict[str, str]]:
         if f.parent != base or not f.name.endswith(".safetensors"):
             raise _fail(f"weight_map names {fname!r}, not a .safetensors file beside it", index)
         files.append(f)
-    return files, weight_map
+    meta = doc.get("metadata")
+    return files, weight_map, meta if isinstance(meta, dict) else None
 
 
 def detect(path: Path) -> bool:
@@ -228,7 +232,7 @@ def scan(
 
     ``config``: a ``config.json`` to keep (default: the one beside the weights).
     """
-    files, weight_map = _files(path)
+    files, weight_map, index_meta = _files(path)
     out = Scan(FORMAT, str(path))
     base = path if path.is_dir() else path.parent
     cfg_path = Path(config) if config is not None else base / "config.json"
@@ -290,6 +294,8 @@ def scan(
     source: dict[str, Any] = {"format": FORMAT, "files": [f.name for f in files]}
     if file_meta:
         source["file_metadata"] = file_meta
+    if index_meta is not None:
+        source["index_metadata"] = index_meta
     out.metadata["source"] = source
     if hf_config is not None:
         out.metadata["huggingface"] = {"config": hf_config}
