@@ -282,3 +282,52 @@ def test_differing_file_metadata_is_a_note(tmp_path: Path) -> None:
     exporters.export(tmp_path / "ckpt", tmp_path / "mine.safetensors", to="safetensors",
                      metadata={"k": "v"})
     assert _header(tmp_path / "mine.safetensors")["__metadata__"] == {"k": "v"}
+
+
+# -- a Hugging Face Trainer checkpoint directory (issue 29, item 2) ----------------------------
+
+
+@pytest.fixture
+def trainer_dir(tmp_path: Path) -> Path:
+    """What transformers' Trainer leaves in checkpoint-<step>/ (the files, not a run)."""
+    d = tmp_path / "checkpoint-10"
+    d.mkdir()
+    st.save_file({"w": torch.ones(2, 2), "b": torch.zeros(2)}, str(d / "model.safetensors"),
+                 metadata={"format": "pt"})
+    torch.save({"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": []},
+               d / "optimizer.pt")
+    torch.save({"last_epoch": 1}, d / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, d / "rng_state.pth")
+    (d / "trainer_state.json").write_text('{"global_step": 10}')
+    (d / "config.json").write_text('{"model_type": "gpt2"}')
+    return d
+
+
+def test_trainer_checkpoint_is_refused_naming_what_would_be_left(tmp_path: Path,
+                                                                  trainer_dir: Path) -> None:
+    with pytest.raises(FormatError) as info:
+        importers.convert(trainer_dir, tmp_path / "ckpt", durable=False)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        assert name in str(info.value)
+    assert "weights_only=True" in str(info.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_trainer_checkpoint_weights_only_notes_what_was_left(tmp_path: Path,
+                                                             trainer_dir: Path) -> None:
+    result = importers.convert(trainer_dir, tmp_path / "ckpt", durable=False, weights_only=True)
+    assert result.tensors == 2
+    (note,) = [n for n in result.notes if "training state was not converted" in n]
+    assert "optimizer.pt, rng_state.pth, scheduler.pt, trainer_state.json" in note
+
+
+def test_ucp_convert_of_a_trainer_checkpoint(tmp_path: Path, trainer_dir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from ucpformat.cli import main
+
+    assert main(["convert", str(trainer_dir), str(tmp_path / "ckpt")]) == 2
+    out, err = capsys.readouterr()
+    assert "optimizer.pt" in out + err and "--weights-only" in out + err
+    assert main(["convert", "--weights-only", str(trainer_dir), str(tmp_path / "ckpt")]) == 0
+    out, _ = capsys.readouterr()
+    assert "note: weights only: the training state was not converted" in out

@@ -13,10 +13,19 @@ them are kept in the root metadata (``metadata.source.file_metadata``,
 export gives them back. Layout semantics
 come from a rule file (``rules=``), or are inferred from ``config.json`` for the
 model families ucpformat ships rules for (Llama-style and Mixtral-style models).
+
+A Hugging Face ``Trainer`` checkpoint directory (``checkpoint-<step>/``) holds the
+training state beside the weights (:data:`TRAINING_STATE`: ``optimizer.pt``,
+``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``, ...). This importer reads
+safetensors only, and the optimizer's state is keyed by numbers that the weights alone
+cannot name, so such a directory is refused, naming the files that would be left
+behind; ``weights_only=True`` converts the weights alone, and the result's notes name
+those files.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -34,6 +43,13 @@ from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_att
 from ucpformat.layout.rules import RuleSet
 
 FORMAT: Final = "safetensors"
+#: File names (fnmatch patterns) of a training run's state beside the weights: Hugging
+#: Face Trainer's and Accelerate's.
+TRAINING_STATE: Final = (
+    "trainer_state.json", "training_args.bin", "optimizer.pt", "optimizer.bin",
+    "optimizer_*.bin", "scheduler.pt", "scheduler.bin", "scaler.pt", "rng_state.pth",
+    "rng_state_*.pth", "random_states_*.pkl",
+)
 MAX_HEADER_BYTES: Final = 100 * 1000 * 1000  # the safetensors library's own limit
 
 #: safetensors dtype code -> zarr data-type name (the closed list of format 1.0).
@@ -184,6 +200,13 @@ def _from_index(index: Path) -> tuple[list[Path], dict[str, str], dict[str, Any]
     return files, weight_map, meta if isinstance(meta, dict) else None
 
 
+def training_state_files(directory: Path) -> list[str]:
+    """The names of the files in ``directory`` that hold a training run's state
+    (:data:`TRAINING_STATE`), sorted."""
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and any(
+        fnmatch.fnmatchcase(p.name, pattern) for pattern in TRAINING_STATE))
+
+
 def detect(path: Path) -> bool:
     if path.is_file():
         if path.suffix == ".safetensors":
@@ -227,13 +250,30 @@ def scan(
     rules: str | os.PathLike[str] | RuleSet | None = None,
     rule_params: Mapping[str, Any] | None = None,
     config: str | os.PathLike[str] | None = None,
+    weights_only: bool = False,
 ) -> Scan:
     """The tensors of a safetensors file or sharded directory, and their layout semantics.
 
-    ``config``: a ``config.json`` to keep (default: the one beside the weights).
+    ``config``: a ``config.json`` to keep (default: the one beside the weights). A
+    directory that also holds a training run's state (:func:`training_state_files`) is
+    refused unless ``weights_only``, which converts the weights alone and notes the files
+    left behind.
     """
+    left = training_state_files(path) if path.is_dir() else []
+    if left and not weights_only:
+        raise FormatError(
+            "a training checkpoint (Hugging Face Trainer): converting its safetensors "
+            f"weights would leave its training state behind: {', '.join(left)}. This "
+            "importer converts weights only (the optimizer's state is keyed by numbers "
+            "that only the live model can name, and reading these pickles runs code). Pass "
+            "weights_only=True to convert the weights alone, or save the whole state from "
+            "the live model and optimizer with ucpformat.torch.save",
+            path=str(path))
     files, weight_map, index_meta = _files(path)
     out = Scan(FORMAT, str(path))
+    if left:
+        out.notes.append(f"weights only: the training state was not converted: "
+                         f"{', '.join(left)}")
     base = path if path.is_dir() else path.parent
     cfg_path = Path(config) if config is not None else base / "config.json"
     hf_config: dict[str, Any] | None = None
@@ -302,4 +342,5 @@ def scan(
     return out
 
 
-__all__ = ["FORMAT", "FROM_UCP", "TO_UCP", "Header", "detect", "scan"]
+__all__ = ["FORMAT", "FROM_UCP", "TO_UCP", "TRAINING_STATE", "Header", "detect", "scan",
+           "training_state_files"]
