@@ -55,7 +55,7 @@ stress: $(STAMP)
 	$(BIN)/python -m ucpformat.testing.faults --trials 300 --gloo-trials 20 --exchange-trials 40 --gloo-exchange-trials 10
 	$(BIN)/python -m ucpformat.testing.corruption --trials 2000
 	$(BIN)/python -m ucpformat.testing.hostile --examples 500
-	$(BIN)/python -m ucpformat.testing.links --trials 20 --reads 3000 --dist-trials 20
+	$(BIN)/python -m ucpformat.testing.link_attacks --trials 20 --reads 3000 --dist-trials 20
 	$(BIN)/python -m ucpformat.testing.concurrency --trials 100 --gloo-trials 100
 	$(BIN)/python -m ucpformat.testing.failed_saves --trials 100
 

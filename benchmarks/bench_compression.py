@@ -38,7 +38,7 @@ CODECS: list[tuple[str, Any]] = [
 
 
 def _numpy_state(size_mib: float) -> dict[str, Any]:
-    from ucpformat.torch.convert import to_numpy
+    from ucpformat.torch.numpy_bridge import to_numpy
 
     state: dict[str, Any] = synthetic.make(size_mib, select=_layer0)
     model = {k: to_numpy(v) for k, v in state.items() if k.startswith("model.")}
@@ -48,7 +48,7 @@ def _numpy_state(size_mib: float) -> dict[str, Any]:
 
 def measure(size_mib: float, repeats: int, root: Path) -> dict[str, Any]:
     import ucpformat
-    from ucpformat.reader import Region
+    from ucpformat.checkpoint.reader import Region
 
     state = _numpy_state(size_mib)
     logical = {"bf16": sum(a.nbytes for a in state["model"].values()),

@@ -102,7 +102,7 @@ def _held_bytes(engine: Any) -> tuple[int, int]:
     """(bytes this rank holds: model, fp32 partition, optimizer state; largest tensor)."""
     import torch
 
-    from ucpformat.deepspeed.holdings import holdings, inner_optimizer
+    from ucpformat.deepspeed.rank_fragments import holdings, inner_optimizer
 
     h = holdings(engine)
     inner = inner_optimizer(engine)

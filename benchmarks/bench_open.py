@@ -25,7 +25,7 @@ import numpy as np
 
 import ucpformat
 from benchmarks import Table, median, ms, side_by_side
-from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
+from ucpformat.checkpoint.metadata import MANIFEST_KEY, ZARR_JSON
 
 N_TENSORS = 10_000
 QUICK_TENSORS = 1_000

@@ -19,11 +19,11 @@ import ml_dtypes
 import numpy as np
 
 import ucpformat
-from ucpformat.comm import ThreadGroup, run_threads
-from ucpformat.distributed import save_distributed
-from ucpformat.layout.framework import ModelLayout
+from ucpformat.distributed import save_fragments
+from ucpformat.distributed.comm import ThreadGroup, run_threads
+from ucpformat.distributed.framework import ModelLayout
+from ucpformat.layout.rank_slices import ParallelConfig
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig
 
 
 def llama_state(
@@ -89,7 +89,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     ]
                 local[name] = buf
             specs, frags, _ = src.fragments(comm.rank, local)
-            return save_distributed(path, comm, specs=specs, fragments=frags)
+            return save_fragments(path, comm, specs=specs, fragments=frags)
 
         t0 = time.perf_counter()
         run_threads(source.world, save_rank_impl)

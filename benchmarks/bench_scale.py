@@ -4,19 +4,20 @@ No processes and no data: :mod:`benchmarks.scale_layouts` builds what every rank
 large run would describe (specs and fragment boxes, from the project's layout geometry),
 and this module runs the code a distributed save and a resharded load run on it:
 
-* **save, one rank**: :func:`ucpformat.description.describe` and
-  :func:`~ucpformat.description.encode_description` (what it sends the coordinator), then
-  :func:`ucpformat.pipeline.take_share` of what the coordinator sends back;
-* **save, the coordinator**: :func:`ucpformat.pipeline.plan_shares` (decode every
+* **save, one rank**: :func:`ucpformat.distributed.rank_description.describe` and
+  :func:`~ucpformat.distributed.rank_description.encode_description` (what it sends the
+  coordinator), then :func:`ucpformat.distributed.pipeline.take_share` of what the coordinator
+  sends back;
+* **save, the coordinator**: :func:`ucpformat.distributed.pipeline.plan_shares` (decode every
   description, coverage check, shard grids, owners and replica balancing, every rank's
-  share) and :func:`ucpformat.writer.commit` (node metadata, manifest, root) into a
+  share) and :func:`ucpformat.checkpoint.writer.commit` (node metadata, manifest, root) into a
   scratch directory; then :func:`ucpformat.open` of the result (the open time);
 * **before**: what each rank did before the coordinator planned alone: receive every
   rank's description (``allgather``, padded to the longest) and run
-  :func:`~ucpformat.saveplan.plan_from_descriptions` itself, then receive every rank's
+  :func:`~ucpformat.distributed.save_plan.plan_from_descriptions` itself, then receive every rank's
   list of written objects;
 * **load, one rank** of a target layout: from the opened checkpoint, each tensor's
-  layout semantics, the rank's local map (:func:`ucpformat.layout.sharding.local_map`,
+  layout semantics, the rank's local map (:func:`ucpformat.layout.rank_slices.local_map`,
   flat ZeRO partitions by :func:`ucpformat.layout.zero.flat_partition`) and the shards
   and inner chunks the read touches (:func:`ucpformat.engine.grid.objects_overlapping`,
   :func:`ucpformat.engine.grid.inner_chunk_ranges`, as the reader plans them);
@@ -51,7 +52,10 @@ from typing import Any, TypeVar
 
 from benchmarks import Table
 from benchmarks import scale_layouts as L
-from ucpformat.description import (
+from ucpformat.checkpoint.commit import commit_checkpoint as commit
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
+from ucpformat.distributed.pipeline import plan_shares, take_share
+from ucpformat.distributed.rank_description import (
     boxes_off_mesh,
     decode_descriptions,
     describe,
@@ -59,17 +63,14 @@ from ucpformat.description import (
     encode_own_part,
     encode_shared_part,
 )
+from ucpformat.distributed.save_plan import Plan, PlanOptions, plan_from_descriptions
 from ucpformat.engine.grid import inner_chunk_ranges, objects_overlapping
 from ucpformat.engine.write import StoredObject
 from ucpformat.layout.boxes import LocalMap, Piece
+from ucpformat.layout.rank_slices import ParallelConfig, local_map
 from ucpformat.layout.semantics import layout_of
-from ucpformat.layout.sharding import ParallelConfig, local_map
 from ucpformat.layout.zero import flat_partition
-from ucpformat.pipeline import plan_shares, take_share
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.saveplan import Plan, PlanOptions, plan_from_descriptions
-from ucpformat.storage import LocalStore
-from ucpformat.writer import commit
+from ucpformat.store import LocalStore
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -232,7 +233,7 @@ ckpt_holder: list[Checkpoint] = []
 
 
 def encode_all(ranks: Sequence[L.SimRank]) -> list[bytes]:
-    """Every rank's :func:`~ucpformat.description.encode_description`, as
+    """Every rank's :func:`~ucpformat.distributed.rank_description.encode_description`, as
     ``encode_shared_part + encode_own_part`` (what the function is): the shared part
     (specs, tensors on meshes) encoded once for the ranks that share those lists, as
     thousands of real ranks would each encode the same bytes."""

@@ -5,7 +5,7 @@ Inner chunks are the unit of reading (and of checksums); shards, the unit of wri
 
 * save and (warm) load throughput of ``ucpformat.save`` / a read of every tensor;
 * read amplification of resharded loads: the state saved by 4 ranks with tensor
-  parallelism 4 (``ucpformat.distributed.save_distributed``, ranks as threads) and read
+  parallelism 4 (``ucpformat.distributed.save_fragments``, ranks as threads) and read
   by the ranks of other layouts (TP2, TP8, every tensor split along dimension 0 over
   2 and over 8 ranks);
 
@@ -34,7 +34,7 @@ TARGETS = (("TP2", "tp", 2), ("TP8", "tp", 8), ("dim-0 x2", "dim0", 2),
 
 
 def _numpy_state(size_mib: float) -> tuple[dict[str, Any], dict[str, int | None]]:
-    from ucpformat.torch.convert import to_numpy
+    from ucpformat.torch.numpy_bridge import to_numpy
 
     state: dict[str, Any] = synthetic.make(size_mib)
     dims = {d.name: d.tp_dim for d in synthetic.tensors(size_mib)}
@@ -56,9 +56,9 @@ def _box(
 def _amplification(arrays: dict[str, Any], dims: dict[str, int | None], chunk_bytes: int,
                    root: Path) -> dict[str, float]:
     from ucpformat import open_checkpoint
-    from ucpformat.comm import run_threads
-    from ucpformat.distributed import Fragment, TensorSpec, read_locals, save_distributed
-    from ucpformat.dtypes import from_numpy
+    from ucpformat.distributed import Fragment, TensorSpec, read_locals, save_fragments
+    from ucpformat.distributed.comm import run_threads
+    from ucpformat.format.dtypes import from_numpy
     from ucpformat.layout.boxes import LocalMap, Piece, box_shape, box_size
 
     path = root / f"amp-{chunk_bytes}"
@@ -73,7 +73,7 @@ def _amplification(arrays: dict[str, Any], dims: dict[str, int | None], chunk_by
             box = _box(a.shape, dims[k], SAVE_TP, comm.rank)
             if box_size(box):
                 frags.append(Fragment(f"model/{k}", box, a[tuple(slice(x, y) for x, y in box)]))
-        return save_distributed(path, comm, specs=specs, fragments=frags,
+        return save_fragments(path, comm, specs=specs, fragments=frags,
                                 chunk_bytes=chunk_bytes, durable=False)
 
     run_threads(SAVE_TP, save_rank)
@@ -101,7 +101,7 @@ def _amplification(arrays: dict[str, Any], dims: dict[str, int | None], chunk_by
 
 def measure(size_mib: float, repeats: int, root: Path) -> dict[str, Any]:
     import ucpformat
-    from ucpformat.reader import Region
+    from ucpformat.checkpoint.reader import Region
 
     arrays, dims = _numpy_state(size_mib)
     state = {"model": arrays}

@@ -29,8 +29,8 @@ import numpy as np
 
 import ucpformat
 from benchmarks import Table, median, side_by_side
-from ucpformat import schemas
-from ucpformat.metadata import ZARR_JSON
+from ucpformat.checkpoint.metadata import ZARR_JSON
+from ucpformat.format import schemas
 
 N_ARRAYS = 100_000
 QUICK_ARRAYS = 2_000

@@ -53,7 +53,7 @@ def remove(path: str | os.PathLike[str]) -> None:
 
 def raw_bytes(state: Mapping[str, Any]) -> Iterator[memoryview]:
     """Each tensor's bytes (no copy: CPU tensors share memory with these views)."""
-    from ucpformat.torch.convert import to_numpy
+    from ucpformat.torch.numpy_bridge import to_numpy
 
     for name, t in state.items():
         yield memoryview(to_numpy(t, name=name).reshape(-1).view(np.uint8))
@@ -107,7 +107,7 @@ def raw_read(path: str, layout: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> 
 
 
 def numpy_layout(state: Mapping[str, Any]) -> list[tuple[tuple[int, ...], np.dtype[Any]]]:
-    from ucpformat.torch.convert import to_numpy
+    from ucpformat.torch.numpy_bridge import to_numpy
 
     return [(tuple(t.shape), to_numpy(t, name=n).dtype) for n, t in state.items()]
 

@@ -1,12 +1,12 @@
 """Synthetic per-rank states of large training runs: specs and fragment boxes, no data.
 
 Each scenario builds, for every rank of a parallel layout, what that rank would tell the
-distributed save pipeline (:func:`ucpformat.description.describe`): the specs of the tensors
-it knows and the boxes of the fragments it holds, computed with the project's own layout
-geometry (:func:`ucpformat.layout.sharding.local_map`, :func:`ucpformat.layout.zero.flat_partition`,
-:func:`ucpformat.layout.dtensor.dtensor_local_map`). Ranks that hold the same thing (data
-parallel replicas) share one Python list of specs, so 16,384 simulated ranks fit in memory;
-every rank's boxes are its own.
+distributed save pipeline (:func:`ucpformat.distributed.rank_description.describe`): the specs of
+the tensors it knows and the boxes of the fragments it holds, computed with the project's own layout
+geometry (:func:`ucpformat.layout.rank_slices.local_map`,
+:func:`ucpformat.layout.zero.flat_partition`, :func:`ucpformat.layout.dtensor.dtensor_local_map`).
+Ranks that hold the same thing (data parallel replicas) share one Python list of specs, so 16,384
+simulated ranks fit in memory; every rank's boxes are its own.
 
 Scenarios:
 
@@ -20,8 +20,8 @@ Scenarios:
 * ``fsdp2``: Hugging Face names, FSDP2 x TP on a 2-D (dp, tp) mesh: every tensor (fp32
   parameters, Adam moments) a DTensor with ``_StridedShard`` on dim 0 for column-parallel
   weights (rank order is not offset order); each rank describes the DTensors by the mesh
-  and their placements (:class:`~ucpformat.description.MeshTensor`, shared by every rank)
-  and its place in the mesh, or, with ``compact=False``, by its fragments' boxes.
+  and their placements (:class:`~ucpformat.distributed.rank_description.MeshTensor`, shared by
+  every rank) and its place in the mesh, or, with ``compact=False``, by its fragments' boxes.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ucpformat import names
-from ucpformat.description import MeshPosition, MeshTensor, mesh_boxes
+from ucpformat.distributed.rank_description import MeshPosition, MeshTensor, mesh_boxes
+from ucpformat.distributed.save_plan import TensorSpec
+from ucpformat.format import names
 from ucpformat.layout.boxes import Box, LocalMap, Piece
 from ucpformat.layout.dtensor import Placement, Replicate, Shard, StridedShard, dtensor_local_map
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.semantics import Part, TensorLayout
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.zero import flat_partition
-from ucpformat.saveplan import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class SimRank:
 
     def all_boxes(self) -> list[tuple[str, Box]]:
         """Every fragment's box, those of the tensors on meshes included
-        (:func:`~ucpformat.description.mesh_boxes` of this rank's places)."""
+        (:func:`~ucpformat.distributed.rank_description.mesh_boxes` of this rank's places)."""
         place = {m.name: m for m in self.meshes}
         shape = {s.path: s.shape for s in self.specs}
         out = list(self.boxes)

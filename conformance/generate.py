@@ -40,21 +40,21 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes, names
+from ucpformat.checkpoint.commit import commit_checkpoint as commit
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_array, source_maps
 from ucpformat.engine.checksum import crc_bytes
 from ucpformat.engine.codecs import ChunkCodec
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords, object_region
-from ucpformat.engine.sharding import pack_shard
+from ucpformat.engine.shard_index import pack_shard
 from ucpformat.engine.write import StoredObject, encode_object, write_object
 from ucpformat.errors import LayoutError
+from ucpformat.format import dtypes, names
 from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.metadata import ArrayMeta, GroupMeta, build_root_ucp
-from ucpformat.storage import LocalStore
-from ucpformat.writer import commit
+from ucpformat.store import LocalStore
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_ID = "https://ucpformat.org/schemas/1.0/conformance-expected.schema.json"

@@ -7,7 +7,7 @@ that matches 'bfloat16'". ucpformat's wheel ships this module and a ``.pth`` fil
 imports it when Python starts. It costs one small module: it only asks to be told when
 ``zarr`` is imported. Then, for each data type that ucpformat's entry points declare
 and zarr does not know, it registers a stand-in under that name; the first stand-in that
-zarr asks about a data type imports ``ucpformat.zarr_dtypes``, which replaces every
+zarr asks about a data type imports ``ucpformat.format.zarr_dtypes``, which replaces every
 stand-in with the real class (in place: zarr may be iterating over its registry), and
 answers with its own class. An interpreter that never meets such a data type never
 imports ucpformat. A failure here never stops zarr, or Python, from starting.
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 #: The entry-point values of ucpformat's data types start with this.
-PLUGIN_MODULE = "ucpformat.zarr_dtypes"
+PLUGIN_MODULE = "ucpformat.format.zarr_dtypes"
 
 
 class LazyDataType:
@@ -32,7 +32,7 @@ class LazyDataType:
 
     @classmethod
     def _real(cls) -> Any:
-        from ucpformat import zarr_dtypes
+        from ucpformat.format import zarr_dtypes
 
         zarr_dtypes.register()  # replaces every stand-in, in place
         return next(p for p in zarr_dtypes.PLUGINS if p._zarr_v3_name == cls.name)

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ucpformat.dtypes import DataType
-from ucpformat.metadata import encode_root
+from ucpformat.checkpoint.metadata import encode_root
+from ucpformat.format.dtypes import DataType
 
 # -- comparing -----------------------------------------------------------------------
 
@@ -138,11 +138,12 @@ def write_explicit(
     """A checkpoint whose arrays have exactly the given (chunk shape, shard shape or None,
     compression), written by the writer's own object encoder and commit: tests that flip
     a byte of a given chunk must not depend on the chunking heuristics of ``save``."""
-    from ucpformat import writer
-    from ucpformat.dtypes import from_numpy
+    from ucpformat.checkpoint import commit as protocol
+    from ucpformat.checkpoint import tree, writer
+    from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
     from ucpformat.engine.compression import Compression
-    from ucpformat.metadata import ArrayMeta, GroupMeta, default_producer
-    from ucpformat.storage import LocalStore
+    from ucpformat.format.dtypes import from_numpy
+    from ucpformat.store import LocalStore
 
     metas = []
     groups: set[str] = set()
@@ -150,13 +151,13 @@ def write_explicit(
         dt = from_numpy(arr.dtype)
         metas.append((ArrayMeta(path=node, shape=arr.shape, dtype=dt, chunk_shape=chunk,
                                 shard_shape=shard, compression=Compression.parse(compression, dt),
-                                fill_value=writer.zero_bits(dt)), arr))
+                                fill_value=tree.zero_bits(dt)), arr))
         parts = node.split("/")
         groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
     store = LocalStore(path, durable=False)
-    writer.prepare_destination(store, overwrite=False)
+    protocol.prepare_destination(store, overwrite=False)
     objects = writer.write_arrays(store, metas, hash_algorithm=hash_algorithm)
-    writer.commit(store, arrays=[m for m, _ in metas],
+    protocol.commit_checkpoint(store, arrays=[m for m, _ in metas],
                   groups=[GroupMeta(g) for g in sorted(groups)], objects=objects,
                   root_ucp={"producer": default_producer()}, hash_algorithm=hash_algorithm)
     return path
@@ -201,4 +202,4 @@ def fail_fsync(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
             raise OSError(5, "Input/output error")
         real(fd)
 
-    monkeypatch.setattr("ucpformat.storage.os.fsync", failing)
+    monkeypatch.setattr("ucpformat.store.os.fsync", failing)

@@ -20,21 +20,19 @@ PACKAGE = REPO / "ucpformat"
 #: Layers from the bottom up: (name, module patterns). A pattern names a module or, ending
 #: in ``.*``, a package and everything in it. docs/architecture.md explains each layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "_version", "optional", "progress", "jsonvalues", "names",
-                    "dtypes", "schemas", "zarr_dtypes")),
-    ("storage and geometry", ("storage", "storage_fsspec", "layout", "layout.boxes",
-                              "layout.semantics", "layout.sharding", "layout.rules",
-                              "layout.zero", "layout.dtensor", "layout.universal_info")),
+    ("foundation", ("errors", "_version", "compat", "optional", "progress", "format.*")),
+    ("storage and geometry", ("store.*", "layout.*")),
     ("engine", ("engine.*",)),
-    ("metadata", ("metadata",)),
-    ("checkpoint API", ("", "reader", "writer", "feed", "validation", "rng", "manager")),
-    ("distributed pipeline", ("comm", "description", "saveplan", "pipeline", "distributed",
-                              "layout.framework")),
+    ("checkpoint API", ("", "checkpoint.*")),
+    ("distributed pipeline", ("distributed.*",)),
     ("torch", ("torch.*",)),
-    ("frameworks", ("conversion", "importers.*", "exporters.*", "deepspeed.*",
-                    "megatron.*")),
+    ("frameworks", ("interchange", "importers.*", "exporters.*", "deepspeed.*",
+                    "megatron.*", "jax.*", "trainers.*")),
     ("tools", ("cli.*", "conformance.*", "testing.*")),
 ]
+#: The modules that sit at the package's root (the foundation every layer shares); every
+#: other module is in the package of its layer.
+ROOT_MODULES = {"", "errors", "_version", "compat", "optional", "progress", "interchange"}
 #: The first layer that may import torch (and the frameworks built on it).
 TORCH_LAYER = "torch"
 FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers")
@@ -91,7 +89,7 @@ def runtime_imports(tree: ast.AST, *, package: str) -> Iterator[tuple[int, str]]
 
 def target_module(name: str) -> str | None:
     """The ucpformat module that importing ``name`` reaches, relative ('' = the package);
-    None outside ucpformat. ``ucpformat.dtypes.DataType`` reaches ``dtypes``."""
+    None outside ucpformat. ``ucpformat.format.dtypes.DataType`` reaches ``dtypes``."""
     if name != "ucpformat" and not name.startswith("ucpformat."):
         return None
     parts = name.split(".")[1:]
@@ -146,10 +144,11 @@ def test_no_module_imports_a_higher_layer_and_the_core_never_imports_torch() -> 
 
 @pytest.mark.parametrize(("module", "source"), [
     ("engine.read", "def f():\n    import torch\n"),
-    ("metadata", "from ucpformat.reader import Checkpoint\n"),
-    ("engine.codecs", "from ucpformat import writer\n"),
-    ("layout.sharding", "from ucpformat.distributed import Fragment\n"),
-    ("reader", "from ucpformat.torch.planner import check_device\n"),
+    ("format.dtypes", "from ucpformat.checkpoint.reader import Checkpoint\n"),
+    ("engine.codecs", "from ucpformat.checkpoint import writer\n"),
+    ("layout.rank_slices", "from ucpformat.distributed import Fragment\n"),
+    ("store.local", "from ucpformat.engine.shard_index import decode_index\n"),
+    ("checkpoint.reader", "from ucpformat.torch.load_plan import check_device\n"),
     ("torch.state", "from ucpformat.importers import convert\n"),
     ("engine.grid", "from ..metadata import ArrayMeta\n"),
 ])
@@ -159,9 +158,9 @@ def test_the_checker_finds_what_it_forbids(module: str, source: str) -> None:
 
 @pytest.mark.parametrize(("module", "source"), [
     ("engine.grid", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                    "    from ucpformat.metadata import ArrayMeta\n"),
-    ("torch.state", "import torch\nfrom ucpformat.pipeline import save\n"),
-    ("writer", "from ucpformat.engine.write import write_object\n"),
+                    "    from ucpformat.checkpoint.metadata import ArrayMeta\n"),
+    ("torch.state", "import torch\nfrom ucpformat.distributed.pipeline import save\n"),
+    ("checkpoint.writer", "from ucpformat.engine.write import write_object\n"),
     ("cli.inspect", "from ucpformat.torch import load\n"),
 ])
 def test_the_checker_allows_what_the_layers_allow(module: str, source: str) -> None:
@@ -175,3 +174,37 @@ def test_the_architecture_page_names_every_layer() -> None:
         for pattern in patterns:
             if pattern:
                 assert f"`{pattern.removesuffix('.*')}" in page, pattern
+
+
+def test_each_layer_is_a_package() -> None:
+    """Apart from the foundation's few root modules, a module's package names its layer:
+    every module of a package is in one layer (the tree shows the layers)."""
+    layers_of: dict[str, set[int]] = {}
+    for path in package_modules():
+        module = module_name(path)
+        if module in ROOT_MODULES:
+            continue
+        top = module.split(".")[0]
+        assert (PACKAGE / top / "__init__.py").is_file(), (
+            f"ucpformat.{module} sits at the package root: put it in its layer's package")
+        layers_of.setdefault(top, set()).add(layer_of(module))
+    split = {top: sorted(LAYERS[i][0] for i in found)
+             for top, found in layers_of.items() if len(found) > 1}
+    assert not split, f"packages spread over several layers: {split}"
+
+
+def test_old_import_paths_still_work_with_a_deprecation_warning() -> None:
+    import importlib
+    import sys
+
+    from ucpformat.compat import MOVED
+
+    for old, new in MOVED.items():
+        if old.split(".")[1] in ("torch", "deepspeed", "megatron"):
+            pytest.importorskip("torch")
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=re.escape(new)):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert not (PACKAGE / (old.removeprefix("ucpformat.").replace(".", "/") + ".py")
+                    ).is_file(), f"{old} is both moved and still there"

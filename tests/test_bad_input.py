@@ -35,13 +35,14 @@ from tests.helpers import (
     write_explicit,
     write_json,
 )
-from ucpformat import errors, writer
-from ucpformat.dtypes import BY_NAME
+from ucpformat import errors
+from ucpformat.checkpoint import commit as protocol
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
 from ucpformat.engine.checksum import crc_bytes
-from ucpformat.engine.sharding import EMPTY, index_nbytes
+from ucpformat.engine.shard_index import EMPTY, index_nbytes
 from ucpformat.engine.write import write_object
-from ucpformat.metadata import ArrayMeta, default_producer
-from ucpformat.storage import LocalStore
+from ucpformat.format.dtypes import BY_NAME
+from ucpformat.store import LocalStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -362,9 +363,9 @@ def _huge(path: Path, *, sparse: bool) -> np.ndarray[Any, Any]:
                      fill_value=np.float32(0), attributes={"ucp": {"sparse": sparse}})
     first = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
     store = LocalStore(path, durable=False)
-    writer.prepare_destination(store, overwrite=False)
+    protocol.prepare_destination(store, overwrite=False)
     objects = [write_object(store, meta, (0, 0), first)]
-    writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
+    protocol.commit_checkpoint(store, arrays=[meta], groups=[GroupMeta("model")], objects=objects,
                   root_ucp={"producer": default_producer()})
     return first
 
@@ -636,7 +637,7 @@ CHILD = r"""
 import sys, time
 import numpy as np
 import ucpformat
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 
 path, mode = sys.argv[1], sys.argv[2]
 
@@ -849,7 +850,7 @@ import numpy as np
 import ucpformat
 from ucpformat.engine.checksum import crc_bytes
 from ucpformat.engine.compression import Compression
-from ucpformat.dtypes import BY_NAME
+from ucpformat.format.dtypes import BY_NAME
 
 root = sys.argv[1]
 bombs = {}

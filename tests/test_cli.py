@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.metadata import MANIFEST_KEY, ZARR_JSON
 from ucpformat.cli import main
 from ucpformat.cli.diff import blocks, compare_tensors
-from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 
 REPO = Path(__file__).resolve().parents[1]
 

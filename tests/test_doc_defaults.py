@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ucpformat import conversion, reader, saveplan
+from ucpformat import interchange
+from ucpformat.checkpoint import reader
 from ucpformat.engine import chunking
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -20,9 +21,9 @@ CLAIMS = [
      chunking.DEFAULT_CHUNK_BYTES),
     ("scale.md", r"default chunking \((\d+) (\w+) inner chunks", chunking.DEFAULT_CHUNK_BYTES),
     ("scale.md", r"shards up to (\d+) (\w+)", chunking.DEFAULT_SHARD_BYTES),
-    ("dcp.md", r"`min_shard_bytes` \((\d+) (\w+) by default", saveplan.DEFAULT_MIN_SHARD_BYTES),
+    ("dcp.md", r"`min_shard_bytes` \((\d+) (\w+) by default", chunking.DEFAULT_MIN_SHARD_BYTES),
     ("importers.md", r"`memory_limit` \(tensor bytes in memory at once, default (\d+) (\w+)",
-     conversion.DEFAULT_MEMORY_LIMIT),
+     interchange.DEFAULT_MEMORY_LIMIT),
     ("reliability.md", r"`max_metadata_bytes`, default (\d+) (\w+)", reader.MAX_METADATA_BYTES),
 ]
 

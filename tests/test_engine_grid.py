@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ucpformat.dtypes import BY_NAME
+from ucpformat.checkpoint.metadata import ArrayMeta
 from ucpformat.engine.grid import coords_of_key, object_key, stored_object_coords
-from ucpformat.metadata import ArrayMeta
+from ucpformat.format.dtypes import BY_NAME
 
 
 def _meta(shape: tuple[int, ...], chunk: tuple[int, ...]) -> ArrayMeta:

@@ -14,12 +14,14 @@ import zarr
 
 import ucpformat
 from tests.helpers import random_array, read_json
-from ucpformat import writer
-from ucpformat.dtypes import BY_NAME, DATA_TYPES, DataType
+from ucpformat.checkpoint import commit as protocol
+from ucpformat.checkpoint import tree
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
 from ucpformat.engine.write import write_object
 from ucpformat.errors import CheckpointExistsError, MissingChunkError, WriteError
-from ucpformat.metadata import ArrayMeta, default_producer
-from ucpformat.storage import LocalStore
+from ucpformat.format import dtypes
+from ucpformat.format.dtypes import BY_NAME, DATA_TYPES, DataType
+from ucpformat.store import LocalStore
 
 SHAPE = (13, 7)
 COMPRESSIONS = [None, "zstd", "gzip", "blosc"]
@@ -127,7 +129,7 @@ def _ts_write(path: Path, arr: np.ndarray[Any, Any], dt: DataType, layout: str,
         "data_type": dt.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
         "chunk_key_encoding": {"name": "default"},
-        "fill_value": writer.dtypes.fill_value_to_json(dt, writer.zero_bits(dt)),
+        "fill_value": dtypes.fill_value_to_json(dt, tree.zero_bits(dt)),
         "codecs": codecs,
     }
     t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
@@ -233,9 +235,9 @@ def test_bfloat16_hex_fill_value_is_bfloat16_bits(tmp_path: Path) -> None:
                      compression=None, fill_value=ml_dtypes.bfloat16(1.0),
                      attributes={"ucp": {"sparse": True}})
     store = LocalStore(tmp_path / "c", durable=False)
-    writer.prepare_destination(store, overwrite=False)
+    protocol.prepare_destination(store, overwrite=False)
     objects = [write_object(store, meta, (0, 0), np.full((2, 3), 5, ml_dtypes.bfloat16))]
-    writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
+    protocol.commit_checkpoint(store, arrays=[meta], groups=[GroupMeta("model")], objects=objects,
                   root_ucp={"producer": default_producer()})
     assert read_json(tmp_path / "c" / "model" / "x" / "zarr.json")["fill_value"] == "0x3f80"
 

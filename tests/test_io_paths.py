@@ -18,11 +18,11 @@ import pytest
 import ucpformat
 from tests.helpers import fail_fsync
 from ucpformat import errors
-from ucpformat.dtypes import by_name
+from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, ZARR_JSON
+from ucpformat.checkpoint.reader import Checkpoint, Region
 from ucpformat.engine.compression import Compression
-from ucpformat.metadata import IN_PROGRESS_KEY, ZARR_JSON
-from ucpformat.reader import Checkpoint, Region
-from ucpformat.storage import LocalStore
+from ucpformat.format.dtypes import by_name
+from ucpformat.store import LocalStore
 
 
 class RecordingStore(LocalStore):
@@ -37,7 +37,7 @@ class RecordingStore(LocalStore):
             self.log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
             real_fsync(fd)
 
-        monkeypatch.setattr("ucpformat.storage.os.fsync", fsync)
+        monkeypatch.setattr("ucpformat.store.os.fsync", fsync)
 
     def put(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
         self.log.append(("put", os.path.join(self.location, *key.split("/"))))

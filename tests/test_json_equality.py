@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ucpformat.jsonvalues import json_equal
+from ucpformat.format.jsonvalues import json_equal
 
 
 @pytest.mark.parametrize(("a", "b"), [

@@ -11,12 +11,12 @@ import pytest
 
 import ucpformat
 from tests.helpers import flip_byte
+from ucpformat.checkpoint.reader import Region
 from ucpformat.distributed import read_local
 from ucpformat.errors import ChecksumError, LayoutError, SelectionError
 from ucpformat.layout.boxes import LocalMap, Piece
 from ucpformat.layout.dtensor import Shard, StridedShard, dtensor_local_map
-from ucpformat.reader import Region
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 
 
 @pytest.fixture

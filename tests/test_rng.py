@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat import rng
+from ucpformat.checkpoint import rng
+from ucpformat.checkpoint.tree import Group
 from ucpformat.errors import FormatError, InvalidValueError
-from ucpformat.writer import Group
 
 BIT_GENERATORS = [np.random.MT19937, np.random.PCG64, np.random.PCG64DXSM, np.random.Philox,
                   np.random.SFC64]

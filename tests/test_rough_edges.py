@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.metadata import MANIFEST_KEY
+from ucpformat.checkpoint.tree import Group
 from ucpformat.cli import build_parser, main
 from ucpformat.errors import CheckpointNotFoundError, MissingDependencyError
 from ucpformat.layout.rules import builtin_rule_files
-from ucpformat.metadata import MANIFEST_KEY
-from ucpformat.storage import LocalStore
-from ucpformat.writer import Group
+from ucpformat.store import LocalStore
 
 REPO = Path(__file__).resolve().parents[1]
 

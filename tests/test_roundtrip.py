@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 
 import ucpformat
 from tests.helpers import assert_bits_equal, random_array
-from ucpformat import names, writer
-from ucpformat.dtypes import DATA_TYPES, DataType
+from ucpformat.checkpoint import commit as protocol
+from ucpformat.checkpoint import tree, writer
+from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, default_producer
 from ucpformat.engine.compression import Compression
-from ucpformat.metadata import ArrayMeta, default_producer
-from ucpformat.storage import LocalStore
+from ucpformat.format import names
+from ucpformat.format.dtypes import DATA_TYPES, DataType
+from ucpformat.store import LocalStore
 
 COMPRESSIONS = [None, "zstd", "gzip", "blosc"]
 DIMS = [0, 1, 2, 3, 5, 7, 11, 13]
@@ -75,12 +77,12 @@ def _unsharded_multichunk(
     other writers do) with the writer's own object encoder and commit."""
     meta = ArrayMeta(
         path="model/x", shape=arr.shape, dtype=dt, chunk_shape=chunk, shard_shape=None,
-        compression=Compression.parse(compression, dt), fill_value=writer.zero_bits(dt),
+        compression=Compression.parse(compression, dt), fill_value=tree.zero_bits(dt),
     )
     store = LocalStore(path, durable=False)
-    writer.prepare_destination(store, overwrite=False)
+    protocol.prepare_destination(store, overwrite=False)
     objects = writer.write_arrays(store, [(meta, arr)], hash_algorithm="sha256")
-    writer.commit(store, arrays=[meta], groups=[writer.GroupMeta("model")], objects=objects,
+    protocol.commit_checkpoint(store, arrays=[meta], groups=[GroupMeta("model")], objects=objects,
                   root_ucp={"producer": default_producer()})
 
 
@@ -341,7 +343,7 @@ def test_special_names_and_values_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tag", [{}, [], 1, None, "nan"])
 def test_malformed_float_tag_in_a_checkpoint_is_a_format_error(tag: Any) -> None:
-    from ucpformat import jsonvalues
+    from ucpformat.format import jsonvalues
 
     with pytest.raises(ucpformat.errors.FormatError, match="malformed non-finite float") as info:
         jsonvalues.decode({"$ucp_float": tag}, where="values")

@@ -1,13 +1,13 @@
 """The scale benchmark measures the real thing: its simulated plans are those of a real save.
 
 ``benchmarks/bench_scale.py`` simulates thousands of ranks in one process (descriptions
-from :mod:`benchmarks.scale_layouts`, the coordinator's :func:`ucpformat.pipeline.plan_shares`,
-each rank's :func:`ucpformat.pipeline.take_share`). Here 4 gloo processes save the same
-layouts with real values, recording the share each rank received; the simulation must
-hand every rank exactly that share, and the checkpoint must hold the values. The
-layouts: a small Llama-shaped model under TP 2 x DP 2 with flat ZeRO-1 partitions of the
-fp32 states, and under FSDP2 x TP on a (2, 2) mesh described by mesh and placements;
-fine shards, so that cells move.
+from :mod:`benchmarks.scale_layouts`, the coordinator's
+:func:`ucpformat.distributed.pipeline.plan_shares`, each rank's
+:func:`ucpformat.distributed.pipeline.take_share`). Here 4 gloo processes save the same layouts
+with real values, recording the share each rank received; the simulation must hand every rank
+exactly that share, and the checkpoint must hold the values. The layouts: a small Llama-shaped
+model under TP 2 x DP 2 with flat ZeRO-1 partitions of the fp32 states, and under FSDP2 x TP on a
+(2, 2) mesh described by mesh and placements; fine shards, so that cells move.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from benchmarks import scale_layouts as L
-from ucpformat import dtypes
-from ucpformat.description import describe, encode_description
+from ucpformat.distributed.rank_description import describe, encode_description
+from ucpformat.distributed.save_plan import PlanOptions
+from ucpformat.format import dtypes
 from ucpformat.layout.boxes import Box, box_shape
-from ucpformat.saveplan import PlanOptions
 
 
 def _gloo_available() -> bool:
@@ -53,8 +53,8 @@ def values(shape: tuple[int, ...], box: Box, dtype: str) -> np.ndarray[Any, Any]
 
 def save_rank(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
     """Worker: save this rank's part of the layout over gloo; the share it received."""
-    import ucpformat.pipeline as pipeline
-    from ucpformat.distributed import Fragment, save_distributed
+    import ucpformat.distributed.pipeline as pipeline
+    from ucpformat.distributed import Fragment, save_fragments
     from ucpformat.torch.comm import TorchCommunicator
 
     sim = next(r for r in SCENARIOS[kind]().ranks() if r.rank == rank)
@@ -71,7 +71,7 @@ def save_rank(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
         return share
 
     pipeline.take_share = recording  # type: ignore[assignment]
-    save_distributed(root, TorchCommunicator(), specs=sim.specs, fragments=frags,
+    save_fragments(root, TorchCommunicator(), specs=sim.specs, fragments=frags,
                      meshes=sim.meshes, on_mesh=sim.on_mesh, chunk_bytes=OPTIONS.chunk_bytes,
                      shard_bytes=OPTIONS.shard_bytes,
                      min_shard_bytes=OPTIONS.min_shard_bytes, durable=False)
@@ -80,8 +80,8 @@ def save_rank(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
 
 def simulated_shares(kind: str) -> list[dict[str, Any]]:
     """Each rank's share as the benchmark computes it, in one process."""
-    from ucpformat.pipeline import plan_shares, take_share
-    from ucpformat.storage import LocalStore
+    from ucpformat.distributed.pipeline import plan_shares, take_share
+    from ucpformat.store import LocalStore
 
     sc = SCENARIOS[kind]()
     docs = [{**describe(r.specs, r.boxes, meshes=r.meshes, on_mesh=r.on_mesh), "error": ""}

@@ -1,10 +1,10 @@
 """The code's parsers and the JSON Schemas agree on what a valid metadata document is.
 
-``ucpformat.metadata.parse_array``/``parse_group`` and ``ucpformat.reader.parse_root``
-(everything ``open`` checks) are the fast path; ``schemas/1.0`` is the normative,
-machine-readable description. For documents the library writes, both accept. For
-mutated documents, whenever the schema rejects, the code rejects too; the code may be
-stricter only where JSON Schema cannot express the rule (the CODE_ONLY table).
+``ucpformat.checkpoint.metadata.parse_array``/``parse_group`` and
+``ucpformat.checkpoint.reader.parse_root`` (everything ``open`` checks) are the fast path;
+``schemas/1.0`` is the normative, machine-readable description. For documents the library writes,
+both accept. For mutated documents, whenever the schema rejects, the code rejects too; the code may
+be stricter only where JSON Schema cannot express the rule (the CODE_ONLY table).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 import ucpformat
 from tests.helpers import random_array, read_json
-from ucpformat import schemas
-from ucpformat.dtypes import DATA_TYPES
+from ucpformat.checkpoint.metadata import parse_array, parse_group
+from ucpformat.checkpoint.reader import parse_root
 from ucpformat.errors import UCPError
-from ucpformat.metadata import parse_array, parse_group
-from ucpformat.reader import parse_root
+from ucpformat.format import schemas
+from ucpformat.format.dtypes import DATA_TYPES
 
 #: Rules the code checks and the schemas cannot: rule -> pattern its message must match
 #: (None: any message of that rule). Everything else the code refuses, the schema refuses.

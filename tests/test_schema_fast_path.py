@@ -1,6 +1,6 @@
 """The compiled schema validator only makes schema checks faster, never weaker.
 
-``ucpformat.schemas`` asks jsonschema-rs first and ``jsonschema`` only about documents
+``ucpformat.format.schemas`` asks jsonschema-rs first and ``jsonschema`` only about documents
 jsonschema-rs does not accept, so every verdict and message is jsonschema's as long as
 jsonschema-rs accepts nothing that jsonschema refuses: checked here on every document of
 the conformance corpus and on hostile mutations of them. Also the algorithmic properties
@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucpformat
-from ucpformat import schemas
-from ucpformat.metadata import MAX_DOCUMENT_DEPTH, json_depth
-from ucpformat.storage import LocalStore
+from ucpformat.checkpoint.metadata import MAX_DOCUMENT_DEPTH, json_depth
+from ucpformat.checkpoint.validation import root_violations
+from ucpformat.format import schemas
+from ucpformat.store import LocalStore
 from ucpformat.testing.hostile import dump, mutated
-from ucpformat.validation import root_violations
 
 CASES = Path(__file__).resolve().parent.parent / "conformance" / "cases"
 

@@ -5,8 +5,8 @@
 (b) every requirement id cited by the code, the schemas, the conformance suite and the
     spec itself is defined;
 (c) every ```json schema=KIND``` example validates, every ```json invalid ...``` fails;
-(d) the data-type table, the schema enum and ucpformat.dtypes.NAMES agree, and the
-    escaping examples agree with ucpformat.names.
+(d) the data-type table, the schema enum and ucpformat.format.dtypes.NAMES agree, and the
+    escaping examples agree with ucpformat.format.names.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from tests import spec_helpers as sh
-from ucpformat import dtypes, metadata, names, schemas
+from ucpformat.checkpoint import metadata
+from ucpformat.checkpoint.reader import parse_root
 from ucpformat.errors import UCPError
-from ucpformat.reader import parse_root
+from ucpformat.format import dtypes, names, schemas
 
 SPEC = sh.SPEC_DIR / "ucp-1.0.md"
 #: Kinds a ```json schema=KIND``` block may name: every schema but the shared definitions.

@@ -19,10 +19,9 @@ import pytest
 
 import ucpformat
 from tests.helpers import fail_fsync
-from ucpformat import storage
+from ucpformat.checkpoint.metadata import ZARR_JSON
 from ucpformat.errors import ConcurrentWriteError
-from ucpformat.metadata import ZARR_JSON
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore, posix
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 
@@ -109,13 +108,13 @@ def test_the_descriptor_outlives_the_batch_while_a_call_uses_it(
 ) -> None:
     """The batch ends while another thread is inside a call: the descriptor stays open
     (its number cannot name another file under that call) until the call is done."""
-    if storage._OPENAT2 is None:
+    if posix.OPENAT2 is None:
         pytest.skip("no openat2 on this system")
     store = LocalStore(tmp_path / "c")
     store.put("model/a/c/0", [b"first"])  # the directories exist: one openat2 from here
     inside, go_on = threading.Event(), threading.Event()
     seen: list[int] = []
-    real = storage._OPENAT2
+    real = posix.OPENAT2
 
     def slow_openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
         if path == "model/a/c/1":
@@ -124,7 +123,7 @@ def test_the_descriptor_outlives_the_batch_while_a_call_uses_it(
             assert go_on.wait(30)
         return real(dir_fd, path, flags, mode)
 
-    monkeypatch.setattr(storage, "_OPENAT2", slow_openat2)
+    monkeypatch.setattr(posix, "OPENAT2", slow_openat2)
     writer = threading.Thread(target=lambda: store.put("model/a/c/1", [b"second"]))
     location = os.stat(tmp_path / "c")
     with store.batch():
@@ -206,7 +205,7 @@ def test_a_save_whose_location_is_replaced_commits_nothing_and_writes_nothing_th
     went into the new directory, and stayed there.)"""
     import shutil
 
-    import ucpformat.writer as writer
+    import ucpformat.checkpoint.write_loop as writer
 
     root = tmp_path / "c"
     real = writer.write_object

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import (
     CheckpointExistsError,
     IncompleteCheckpointError,
     InvalidValueError,
     WriteError,
 )
-from ucpformat.writer import StreamingWriter
 
 
 def test_streamed_checkpoint_equals_its_data(tmp_path: Path) -> None:

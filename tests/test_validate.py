@@ -24,7 +24,7 @@ from tests.helpers import (
     write_json,
 )
 from ucpformat.engine.checksum import crc_bytes
-from ucpformat.engine.sharding import EMPTY, index_nbytes
+from ucpformat.engine.shard_index import EMPTY, index_nbytes
 
 
 def rule(n: int) -> str:

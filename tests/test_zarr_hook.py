@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat import zarr_dtypes
+from ucpformat.format import zarr_dtypes
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = REPO / "hooks"
@@ -127,7 +127,7 @@ def test_the_wheel_ships_the_hook_and_declares_every_data_type() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     declared = project["project"]["entry-points"]["zarr.data_type"]
     assert {name: value.partition(":")[0] for name, value in declared.items()} == {
-        cls._zarr_v3_name: "ucpformat.zarr_dtypes" for cls in zarr_dtypes.PLUGINS}
+        cls._zarr_v3_name: "ucpformat.format.zarr_dtypes" for cls in zarr_dtypes.PLUGINS}
 
 
 def test_a_first_write_finds_its_data_type_through_the_hook(site: Path, tmp_path: Path) -> None:

@@ -9,15 +9,19 @@ The format core (this package minus ``ucpformat.torch``) needs numpy and zarr on
     ucpformat.validate("ckpt", deep=True)  # a Report; every problem names its requirement
 """
 
-from ucpformat import errors
+# compat first: the old import paths of moved modules work for one release (it installs
+# its finder on import, before anything else of ucpformat is imported)
+from ucpformat import compat, errors  # noqa: F401
 from ucpformat._version import __version__
-from ucpformat.dtypes import DATA_TYPES, DataType
+from ucpformat.checkpoint.adopt import adopt
+from ucpformat.checkpoint.metadata import FORMAT_VERSION
+from ucpformat.checkpoint.reader import Checkpoint, Tensor, open_checkpoint
+from ucpformat.checkpoint.tree import Group
+from ucpformat.checkpoint.validation import Issue, Report, validate
+from ucpformat.checkpoint.writer import SaveResult, save
 from ucpformat.errors import UCPError
-from ucpformat.metadata import FORMAT_VERSION
-from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
-from ucpformat.validation import Issue, Report, validate
-from ucpformat.writer import Group, SaveResult, adopt, save
-from ucpformat.zarr_dtypes import register as _register_zarr_dtypes
+from ucpformat.format.dtypes import DATA_TYPES, DataType
+from ucpformat.format.zarr_dtypes import register as _register_zarr_dtypes
 
 _register_zarr_dtypes()
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from tests.conformance.conftest import REPO
-from ucpformat import schemas
 from ucpformat.conformance import command
 from ucpformat.conformance.cases import Case, cases_dir, load_cases, load_scenarios
 from ucpformat.conformance.runner import validator_suite
+from ucpformat.format import schemas
 
 CASES = load_cases()
 SUITE = REPO / "conformance"

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from ucpformat import dtypes
 from ucpformat.conformance import contents
+from ucpformat.format import dtypes
 
 
 def test_splitmix64_test_vector() -> None:

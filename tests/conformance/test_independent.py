@@ -78,8 +78,8 @@ def test_a_reader_that_misreads_an_undeclared_type_fails() -> None:
     from typing import Any
 
     from ucpformat.conformance.adapters import reference
-    from ucpformat.dtypes import NAMES
-    from ucpformat.testing import conformance as ucp
+    from ucpformat.format.dtypes import NAMES
+    from ucpformat.testing import conformance_kit as ucp
 
     def read(checkpoint: Any, request: Any) -> Any:
         response, _ = reference.read(checkpoint, request)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.conformance.conftest import REPO, reference
-from ucpformat import schemas
 from ucpformat.conformance import command
 from ucpformat.conformance.runner import reader_suite, validator_suite, writer_suite
+from ucpformat.format import schemas
 
 
 def test_reference_reader() -> None:

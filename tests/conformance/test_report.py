@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from xml.etree import ElementTree as ET
 
-from ucpformat import schemas
 from ucpformat.conformance.report import Result, SuiteReport, junit_document, merge_json
+from ucpformat.format import schemas
 
 
 def _report() -> SuiteReport:

@@ -1,4 +1,4 @@
-"""ucpformat.testing.conformance: the suite from another project's tests."""
+"""ucpformat.testing.conformance_kit: the suite from another project's tests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import ucpformat
 from ucpformat.conformance import contents
 from ucpformat.conformance.adapters import reference
 from ucpformat.errors import UCPError
-from ucpformat.testing import conformance as ucp
+from ucpformat.testing import conformance_kit as ucp
 
 
 def _read(checkpoint: Path, path: str, selection: Any) -> Any:

@@ -193,7 +193,7 @@ def train(engine: Any, rank: int, steps: int, start: int = 0) -> list[float]:
 def snapshot(engine: Any) -> dict[str, Any]:
     """Everything a resumed engine must equal: flat partitions (padding included), every
     state, the 16-bit weights, hyperparameters, scheduler, counters, loss scaler."""
-    from ucpformat.deepspeed.holdings import holdings, inner_optimizer
+    from ucpformat.deepspeed.rank_fragments import holdings, inner_optimizer
     from ucpformat.deepspeed.save import loss_scaler
     from ucpformat.torch.state import to_json
 
@@ -797,7 +797,7 @@ def _other_paths(rank: int, root: Path, checks: Checks) -> None:
 def _refusals(rank: int, root: Path, checks: Checks) -> None:
     """Bad input is refused on every rank before anything of the engine changes."""
     import ucpformat.deepspeed as uds
-    from ucpformat.deepspeed.holdings import inner_optimizer
+    from ucpformat.deepspeed.rank_fragments import inner_optimizer
     from ucpformat.errors import KeyMismatchError, LoadError, ShapeMismatchError, UCPError
 
     cases: list[tuple[str, str, type[Exception], str, Path]] = [
@@ -841,7 +841,7 @@ def _refusals(rank: int, root: Path, checks: Checks) -> None:
 
 def crash_job(rank: int, world: int, out: str) -> dict[str, Any]:
     import ucpformat.deepspeed as uds
-    from ucpformat import pipeline
+    from ucpformat.checkpoint import write_loop
 
     _env(rank, world)
     engine = make_engine("dsnet", 2, "fp32")
@@ -852,7 +852,7 @@ def crash_job(rank: int, world: int, out: str) -> dict[str, Any]:
         def die(*args: Any, **kwargs: Any) -> Any:
             os._exit(17)  # the process is gone, as if killed, in the middle of writing
 
-        pipeline.write_object = die  # type: ignore[assignment]
+        write_loop.write_object = die  # type: ignore[assignment]
     uds.save(engine, Path(out) / "crashed", tag="step4")
     return {"saved": True}
 

@@ -17,11 +17,11 @@ torch = pytest.importorskip("torch")
 
 import ucpformat  # noqa: E402
 from tests.helpers import FailingCopier  # noqa: E402
-from ucpformat.comm import SingleProcess  # noqa: E402
 from ucpformat.deepspeed.save import EngineFragments  # noqa: E402
+from ucpformat.distributed.comm import SingleProcess  # noqa: E402
+from ucpformat.distributed.pipeline import save as run_pipeline  # noqa: E402
+from ucpformat.distributed.save_plan import TensorSpec  # noqa: E402
 from ucpformat.errors import UCPError, WriteError  # noqa: E402
-from ucpformat.pipeline import save as run_pipeline  # noqa: E402
-from ucpformat.saveplan import TensorSpec  # noqa: E402
 from ucpformat.torch.staging import (  # noqa: E402
     ALIGN_BYTES,
     HostBufferPool,

@@ -18,14 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def bits(a: Any) -> np.ndarray[Any, Any]:
     """The raw bytes of an array or tensor (bit-exact comparisons, NaN payloads included)."""
     if not isinstance(a, np.ndarray):
-        from ucpformat.conversion import to_numpy
+        from ucpformat.interchange import to_numpy
 
         a = to_numpy(a)
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 def assert_same(got: Any, want: Any, what: str = "") -> None:
-    from ucpformat.conversion import to_numpy
+    from ucpformat.interchange import to_numpy
 
     g = got if isinstance(got, np.ndarray) else to_numpy(got)
     w = want if isinstance(want, np.ndarray) else to_numpy(want)

@@ -363,9 +363,9 @@ def _meg_worker(rank: int, world: int, init: str, out: str) -> None:
     if rank == 0:
         import ucpformat
         from ucpformat import importers
-        from ucpformat.layout.framework import ModelLayout
+        from ucpformat.distributed.framework import ModelLayout
+        from ucpformat.layout.rank_slices import ParallelConfig
         from ucpformat.layout.rules import RuleSet
-        from ucpformat.layout.sharding import ParallelConfig
 
         ucp = os.path.join(out, "tp2.ucp")
         importers.convert(os.path.join(out, "tp2"), ucp, durable=False)

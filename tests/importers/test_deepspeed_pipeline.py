@@ -24,10 +24,11 @@ import pytest
 
 import ucpformat
 from tests.importers.conftest import assert_same, bits, cached_framework_run, shared_cache
-from ucpformat import importers, names
-from ucpformat.layout.framework import ModelLayout
+from ucpformat import importers
+from ucpformat.distributed.framework import ModelLayout
+from ucpformat.format import names
+from ucpformat.layout.rank_slices import ParallelConfig, RankCoords
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig, RankCoords
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat import dtypes
-from ucpformat.conversion import bounded_map
 from ucpformat.errors import IncompleteCheckpointError, WriteError
+from ucpformat.format import dtypes
 from ucpformat.importers._engine import Scan, TensorSource, write_scan
+from ucpformat.interchange import bounded_map
 
 
 def test_bounded_map_keeps_order_and_memory_bound() -> None:

@@ -18,9 +18,9 @@ import pytest
 import ucpformat
 from tests.importers.conftest import assert_same, cached_framework_run
 from ucpformat import importers
-from ucpformat.layout.framework import ModelLayout
+from ucpformat.distributed.framework import ModelLayout
+from ucpformat.layout.rank_slices import ParallelConfig, RankCoords
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig, RankCoords
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")

@@ -204,7 +204,7 @@ def test_minilm_round_trip_bit_exact_and_same_outputs(tmp_path: Path, minilm_dir
         want = original(**batch).last_hidden_state
     # a fresh model given the UCP tensors
     fresh = transformers.AutoModel.from_config(original.config).eval()
-    from ucpformat.conversion import from_numpy
+    from ucpformat.interchange import from_numpy
 
     state = {t.name: from_numpy(t.read()) for t in ckpt.tensors("model")}
     missing, unexpected = fresh.load_state_dict(state, strict=False)

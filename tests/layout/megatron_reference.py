@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ucpformat.layout.sharding import ParallelConfig
+from ucpformat.layout.rank_slices import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import pytest
 
 import ucpformat
 from ucpformat.cli import main as ucp_main
-from ucpformat.comm import ThreadGroup, run_threads
-from ucpformat.distributed import Fragment, TensorSpec, save_distributed
+from ucpformat.distributed import Fragment, TensorSpec, save_fragments
+from ucpformat.distributed.comm import ThreadGroup, run_threads
 from ucpformat.errors import CheckpointNotFoundError, IncompleteCheckpointError, WriteError
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 
 
 def _replicated_state(n: int = 8) -> dict[str, np.ndarray[Any, Any]]:
@@ -38,7 +38,7 @@ def test_replicas_are_written_once_and_balanced(tmp_path: Path) -> None:
     specs, frags = _full_fragments(state)
 
     def rank_main(comm: ThreadGroup) -> Any:
-        return save_distributed(
+        return save_fragments(
             tmp_path / "ckpt",
             comm,
             specs=specs,
@@ -82,7 +82,7 @@ def test_a_failing_rank_leaves_no_committed_checkpoint(
 
     def rank_main(comm: ThreadGroup) -> Any:
         try:
-            return save_distributed(
+            return save_fragments(
                 tmp_path / "ckpt",
                 comm,
                 specs=specs,
@@ -108,7 +108,7 @@ def test_a_failing_rank_leaves_no_committed_checkpoint(
     monkeypatch.setattr(LocalStore, "create", real_create)
     run_threads(
         4,
-        lambda comm: save_distributed(
+        lambda comm: save_fragments(
             tmp_path / "ckpt", comm, specs=specs, fragments=frags, durable=False
         ),
     )
@@ -122,7 +122,7 @@ def test_ranks_that_disagree_on_a_tensor_are_refused(tmp_path: Path) -> None:
 
     def rank_main(comm: ThreadGroup) -> Any:
         shape = (4, 4) if comm.rank == 0 else (4, 5)
-        return save_distributed(
+        return save_fragments(
             tmp_path / "ckpt",
             comm,
             specs=[TensorSpec("model/w", shape, "float32")],
@@ -147,7 +147,7 @@ def test_inspect_and_validate_show_layout_semantics(
 
     def rank_main(comm: ThreadGroup) -> Any:
         rows = slice(comm.rank * 6, comm.rank * 6 + 6)
-        return save_distributed(
+        return save_fragments(
             tmp_path / "ckpt",
             comm,
             specs=[
@@ -198,7 +198,7 @@ def test_flat_partitions_cut_inside_a_row_keep_chunks_of_a_useful_size(tmp_path:
     def rank_main(comm: ThreadGroup) -> Any:
         frags = [Fragment(spec.path, box, full[tuple(slice(a, b) for a, b in box)])
                  for box in held[comm.rank]]
-        return save_distributed(tmp_path / "ckpt", comm, specs=[spec], fragments=frags,
+        return save_fragments(tmp_path / "ckpt", comm, specs=[spec], fragments=frags,
                                 durable=False)
 
     run_threads(2, rank_main)

@@ -10,8 +10,8 @@ import pytest
 
 import ucpformat
 from ucpformat.errors import LayoutError
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.semantics import Part, TensorLayout, layout_of
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 
 
 def _save_with_layout(path: Path, shape: tuple[int, ...], layout: dict[str, Any]) -> Path:
@@ -108,11 +108,11 @@ def test_ep_that_does_not_divide_experts_is_refused() -> None:
 
 
 def test_alias_to_missing_tensor_is_refused(tmp_path: Path) -> None:
-    from ucpformat.comm import run_threads
-    from ucpformat.distributed import Fragment, TensorSpec, save_distributed
+    from ucpformat.distributed import Fragment, TensorSpec, save_fragments
+    from ucpformat.distributed.comm import run_threads
 
     def rank_main(comm: Any) -> Any:
-        return save_distributed(
+        return save_fragments(
             tmp_path / "ckpt",
             comm,
             specs=[TensorSpec("model/w", (2,), "float32")],

@@ -17,12 +17,12 @@ import pytest
 
 import ucpformat
 from tests.layout import megatron_reference as ref
-from ucpformat import names
-from ucpformat.comm import ThreadGroup, run_threads
-from ucpformat.distributed import Fragment, TensorSpec, save_distributed
-from ucpformat.layout.framework import ModelLayout, flat_fragments
+from ucpformat.distributed import Fragment, TensorSpec, save_fragments
+from ucpformat.distributed.comm import ThreadGroup, run_threads
+from ucpformat.distributed.framework import ModelLayout, flat_fragments
+from ucpformat.format import names
+from ucpformat.layout.rank_slices import ParallelConfig
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig
 
 LAYOUTS: dict[str, ParallelConfig] = {
     "single": ParallelConfig(),
@@ -104,7 +104,7 @@ def save_from(path: Path, mc: ref.ModelConfig, gt: dict[str, Any], layout: str) 
         }
         if aliases:
             groups["model"] = {"aliases": aliases}
-        return save_distributed(
+        return save_fragments(
             path,
             comm,
             specs=specs,
@@ -240,7 +240,7 @@ def test_fragments_with_a_hole_are_refused(tmp_path: Path) -> None:
     data = np.ones((4, 4), np.float32)
 
     def rank_main(comm: ThreadGroup) -> Any:
-        return save_distributed(
+        return save_fragments(
             tmp_path / "ckpt",
             comm,
             specs=[spec],

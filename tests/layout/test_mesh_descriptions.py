@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from benchmarks import scale_layouts as L
-from ucpformat.description import (
+from ucpformat.distributed.rank_description import (
     Description,
     MeshPosition,
     MeshTensor,
@@ -26,9 +26,7 @@ from ucpformat.description import (
     encode_own_part,
     encode_shared_part,
 )
-from ucpformat.errors import LayoutError, WriteError
-from ucpformat.layout.dtensor import Replicate, Shard
-from ucpformat.saveplan import (
+from ucpformat.distributed.save_plan import (
     PlanOptions,
     RankTasks,
     TensorSpec,
@@ -36,6 +34,8 @@ from ucpformat.saveplan import (
     class_members,
     plan_from_descriptions,
 )
+from ucpformat.errors import LayoutError, WriteError
+from ucpformat.layout.dtensor import Replicate, Shard
 
 TINY = L.Transformer("tiny", layers=3, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48,
                      vocab=40)

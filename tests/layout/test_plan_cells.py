@@ -7,9 +7,9 @@ from collections import Counter
 
 import numpy as np
 
-from ucpformat.description import describe
+from ucpformat.distributed.rank_description import describe
+from ucpformat.distributed.save_plan import PlanOptions, TensorSpec, plan_from_descriptions
 from ucpformat.layout.boxes import Box, box_size, intersect
-from ucpformat.saveplan import PlanOptions, TensorSpec, plan_from_descriptions
 
 
 def _flat_partitions(rows: int, cols: int, ranks: int) -> list[list[Box]]:

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucpformat
-from ucpformat.comm import ThreadGroup, run_threads
-from ucpformat.distributed import Fragment, TensorSpec, read_local, save_distributed
+from ucpformat.distributed import Fragment, TensorSpec, read_local, save_fragments
+from ucpformat.distributed.comm import ThreadGroup, run_threads
 from ucpformat.layout.boxes import (
     LocalMap,
     as_slices,
@@ -27,8 +27,8 @@ from ucpformat.layout.boxes import (
     flat_range_to_boxes,
 )
 from ucpformat.layout.dtensor import Replicate, Shard, StridedShard, dtensor_local_map
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.semantics import GROUP_MAJOR, PART_MAJOR, Part, TensorLayout
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.zero import flat_partition
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -123,7 +123,7 @@ def test_vocab_padding_covers_real_rows_once(
     st.sampled_from(["dim0", "flat"]),
 )
 def test_zero3_partitions_cover_each_element_once(shape: list[int], dp: int, style: str) -> None:
-    from ucpformat.layout.sharding import zero3_flat_map
+    from ucpformat.layout.rank_slices import zero3_flat_map
 
     shp = tuple(shape)
     cfg = ParallelConfig(dp=dp, zero=3, zero_style=style)
@@ -276,7 +276,7 @@ def test_distributed_save_and_resharding_load_round_trip(
         assert m is not None
         local = materialize(x, m)
         frags = [Fragment("model/w", p.glob, local[as_slices(p.local)]) for p in m.pieces]
-        return save_distributed(
+        return save_fragments(
             path,
             comm,
             specs=[spec],

@@ -342,10 +342,10 @@ def reader_contract(model: Any, ckpt_dir: Path, tp: int) -> dict[str, torch.Tens
     from megatron.core import parallel_state as ps
 
     import ucpformat
-    from ucpformat import names
     from ucpformat.conformance.layouts import Target, local_from_checkpoint
+    from ucpformat.format import names
     from ucpformat.layout.semantics import layout_of
-    from ucpformat.torch.convert import from_numpy
+    from ucpformat.torch.numpy_bridge import from_numpy
 
     ckpt = ucpformat.open(ckpt_dir)
     target = Target(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(),

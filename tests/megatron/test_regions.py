@@ -10,9 +10,9 @@ import pytest
 
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, LoadError, WriteError
 from ucpformat.layout.semantics import TensorLayout
+from ucpformat.megatron.directory import BesideFiles
 from ucpformat.megatron.regions import locate, megatron_map, stored_shape, tensor_name
-from ucpformat.megatron.store import BesideFiles
-from ucpformat.storage import open_store
+from ucpformat.store import open_store
 
 QKV = TensorLayout.from_json({"tp": {"dim": 0}, "groups": 2, "parts": [
     {"name": "q", "size": 8}, {"name": "k", "size": 4}, {"name": "v", "size": 4}]})

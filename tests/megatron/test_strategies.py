@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat import names
 from ucpformat.errors import UCPError
+from ucpformat.format import names
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")

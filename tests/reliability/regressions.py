@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ucpformat import storage, writer
-from ucpformat.storage import LocalStore, StoreClaim
+from ucpformat.checkpoint import commit as writer
+from ucpformat.store import LocalStore, StoreClaim, posix
 
 
 def no_claim() -> None:
@@ -46,8 +46,8 @@ def follow_links() -> None:
                 yield key
 
     LocalStore.list = list_no_links  # type: ignore[method-assign]
-    storage._DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # type: ignore[attr-defined]
-    storage._OPENAT2 = None  # type: ignore[attr-defined]
+    posix.DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # type: ignore[attr-defined]
+    posix.OPENAT2 = None  # type: ignore[attr-defined]
 
 
 def marker_in_place() -> None:
@@ -77,7 +77,7 @@ def rank_1_stops_writing() -> None:
 
     import torch.distributed as dist
 
-    from ucpformat import pipeline
+    from ucpformat.distributed import pipeline
 
     write = pipeline.write
     saves = itertools.count(1)

@@ -21,6 +21,8 @@ import pytest
 
 import ucpformat
 from tests.helpers import edit_root, read_json
+from ucpformat.checkpoint.metadata import ROOT_DIGEST, encode_root, loads
+from ucpformat.checkpoint.validation import Issue, Report
 from ucpformat.cli import main as ucp
 from ucpformat.engine import checksum, compression
 from ucpformat.errors import (
@@ -30,9 +32,7 @@ from ucpformat.errors import (
     StorageError,
     UCPError,
 )
-from ucpformat.metadata import ROOT_DIGEST, encode_root, loads
-from ucpformat.storage import LocalStore
-from ucpformat.validation import Issue, Report
+from ucpformat.store import LocalStore
 
 
 def _save(path: Path, **kw: Any) -> Path:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.metadata import ROOT_DIGEST, encode_root
 from ucpformat.errors import FormatError
-from ucpformat.metadata import ROOT_DIGEST, encode_root
 from ucpformat.testing import corruption
 
 
@@ -57,7 +57,7 @@ def test_a_changed_root_value_is_caught_by_the_sealed_copy(
 
 def test_json_values_compare_by_type(saved: Callable[..., Path]) -> None:
     """UCP-1.0-R045, UCP-1.0-R055: 1, 1.0 and true are three different values."""
-    from ucpformat.validation import json_equal
+    from ucpformat.checkpoint.validation import json_equal
 
     assert not json_equal(1, 1.0) and not json_equal(1, True)
     assert json_equal([1, {"a": 2}], [1, {"a": 2}])

@@ -19,7 +19,7 @@ import pytest
 
 import ucpformat
 from ucpformat.errors import IncompleteCheckpointError
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import faults
 from ucpformat.testing.common import SMALL_CHUNKING, small_state
 

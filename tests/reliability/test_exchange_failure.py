@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 import ucpformat
-from ucpformat.comm import Communicator, run_threads
+from ucpformat.distributed.comm import Communicator, run_threads
 from ucpformat.errors import WriteError
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import faults
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state, tree_bytes
 

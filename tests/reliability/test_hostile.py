@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucpformat
-from ucpformat import jsonvalues, metadata, names, schemas
-from ucpformat.dtypes import BY_NAME
+from ucpformat.checkpoint import metadata
+from ucpformat.checkpoint.reader import parse_consolidated
 from ucpformat.engine.checksum import crc_bytes
 from ucpformat.engine.codecs import ChunkCodec
 from ucpformat.engine.compression import Compression
-from ucpformat.engine.sharding import encode_index
+from ucpformat.engine.shard_index import encode_index
 from ucpformat.errors import (
     CorruptDataError,
     FormatError,
@@ -36,9 +36,10 @@ from ucpformat.errors import (
     UCPError,
     UnsafePathError,
 )
+from ucpformat.format import jsonvalues, names, schemas
+from ucpformat.format.dtypes import BY_NAME
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.reader import parse_consolidated
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import hostile
 
 EXAMPLES = int(os.environ.get("UCP_FUZZ_EXAMPLES", "10"))

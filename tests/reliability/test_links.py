@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat import storage
+from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
+from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import CheckpointExistsError, UCPError, UnsafePathError
-from ucpformat.manager import CheckpointManager, CheckpointWarning
-from ucpformat.metadata import IN_PROGRESS_KEY
-from ucpformat.storage import LocalStore
-from ucpformat.testing import links
+from ucpformat.store import LocalStore, posix
+from ucpformat.testing import link_attacks as links
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state, tree_bytes
-from ucpformat.writer import StreamingWriter
 
 
 @pytest.fixture
@@ -112,7 +111,7 @@ def test_a_link_planted_during_a_save_is_refused_not_followed(
             swapped.append(name)
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr("ucpformat.storage.os.open", swapping_open)
+    monkeypatch.setattr("ucpformat.store.os.open", swapping_open)
     with pytest.raises(UCPError) as info:
         ucpformat.save(dest, small_state(1), workers=1, **SMALL_CHUNKING)
     assert swapped
@@ -173,9 +172,9 @@ def test_reads_check_the_file_they_opened_not_the_path(
             return real_open(path, flags, *args, **kwargs)
 
         monkeypatch.setattr(LocalStore, "_open_beneath", lambda *a, **k: None)
-        hook: tuple[str, Any] = ("ucpformat.storage.os.open", swapping_open)
+        hook: tuple[str, Any] = ("ucpformat.store.os.open", swapping_open)
     else:
-        real_openat2 = storage._OPENAT2
+        real_openat2 = posix.OPENAT2
         if real_openat2 is None:
             pytest.skip("no openat2 on this system")
 
@@ -184,7 +183,7 @@ def test_reads_check_the_file_they_opened_not_the_path(
                 swap_now(name)
             return real_openat2(dir_fd, name, flags, mode)
 
-        hook = ("ucpformat.storage._OPENAT2", swapping_openat2)
+        hook = ("ucpformat.store.posix.OPENAT2", swapping_openat2)
     saved = chunk.read_bytes()
     store = LocalStore(dest)
     monkeypatch.setattr(*hook)
@@ -224,7 +223,7 @@ def test_manager_never_deletes_through_a_link_nor_other_files(
 
 
 def test_link_attack_harness_quick() -> None:
-    """Every kind of link attack of ``ucpformat.testing.links`` (make stress runs more)."""
+    """Every kind of link attack of ``ucpformat.testing.link_attacks`` (make stress runs more)."""
     figures = links.run(1, reads=200, seed=7)
     out = figures.as_dict()
     assert out["trials"] == len(links.KINDS)
@@ -268,9 +267,8 @@ def test_link_attack_harness_notices_a_distributed_save_following_links(
 def test_link_attacks_without_openat2(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Linux's openat2 is missing (old kernels, other systems, seccomp), the store
     walks every path one component at a time: the same attacks, the same outcome."""
-    from ucpformat import storage
 
-    monkeypatch.setattr(storage, "_OPENAT2", None)
+    monkeypatch.setattr(posix, "OPENAT2", None)
     kinds = ("dir-link", "overwrite-nested-link", "race-save", "reader-swap-file",
              "reader-swap-dir")
     figures = links.run(1, reads=200, seed=8, kinds=kinds)

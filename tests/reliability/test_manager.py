@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
 from ucpformat.errors import UCPError
-from ucpformat.manager import CheckpointManager, CheckpointWarning
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import faults
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat.comm import ThreadGroup, run_threads
-from ucpformat.distributed import Fragment, TensorSpec, save_distributed
+from ucpformat.checkpoint.manager import CheckpointManager
+from ucpformat.distributed import Fragment, TensorSpec, save_fragments
+from ucpformat.distributed.comm import ThreadGroup, run_threads
 from ucpformat.errors import CheckpointNotFoundError, InvalidValueError
-from ucpformat.manager import CheckpointManager
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 
 
@@ -177,7 +177,7 @@ def test_ranks_saving_together(tmp_path: Path) -> None:
         frags = [Fragment("model/w", ((rows.start, rows.stop), (0, 8)), state["model/w"][rows])]
 
         def write(path: str) -> Any:
-            return save_distributed(path, comm, specs=[TensorSpec("model/w", (8, 8), "float32")],
+            return save_fragments(path, comm, specs=[TensorSpec("model/w", (8, 8), "float32")],
                                     fragments=frags, durable=False)
 
         seen = []
@@ -221,7 +221,7 @@ def test_on_s3(s3: dict[str, Any]) -> None:
     with ThreadPoolExecutor(1) as pool:
         for step, loss in enumerate([3.0, 1.0, 2.0, 4.0]):
             manager.maybe_save(step, lambda path, s=step: pool.submit(
-                ucpformat.save, ucpformat.storage.open_store(path, storage_options=s3),
+                ucpformat.save, ucpformat.store.open_store(path, storage_options=s3),
                 small_state(s), **SMALL_CHUNKING), metrics={"loss": loss})
         manager.close()
     assert manager.all_steps() == [0, 1, 3]  # every 3rd, the best (1), the last

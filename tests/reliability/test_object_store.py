@@ -25,18 +25,18 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import ucpformat
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import (
     CheckpointExistsError,
     ConcurrentWriteError,
     IncompleteCheckpointError,
     UCPError,
 )
-from ucpformat.storage import open_store
-from ucpformat.storage_fsspec import FsspecStore
+from ucpformat.store import open_store
+from ucpformat.store.fsspec_store import FsspecStore
 from ucpformat.testing import concurrency, failed_saves, faults
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 from ucpformat.testing.s3 import BUCKET, s3_server
-from ucpformat.writer import StreamingWriter
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,10 +1,10 @@
-"""The writer's guarantees on the distributed save pipeline (``ucpformat.pipeline``, which
-``save_distributed`` and the DCP plugin run): one writer per location, the commit only
+"""The writer's guarantees on the distributed save pipeline (``ucpformat.distributed.pipeline``,
+which ``save_distributed`` and the DCP plugin run): one writer per location, the commit only
 while the coordinator still holds it (UCP-1.0-R059); everything that can refuse a save
 checked before anything changes, and a failed save cleaned up (UCP-1.0-R049); no link
 under the location followed (UCP-1.0-R089).
 
-Two ranks over threads (``ucpformat.comm.run_threads``); the DCP plugin's counterpart of
+Two ranks over threads (``ucpformat.distributed.comm.run_threads``); the DCP plugin's counterpart of
 the clean-up is in tests/torch/test_dcp_plugin.py.
 """
 
@@ -20,17 +20,17 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat.comm import Communicator, run_threads
+from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
+from ucpformat.checkpoint.streaming import StreamingWriter
+from ucpformat.distributed.comm import Communicator, run_threads
+from ucpformat.distributed.pipeline import FragmentList
+from ucpformat.distributed.pipeline import save as run_pipeline
+from ucpformat.distributed.save_plan import PlanOptions
 from ucpformat.errors import ConcurrentWriteError, UCPError
 from ucpformat.layout.boxes import Box
-from ucpformat.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
-from ucpformat.pipeline import FragmentList
-from ucpformat.pipeline import save as run_pipeline
-from ucpformat.saveplan import PlanOptions
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import faults
 from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state, tree_bytes
-from ucpformat.writer import StreamingWriter
 
 SEED_A, SEED_B = 1, 2
 

@@ -11,8 +11,8 @@ import pytest
 
 import ucpformat
 from tests import spec_helpers as sh
+from ucpformat.checkpoint.metadata import encode_root
 from ucpformat.errors import UnsupportedFeatureError
-from ucpformat.metadata import encode_root
 
 HERE = Path(__file__).parent
 #: Reader safety (section 15), and the integrity and commit requirements measured here.

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY
+from ucpformat.checkpoint.streaming import StreamingWriter
 from ucpformat.errors import CheckpointExistsError, ConcurrentWriteError, WriteError
-from ucpformat.metadata import IN_PROGRESS_KEY
-from ucpformat.storage import LocalStore
+from ucpformat.store import LocalStore
 from ucpformat.testing import concurrency, failed_saves
 from ucpformat.testing.common import SMALL_CHUNKING, differences, same_state, small_state
 from ucpformat.testing.faults import DiskFull, FaultyStore
-from ucpformat.writer import StreamingWriter
 
 
 def _files(location: Path) -> list[str]:
@@ -217,7 +217,7 @@ def test_a_marker_that_cannot_be_written_leaves_nothing(
     def full(fd: int, buffers: Any) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("ucpformat.storage._write_all", full)
+    monkeypatch.setattr("ucpformat.store.posix.write_all", full)
     with pytest.raises(WriteError) as info:
         ucpformat.save(dest, small_state(2), overwrite=True, **SMALL_CHUNKING)
     monkeypatch.undo()

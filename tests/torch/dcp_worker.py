@@ -38,8 +38,8 @@ from torch.distributed.tensor.parallel import (
 
 import ucpformat
 from ucpformat.errors import UCPError
-from ucpformat.torch.convert import to_numpy
 from ucpformat.torch.dcp import UCPReader, UCPWriter
+from ucpformat.torch.numpy_bridge import to_numpy
 
 warnings.filterwarnings("ignore")
 

@@ -138,7 +138,7 @@ def check_state(
 def described_on_mesh(save: Any) -> int:
     """Run ``save()``; how many tensors this rank described by their device mesh (the
     pipeline's describe step, observed) rather than by their fragments' boxes."""
-    import ucpformat.pipeline as pipeline
+    import ucpformat.distributed.pipeline as pipeline
 
     seen: list[int] = []
     real = pipeline.describe

@@ -234,10 +234,10 @@ def test_deepspeed_engine_fragments_on_cuda_stage_through_pinned_buffers(
     """What ucpformat.deepspeed.save hands the pipeline, on CUDA: a flat ZeRO partition,
     a strided box of a weight and a scalar, synchronously through a bounded pinned pool
     and as an async snapshot (events; the stream guarded, then the tensors changed)."""
-    from ucpformat.comm import SingleProcess
     from ucpformat.deepspeed.save import EngineFragments
-    from ucpformat.pipeline import save as run_pipeline
-    from ucpformat.saveplan import TensorSpec
+    from ucpformat.distributed.comm import SingleProcess
+    from ucpformat.distributed.pipeline import save as run_pipeline
+    from ucpformat.distributed.save_plan import TensorSpec
     from ucpformat.torch.staging import DeviceCopier, Snapshot
 
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from ucpformat.errors import (  # noqa: E402
     TensorNotFoundError,
     UCPError,
 )
-from ucpformat.storage import LocalStore  # noqa: E402
+from ucpformat.store import LocalStore  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

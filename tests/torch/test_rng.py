@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 
 import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
+from ucpformat.checkpoint.tree import Group  # noqa: E402
 from ucpformat.errors import KeyMismatchError, LoadError  # noqa: E402
-from ucpformat.writer import Group  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

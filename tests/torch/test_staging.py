@@ -23,7 +23,7 @@ import ucpformat  # noqa: E402
 from tests.helpers import FailingCopier  # noqa: E402
 from tests.torch import dist_workers as w  # noqa: E402
 from ucpformat.errors import ResourceLimitError, UCPError, WriteError  # noqa: E402
-from ucpformat.storage import LocalStore  # noqa: E402
+from ucpformat.store import LocalStore  # noqa: E402
 from ucpformat.torch.async_save import AsyncSaver  # noqa: E402
 from ucpformat.torch.dcp import UCPWriter  # noqa: E402
 from ucpformat.torch.distributed import save_distributed  # noqa: E402
@@ -457,7 +457,7 @@ def _dcp_checkpoint(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
 
 def test_dcp_load_reads_straight_into_cpu_targets(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucpformat.torch.dcp as plugin
+    import ucpformat.torch.dcp_reader as plugin
     from ucpformat.torch.dcp import UCPReader
 
     model, path = _dcp_checkpoint(tmp_path)
@@ -495,9 +495,9 @@ def test_the_pipeline_exchange_and_write_of_staged_ranks(tmp_path: Path) -> None
     make rank 1 send its cells to the owner: the exchange takes them from the staging
     area (copied when asked, released after packing), the write step from the scheduled
     copies; every buffer returns."""
-    from ucpformat.comm import run_threads
     from ucpformat.distributed import TensorSpec
-    from ucpformat.distributed import save_distributed as core_save
+    from ucpformat.distributed import save_fragments as core_save
+    from ucpformat.distributed.comm import run_threads
     from ucpformat.layout.boxes import Piece
     from ucpformat.torch.distributed import StagedFragments
 

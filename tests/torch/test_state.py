@@ -19,7 +19,6 @@ from hypothesis import strategies as st  # noqa: E402
 
 import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
-from ucpformat import dtypes  # noqa: E402
 from ucpformat.errors import (  # noqa: E402
     InvalidValueError,
     KeyMismatchError,
@@ -27,10 +26,11 @@ from ucpformat.errors import (  # noqa: E402
     ShapeMismatchError,
     UnsupportedDtypeError,
 )
+from ucpformat.format import dtypes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-TORCH_TYPES = [d for d in dtypes.DATA_TYPES if d.name in ucpt.convert.TORCH_OF_DATA_TYPE]
+TORCH_TYPES = [d for d in dtypes.DATA_TYPES if d.name in ucpt.numpy_bridge.TORCH_OF_DATA_TYPE]
 
 
 # -- helpers -----------------------------------------------------------------------------

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 import numpy as np  # noqa: E402
 
 import ucpformat.torch as ucpt  # noqa: E402
-from ucpformat.reader import Checkpoint  # noqa: E402
-from ucpformat.torch.convert import to_numpy  # noqa: E402
+from ucpformat.checkpoint.reader import Checkpoint  # noqa: E402
+from ucpformat.torch.numpy_bridge import to_numpy  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

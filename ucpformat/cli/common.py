@@ -12,12 +12,12 @@ from typing import Any, Final
 
 from rich.console import Console
 
-from ucpformat import jsonvalues
+from ucpformat.checkpoint.metadata import MANIFEST_KEY, loads
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.engine.compression import Compression
 from ucpformat.errors import CheckpointNotFoundError, UCPError
-from ucpformat.metadata import MANIFEST_KEY, loads
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.storage import open_store
+from ucpformat.format import jsonvalues
+from ucpformat.store import open_store
 
 #: The command did what was asked and found nothing wrong (valid, identical).
 OK: Final = 0
@@ -237,7 +237,7 @@ def logical_path(node_path: str) -> str:
 
     Only for display: a logical name may itself contain ``/``, so this is not reversible.
     """
-    from ucpformat import names
+    from ucpformat.format import names
 
     return "/".join(names.split_path(node_path)) if node_path else ""
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from rich.text import Text
 
+from ucpformat.checkpoint.reader import Checkpoint, Tensor
 from ucpformat.cli.common import (
     ERROR,
     FOUND,
@@ -41,7 +42,6 @@ from ucpformat.cli.common import (
     value_text,
     write_json,
 )
-from ucpformat.reader import Checkpoint, Tensor
 
 #: Largest block read from each side at once (and the float64 working copies' size).
 BLOCK_BYTES = 64 << 20

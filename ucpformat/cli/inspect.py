@@ -13,7 +13,8 @@ from typing import Any
 from rich.text import Text
 from rich.tree import Tree
 
-from ucpformat import names
+from ucpformat.checkpoint.metadata import ArrayMeta
+from ucpformat.checkpoint.reader import Checkpoint
 from ucpformat.cli.common import (
     FOUND,
     OK,
@@ -29,8 +30,7 @@ from ucpformat.cli.common import (
     value_text,
     write_json,
 )
-from ucpformat.metadata import ArrayMeta
-from ucpformat.reader import Checkpoint
+from ucpformat.format import names
 
 #: Without --all, a group shows this many children and a count of the rest.
 MAX_CHILDREN = 12

@@ -25,12 +25,12 @@ from rich.rule import Rule
 from rich.text import Text
 
 import ucpformat
-from ucpformat import rng as generator_states
+from ucpformat.checkpoint import rng as generator_states
+from ucpformat.checkpoint.metadata import MANIFEST_KEY, ZARR_JSON
 from ucpformat.cli import inspect as inspect_cmd
 from ucpformat.cli import validate as validate_cmd
 from ucpformat.cli.common import ERROR, OK, CommandError, console, human_bytes, manifest_files
 from ucpformat.errors import UCPError
-from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
 
 STEPS = 7
 

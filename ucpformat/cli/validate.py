@@ -15,8 +15,8 @@ from typing import Any
 
 from rich.text import Text
 
+from ucpformat.checkpoint.validation import Issue, Report, validate
 from ucpformat.cli.common import FOUND, OK, CommandError, console, resolve_location, write_json
-from ucpformat.validation import Issue, Report, validate
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

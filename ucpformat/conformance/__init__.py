@@ -8,5 +8,5 @@ the spec chapter is spec/ucp-1.0-conformance.md. From the command line::
     ucp conformance writer -- CMD ...        # hand a writer adapter every scenario
     ucp conformance validator [-- CMD ...]   # judge a validator by every case
 
-From Python (and pytest): :mod:`ucpformat.testing.conformance`.
+From Python (and pytest): :mod:`ucpformat.testing.conformance_kit`.
 """

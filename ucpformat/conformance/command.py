@@ -59,7 +59,7 @@ def check_path(path: Path, *, deep: bool = True, levels: dict[str, str] | None =
     elif path.is_file() and path.suffix == ".json":
         doc = reference.validate_rules(path, None)
     else:
-        from ucpformat.validation import validate
+        from ucpformat.checkpoint.validation import validate
 
         target = case.checkpoint if case is not None else path
         doc = validate(target, deep=deep).to_json()

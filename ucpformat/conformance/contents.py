@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes
+from ucpformat.format import dtypes
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from ucpformat.checkpoint.reader import Checkpoint
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import LocalMap, as_slices, box_shape
 from ucpformat.layout.dtensor import dtensor_local_map, placement_from_json
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
-from ucpformat.reader import Checkpoint
 
 TARGET_DEFAULTS: Mapping[str, Any] = {
     "tp": 1,

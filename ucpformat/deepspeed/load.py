@@ -1,6 +1,6 @@
 """Resume a DeepSpeed engine from any UCP checkpoint, on any layout.
 
-Each rank reads only what it holds (:mod:`ucpformat.deepspeed.holdings`): the slots of
+Each rank reads only what it holds (:mod:`ucpformat.deepspeed.rank_fragments`): the slots of
 its flat fp32 partitions, in the master weights and in every optimizer state, its
 frozen parameters' partitions, its buffers. Everything is checked and read into host
 buffers first, and the ranks agree that every rank succeeded, before anything of the
@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucpformat import names
-from ucpformat.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.distributed import read_locals
+from ucpformat.distributed.comm import Communicator, error_report, failed_ranks, gather_failures
+from ucpformat.distributed.pipeline import raise_if_failed
 from ucpformat.errors import (
     CheckpointNotFoundError,
     KeyMismatchError,
@@ -35,16 +36,15 @@ from ucpformat.errors import (
     ShapeMismatchError,
     UCPError,
 )
+from ucpformat.format import names
 from ucpformat.layout.boxes import LocalMap, Piece, box_size
-from ucpformat.pipeline import raise_if_failed
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.storage import open_store
+from ucpformat.store import open_store
 from ucpformat.torch.comm import communicator
-from ucpformat.torch.convert import from_numpy
-from ucpformat.torch.planner import value_like
+from ucpformat.torch.load_plan import value_like
+from ucpformat.torch.numpy_bridge import from_numpy
 
-from .holdings import FP32_COPIES, ZERO, ZERO3, Flat, Holdings, Naming, Placed, holdings
-from .holdings import inner_optimizer as _inner
+from .rank_fragments import FP32_COPIES, ZERO, ZERO3, Flat, Holdings, Naming, Placed, holdings
+from .rank_fragments import inner_optimizer as _inner
 from .save import TRAINING_KEYS, loss_scaler, model_path, state_path
 
 #: training values that are the engine's (or another producer's name for them), not client state

@@ -1,8 +1,8 @@
 """Save a DeepSpeed engine straight into a consolidated UCP checkpoint.
 
-Every rank describes what it holds (:mod:`ucpformat.deepspeed.holdings`) as fragments of
+Every rank describes what it holds (:mod:`ucpformat.deepspeed.rank_fragments`) as fragments of
 consolidated tensors, views of its live tensors, and the distributed save pipeline
-(:mod:`ucpformat.pipeline`) writes them: each stored object once, by one rank, with the
+(:mod:`ucpformat.distributed.pipeline`) writes them: each stored object once, by one rank, with the
 boundary cells of flat ZeRO partitions exchanged first; rank 0 commits after every rank
 has written. What is stored (the layout ``ucp convert`` gives a DeepSpeed checkpoint):
 
@@ -34,15 +34,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucpformat import names
-from ucpformat.comm import Communicator, error_report, failed_ranks
+from ucpformat.checkpoint.options import SaveOptions
+from ucpformat.distributed.comm import Communicator, error_report, failed_ranks
+from ucpformat.distributed.pipeline import (
+    DistributedSaveResult,
+    Fragment,
+    FragmentList,
+    raise_if_failed,
+)
+from ucpformat.distributed.pipeline import save as run_pipeline
+from ucpformat.distributed.save_plan import TensorSpec
 from ucpformat.errors import InvalidValueError, UnsupportedFeatureError
+from ucpformat.format import names
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size
-from ucpformat.pipeline import DistributedSaveResult, Fragment, FragmentList, raise_if_failed
-from ucpformat.pipeline import save as run_pipeline
-from ucpformat.saveplan import PlanOptions, TensorSpec
 from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator
-from ucpformat.torch.convert import data_type, to_numpy
+from ucpformat.torch.numpy_bridge import data_type, to_numpy
 from ucpformat.torch.staging import (
     Copier,
     DeviceCopier,
@@ -54,7 +60,7 @@ from ucpformat.torch.staging import (
 )
 from ucpformat.torch.state import to_json
 
-from .holdings import Holdings, Naming, Placed, holdings, inner_optimizer
+from .rank_fragments import Holdings, Naming, Placed, holdings, inner_optimizer
 
 #: Keys of the ``training`` group that the engine's own counters and scheduler use.
 TRAINING_KEYS = ("step", "global_samples", "skipped_steps", "scheduler")
@@ -73,7 +79,7 @@ def state_path(name: str, state: str) -> str:
 
 
 class EngineFragments:
-    """A :class:`ucpformat.pipeline.FragmentSource` over an engine's live tensors.
+    """A :class:`ucpformat.distributed.pipeline.FragmentSource` over an engine's live tensors.
 
     Each fragment is a view of an engine tensor (``tensor``, :meth:`add`). Those on a
     device (a GPU) reach host memory through ``staging`` (a
@@ -371,7 +377,7 @@ def checkpoint_location(path: str | os.PathLike[str], tag: str | None) -> str:
 
 
 def _write_latest(path: str | os.PathLike[str], tag: str) -> None:
-    from ucpformat.storage import open_store
+    from ucpformat.store import open_store
 
     open_store(os.fspath(path)).put("latest", [tag.encode()], atomic=True)
 
@@ -465,11 +471,11 @@ def save(
             groups.setdefault("optimizer", {})["values"] = _optimizer_values(
                 engine, h, param_groups, hyper)
         meta = {"source": _source(engine, h, rules, rule_params), **dict(metadata or {})}
-    options = PlanOptions(compression=compression)
+    options = SaveOptions(compression=compression, hash_algorithm=hash_algorithm,
+                          overwrite=overwrite, workers=workers, durable=durable)
     kwargs: dict[str, Any] = dict(
         specs=list(collected.specs.values()), group_attributes=groups, metadata=meta,
-        options=options, hash_algorithm=hash_algorithm, overwrite=overwrite, workers=workers,
-        durable=durable,
+        options=options,
     )
 
     def finish(result: DistributedSaveResult) -> DistributedSaveResult:

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat.dtypes import DataType
 from ucpformat.engine import checksum
 from ucpformat.engine.checksum import CRC_BYTES, crc_bytes
 from ucpformat.engine.compression import Compression, FrameRefused, SizeMismatch, decompress
 from ucpformat.errors import ChecksumError, CorruptDataError
+from ucpformat.format.dtypes import DataType
 
 
 class ChunkCodec:

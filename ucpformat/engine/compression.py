@@ -17,8 +17,8 @@ from typing import Any
 import numcodecs
 import numpy as np
 
-from ucpformat.dtypes import DataType
 from ucpformat.errors import UnsupportedFeatureError
+from ucpformat.format.dtypes import DataType
 
 COMPRESSORS = ("zstd", "gzip", "blosc")
 BLOSC_CNAMES = ("lz4", "lz4hc", "blosclz", "zstd", "zlib")

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ucpformat.metadata import ArrayMeta
+    from ucpformat.checkpoint.metadata import ArrayMeta
 
 
 def object_key(path: str, coords: Sequence[int]) -> str:

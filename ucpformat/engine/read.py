@@ -20,12 +20,12 @@ import numpy as np
 
 from ucpformat.engine.checksum import CRC_BYTES, crc32c
 from ucpformat.engine.grid import inner_chunk_ranges
-from ucpformat.engine.sharding import EMPTY, decode_index, index_nbytes
+from ucpformat.engine.shard_index import EMPTY, decode_index, index_nbytes
 from ucpformat.errors import ChecksumError, CorruptDataError, MissingChunkError
-from ucpformat.storage import Store
+from ucpformat.store import Store
 
 if TYPE_CHECKING:
-    from ucpformat.metadata import ArrayMeta
+    from ucpformat.checkpoint.metadata import ArrayMeta
 
 #: Scratch space a read allocates around the wanted rows of an unsharded chunk before it
 #: checks that the stored object is really that large.

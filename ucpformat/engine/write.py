@@ -1,7 +1,7 @@
 """The write path of stored objects: encode an object's region, pack it, put it.
 
 An unsharded object is one encoded chunk; a shard is its inner chunks encoded one by one
-and packed with their index (:func:`ucpformat.engine.sharding.pack_shard`). Edge chunks
+and packed with their index (:func:`ucpformat.engine.shard_index.pack_shard`). Edge chunks
 are stored whole, padded beyond the array (zarr semantics).
 """
 
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ucpformat.engine.grid import region_bounds
-from ucpformat.engine.sharding import pack_shard
+from ucpformat.engine.shard_index import pack_shard
 from ucpformat.errors import InvalidValueError, WriteError
-from ucpformat.storage import Store
+from ucpformat.store import Store
 
 if TYPE_CHECKING:
-    from ucpformat.metadata import ArrayMeta
+    from ucpformat.checkpoint.metadata import ArrayMeta
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.errors import InvalidValueError
-from ucpformat.reader import Checkpoint, open_checkpoint
+from ucpformat.interchange import result_to_json
 
 FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.exporters.safetensors",
@@ -44,16 +45,7 @@ class ExportResult:
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "destination": self.destination,
-            "format": self.format,
-            "tensors": self.tensors,
-            "nbytes": self.nbytes,
-            "files": list(self.files),
-            "seconds": round(self.seconds, 3),
-            "notes": list(self.notes),
-        }
+        return result_to_json(self)
 
 
 def module(format: str) -> ModuleType:

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import names
-from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map
+from ucpformat.checkpoint.reader import Checkpoint, Tensor
+from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.errors import CheckpointExistsError, InvalidValueError
+from ucpformat.format import names
+from ucpformat.interchange import DEFAULT_MEMORY_LIMIT, bounded_map
 from ucpformat.progress import byte_progress
-from ucpformat.reader import Checkpoint, Tensor
-from ucpformat.writer import default_workers
 
 
 def model_tensors(ckpt: Checkpoint, *, include_aliases: bool = False) -> list[tuple[str, Tensor]]:

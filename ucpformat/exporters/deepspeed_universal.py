@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map, from_numpy, torch_module
+from ucpformat.checkpoint.reader import Checkpoint, Tensor
 from ucpformat.errors import InvalidValueError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import atomic_dir, model_tensors, optimizer_states
 from ucpformat.exporters.torch_save import TorchFile
+from ucpformat.interchange import DEFAULT_MEMORY_LIMIT, bounded_map, from_numpy, torch_module
 from ucpformat.layout.semantics import layout_of
-from ucpformat.reader import Checkpoint, Tensor
 
 FORMAT: Final = "deepspeed-universal"
 DS_VERSION: Final = "0.19.8"  # the DeepSpeed release whose layout this writes
@@ -211,8 +211,8 @@ def _run(
     progress: bool | Callable[[int], None],
 ) -> Iterator[tuple[str, int]]:
     """``fn`` over the jobs on threads, bounded memory (each job holds one tensor)."""
+    from ucpformat.checkpoint.write_loop import default_workers
     from ucpformat.progress import byte_progress
-    from ucpformat.writer import default_workers
 
     total = sum(job[1].nbytes for job in jobs)
     with byte_progress(progress, total, "writing zero/") as advance:

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat.conversion import parse_size
+from ucpformat.checkpoint.reader import Checkpoint, Tensor
 from ucpformat.errors import InvalidValueError, UnsupportedDtypeError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import (
@@ -30,8 +30,7 @@ from ucpformat.exporters._common import (
     model_tensors,
     read_stream,
 )
-from ucpformat.importers.safetensors import FROM_UCP
-from ucpformat.reader import Checkpoint, Tensor
+from ucpformat.interchange import UCP_TO_SAFETENSORS, parse_size
 
 FORMAT: Final = "safetensors"
 #: The safetensors library's order of data types (it writes the widest first).
@@ -44,7 +43,7 @@ _RANK = {code: i for i, code in enumerate(DTYPE_ORDER)}
 
 
 def _code(t: Tensor, name: str) -> str:
-    code = FROM_UCP.get(t.meta.dtype.name)
+    code = UCP_TO_SAFETENSORS.get(t.meta.dtype.name)
     if code is None:
         raise UnsupportedDtypeError(f"safetensors has no data type for {t.meta.dtype.name}",
                                     tensor=name)

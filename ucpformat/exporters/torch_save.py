@@ -31,12 +31,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from ucpformat import names
-from ucpformat.conversion import torch_dtype_of, torch_module
+from ucpformat.checkpoint.reader import Checkpoint, Tensor
 from ucpformat.errors import InvalidValueError
 from ucpformat.exporters import ExportResult
 from ucpformat.exporters._common import atomic_file, model_tensors, optimizer_states, read_stream
-from ucpformat.reader import Checkpoint, Tensor
+from ucpformat.format import names
+from ucpformat.interchange import torch_dtype_of, torch_module
 
 FORMAT: Final = "torch"
 ALIGNMENT: Final = 64

@@ -3,7 +3,7 @@
 An importer first *scans* its source: it reads metadata only (names, shapes, data
 types, how each tensor is spread over files) and returns a :class:`Scan` whose tensors
 carry a ``read`` callable. The engine then declares every array with
-:class:`ucpformat.writer.StreamingWriter`, reads and writes the tensors on a pool of
+:class:`ucpformat.checkpoint.writer.StreamingWriter`, reads and writes the tensors on a pool of
 threads, and commits. At most ``memory_limit`` bytes of tensor data are in flight at
 once (a tensor larger than the limit runs alone), so the peak memory of a conversion
 is about ``memory_limit`` plus the encoding buffers, whatever the checkpoint's size,
@@ -21,14 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import names
-from ucpformat.conversion import DEFAULT_MEMORY_LIMIT, bounded_map
-from ucpformat.dtypes import DataType
+from ucpformat.checkpoint.streaming import StreamingWriter
+from ucpformat.checkpoint.write_loop import default_workers
 from ucpformat.engine import chunking
 from ucpformat.errors import InvalidValueError, LayoutError, UCPError, WriteError
+from ucpformat.format import names
+from ucpformat.format.dtypes import DataType
+from ucpformat.interchange import DEFAULT_MEMORY_LIMIT, bounded_map, result_to_json
 from ucpformat.layout.rules import RuleSet
 from ucpformat.progress import byte_progress
-from ucpformat.writer import StreamingWriter, default_workers
 
 
 @dataclass(frozen=True)
@@ -90,16 +91,7 @@ class ImportResult:
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "destination": self.destination,
-            "format": self.format,
-            "tensors": self.tensors,
-            "nbytes": self.nbytes,
-            "objects": self.objects,
-            "seconds": round(self.seconds, 3),
-            "notes": list(self.notes),
-        }
+        return result_to_json(self)
 
 
 # -- layout semantics from a rule file ------------------------------------------------

@@ -1,5 +1,5 @@
 """torch file helpers of the importers (torch is imported lazily, by callers; torch itself
-and the tensor <-> numpy conversions are in :mod:`ucpformat.conversion`).
+and the tensor <-> numpy conversions are in :mod:`ucpformat.interchange`).
 
 * :func:`load_restricted`: ``torch.load(weights_only=True)`` with an allowlist of
   stand-in classes for the few framework classes a checkpoint names (DeepSpeed's
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucpformat.conversion import to_numpy, torch_module
 from ucpformat.errors import FormatError
+from ucpformat.interchange import to_numpy, torch_module
 
 if TYPE_CHECKING:
     import torch

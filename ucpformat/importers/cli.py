@@ -146,7 +146,7 @@ def add_export(
 def _size(value: str | None) -> int | None:
     if value is None:
         return None
-    from ucpformat.conversion import parse_size
+    from ucpformat.interchange import parse_size
 
     return parse_size(int(value) if value.isdigit() else value)
 

@@ -38,11 +38,11 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import jsonvalues
-from ucpformat.conversion import data_type_of, to_numpy, torch_module
 from ucpformat.errors import FormatError, InvalidValueError
+from ucpformat.format import jsonvalues
 from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_attributes, node
 from ucpformat.importers._torch import plain
+from ucpformat.interchange import data_type_of, to_numpy, torch_module
 from ucpformat.layout.rules import RuleSet
 
 FORMAT: Final = "dcp"

@@ -59,16 +59,16 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues
-from ucpformat.conversion import data_type_of, from_numpy, to_numpy
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
+from ucpformat.format import dtypes, jsonvalues
 from ucpformat.importers._engine import Scan, TensorSource, model_attributes, node
 from ucpformat.importers._torch import drop_pages, load_restricted, plain, tensor_reader
+from ucpformat.interchange import data_type_of, from_numpy, is_json_value, to_numpy
 from ucpformat.layout import universal_info
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, contains, full_box
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords, local_map
 from ucpformat.layout.rules import RuleSet
 from ucpformat.layout.semantics import TensorLayout
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords, local_map
 
 FORMAT: Final = "deepspeed"
 _OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -727,7 +727,7 @@ def scan(
         source["pp_stage_layers"] = _stage_layers(known, module, pp)
     if rule_set is not None:
         source["rules"] = rule_set.name
-        source["rule_params"] = {k: v for k, v in params_of_rules.items() if _is_json(v)}
+        source["rule_params"] = {k: v for k, v in params_of_rules.items() if is_json_value(v)}
     source["ds_config"] = _json(ms.get("ds_config") or {}, out, "ds_config")
     out.metadata["source"] = source
     return out
@@ -759,14 +759,6 @@ def _stage_layers(known: Mapping[str, int], module: Mapping[str, Mapping[tuple[i
             lo, hi = spans.get(s, [idx, idx])
             spans[s] = [min(lo, idx), max(hi, idx)]
     return [spans.get(s, []) for s in range(pp)]
-
-
-def _is_json(value: Any) -> bool:
-    try:
-        jsonvalues.encode(value, where="")
-    except InvalidValueError:
-        return False
-    return True
 
 
 def _frozen_reader(name: str, shape: tuple[int, ...], frags: Sequence[Any],

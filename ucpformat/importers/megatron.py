@@ -35,15 +35,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues
-from ucpformat.conversion import to_numpy
+from ucpformat.distributed.framework import ModelLayout
 from ucpformat.errors import FormatError, InvalidValueError, LayoutError, UnsupportedFeatureError
+from ucpformat.format import dtypes
 from ucpformat.importers._engine import Scan, TensorSource
 from ucpformat.importers._torch import STAND_INS, load_restricted, plain
+from ucpformat.interchange import is_json_value, to_numpy
 from ucpformat.layout.boxes import Box, as_slices, box_shape, contains, full_box
-from ucpformat.layout.framework import ModelLayout
+from ucpformat.layout.rank_slices import ParallelConfig, RankCoords
 from ucpformat.layout.rules import RuleSet
-from ucpformat.layout.sharding import ParallelConfig, RankCoords
 
 FORMAT: Final = "megatron"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -219,18 +219,10 @@ def scan(
         "pp": pp,
         "checkpoint_version": plain(first.get("checkpoint_version")),
         "rules": rule_set.name,
-        "rule_params": {k: v for k, v in params.items() if _is_json(v)},
-        "args": {k: v for k, v in args.items() if _is_json(v)},
+        "rule_params": {k: v for k, v in params.items() if is_json_value(v)},
+        "args": {k: v for k, v in args.items() if is_json_value(v)},
     }
     return out
-
-
-def _is_json(value: Any) -> bool:
-    try:
-        jsonvalues.encode(value, where="")
-    except InvalidValueError:
-        return False
-    return True
 
 
 def _check_covered(path: str, shape: tuple[int, ...], boxes: list[Box]) -> None:

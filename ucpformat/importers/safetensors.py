@@ -36,10 +36,11 @@ from typing import Any, Final
 
 import numpy as np
 
-from ucpformat import dtypes
-from ucpformat.dtypes import DataType
 from ucpformat.errors import FormatError, UnsupportedDtypeError
+from ucpformat.format import dtypes
+from ucpformat.format.dtypes import DataType
 from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_attributes, node
+from ucpformat.interchange import SAFETENSORS_TO_UCP, UCP_TO_SAFETENSORS
 from ucpformat.layout.rules import RuleSet
 
 FORMAT: Final = "safetensors"
@@ -52,29 +53,9 @@ TRAINING_STATE: Final = (
 )
 MAX_HEADER_BYTES: Final = 100 * 1000 * 1000  # the safetensors library's own limit
 
-#: safetensors dtype code -> zarr data-type name (the closed list of format 1.0).
-TO_UCP: Final[dict[str, str]] = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
-FROM_UCP: Final[dict[str, str]] = {v: k for k, v in TO_UCP.items()}
+#: safetensors dtype code -> zarr data-type name (the closed list of format 1.0), and back.
+TO_UCP: Final = SAFETENSORS_TO_UCP
+FROM_UCP: Final = UCP_TO_SAFETENSORS
 
 
 def _fail(msg: str, path: Path | str, tensor: str | None = None) -> FormatError:

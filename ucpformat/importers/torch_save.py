@@ -32,9 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from ucpformat import jsonvalues
-from ucpformat.conversion import data_type_of
 from ucpformat.errors import FormatError, InvalidValueError
+from ucpformat.format import jsonvalues
 from ucpformat.importers._engine import Annotator, Scan, TensorSource, model_attributes, node
 from ucpformat.importers._torch import (
     is_tensor,
@@ -42,6 +41,7 @@ from ucpformat.importers._torch import (
     plain,
     tensor_reader,
 )
+from ucpformat.interchange import data_type_of
 from ucpformat.layout.rules import RuleSet
 
 FORMAT: Final = "torch"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import LocalMap
-from ucpformat.layout.sharding import DimMap, chunk_bounds, product
+from ucpformat.layout.rank_slices import DimMap, chunk_bounds, product
 
 
 @dataclass(frozen=True)

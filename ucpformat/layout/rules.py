@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucpformat import schemas
 from ucpformat.errors import LayoutError
-from ucpformat.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
+from ucpformat.format import schemas
+from ucpformat.format.jsonvalues import MAX_DOCUMENT_DEPTH, json_depth
+from ucpformat.layout.rank_slices import Conventions, ParallelConfig, RankCoords
 from ucpformat.layout.semantics import PART_MAJOR, TensorLayout
-from ucpformat.layout.sharding import Conventions, ParallelConfig, RankCoords
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "rules"
 

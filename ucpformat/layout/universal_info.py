@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ucpformat.errors import FormatError, UnsupportedFeatureError
+from ucpformat.layout.rank_slices import Conventions
 from ucpformat.layout.semantics import PART_MAJOR, Part, TensorLayout
-from ucpformat.layout.sharding import Conventions
 
 
 def tensor_layout(info: Mapping[str, Any], name: str, local_shape: tuple[int, ...], tp: int

@@ -34,9 +34,9 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from ucpformat import jsonvalues, names
 from ucpformat.errors import FormatError, InvalidValueError, LoadError
-from ucpformat.torch.convert import from_numpy, to_numpy
+from ucpformat.format import jsonvalues, names
+from ucpformat.torch.numpy_bridge import from_numpy, to_numpy
 
 OBJECTS_GROUP: Final = "training/sharded_objects"
 OPAQUE_GROUP: Final = "megatron_opaque"

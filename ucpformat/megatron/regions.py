@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ucpformat import names
 from ucpformat.errors import LayoutError
+from ucpformat.format import names
 from ucpformat.layout.boxes import Box, LocalMap
+from ucpformat.layout.rank_slices import Conventions, DimMap, product, tp_dim_map, vocab_dim_map
 from ucpformat.layout.semantics import GROUP_MAJOR, TensorLayout
-from ucpformat.layout.sharding import Conventions, DimMap, product, tp_dim_map, vocab_dim_map
 
 #: The key components after which the prepended axes' indices are inserted, in order.
 STACKED: Final = ("layers", "experts")

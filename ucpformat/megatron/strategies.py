@@ -5,7 +5,7 @@ Saving (:class:`UCPSaveStrategy`): every rank describes the main replicas of its
 (:mod:`ucpformat.megatron.regions`) with the layout semantics the rule file gives each
 tensor, its ``ShardedObject`` values as JSON and tensors
 (:mod:`ucpformat.megatron.objects`), and hands both to the distributed save pipeline
-(:func:`ucpformat.pipeline.save`): every rank writes its own fragments, rank 0 commits.
+(:func:`ucpformat.distributed.pipeline.save`): every rank writes its own fragments, rank 0 commits.
 A rank that cannot describe its state (a value that is not JSON, a tensor no rule
 knows) fails the save on every rank before anything is written.
 
@@ -37,7 +37,10 @@ from megatron.core.dist_checkpointing.strategies.base import (
     SaveShardedStrategy,
 )
 
-from ucpformat import dtypes, names
+from ucpformat.checkpoint.options import SaveOptions
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
+from ucpformat.distributed.pipeline import save as run_pipeline
+from ucpformat.distributed.save_plan import TensorSpec
 from ucpformat.errors import (
     InvalidValueError,
     LayoutError,
@@ -46,10 +49,12 @@ from ucpformat.errors import (
     UnsupportedFeatureError,
     restated,
 )
+from ucpformat.format import dtypes, names
 from ucpformat.layout.boxes import Box, LocalMap
 from ucpformat.layout.rules import RuleSet
 from ucpformat.layout.semantics import TensorLayout, layout_of
 from ucpformat.megatron import objects
+from ucpformat.megatron.directory import BesideFiles
 from ucpformat.megatron.regions import (
     fragment_box,
     index_range,
@@ -57,13 +62,9 @@ from ucpformat.megatron.regions import (
     megatron_map,
     stored_shape,
 )
-from ucpformat.megatron.store import BesideFiles
-from ucpformat.pipeline import save as run_pipeline
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.saveplan import PlanOptions, TensorSpec
-from ucpformat.storage import open_store
+from ucpformat.store import open_store
 from ucpformat.torch.comm import ProcessGroup, communicator
-from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
+from ucpformat.torch.numpy_bridge import data_type, to_numpy, torch_dtype
 from ucpformat.torch.reads import TensorRead, read_tensors
 
 BACKEND: Final = "ucp"
@@ -108,9 +109,9 @@ class Described:
 
 
 class _Source:
-    """The pipeline's :class:`~ucpformat.pipeline.FragmentSource` of one rank. ``error``:
-    this rank could not describe its state; :meth:`boxes` raises it, inside the pipeline's
-    first collective step, so that every rank fails there and nothing is written."""
+    """The pipeline's :class:`~ucpformat.distributed.pipeline.FragmentSource` of one rank.
+    ``error``: this rank could not describe its state; :meth:`boxes` raises it, inside the
+    pipeline's first collective step, so that every rank fails there and nothing is written."""
 
     def __init__(self, described: Described, error: BaseException | None = None) -> None:
         self._d = described
@@ -169,7 +170,7 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
         self.params = dict(rule_params)
         self.allow_opaque = allow_opaque
         self.overwrite = overwrite
-        self.options = PlanOptions(compression)
+        self.compression = compression
         self.hash_algorithm = hash_algorithm
         self.workers = workers
         self.durable = durable
@@ -196,11 +197,9 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
             source=_Source(described, error),
             group_attributes=described.group_attributes(),
             metadata={**self.metadata, ATTRIBUTE: self.root_metadata()},
-            options=self.options,
-            hash_algorithm=self.hash_algorithm,
-            overwrite=self.overwrite,
-            workers=self.workers,
-            durable=self.durable,
+            options=SaveOptions(compression=self.compression,
+                                hash_algorithm=self.hash_algorithm, overwrite=self.overwrite,
+                                workers=self.workers, durable=self.durable),
         )
 
     def root_metadata(self) -> dict[str, Any]:

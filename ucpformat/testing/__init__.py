@@ -1,6 +1,6 @@
 """Testing kit: the conformance suite for other projects, and the reliability harnesses.
 
-- :mod:`~ucpformat.testing.conformance`: run the conformance suite (reader, writer,
+- :mod:`~ucpformat.testing.conformance_kit`: run the conformance suite (reader, writer,
   checker) from a project's own tests, pytest or otherwise;
 - :mod:`~ucpformat.testing.faults`: writers killed at every step of a save (crash
   consistency of the commit protocol, UCP-1.0-R050 to UCP-1.0-R056, UCP-1.0-R132);
@@ -10,7 +10,7 @@
   readers (UCP-1.0-R090 to UCP-1.0-R099); :mod:`~ucpformat.testing.fuzz_atheris` is its
   coverage-guided
   counterpart;
-- :mod:`~ucpformat.testing.links`: symbolic and hard links planted in and around a
+- :mod:`~ucpformat.testing.link_attacks`: symbolic and hard links planted in and around a
   checkpoint, against writers (single-process and distributed), readers (swapped during
   reads) and the manager (UCP-1.0-R091, UCP-1.0-R089);
 - :mod:`~ucpformat.testing.concurrency`: two writers saving into one location at once

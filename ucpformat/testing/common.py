@@ -13,9 +13,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ucpformat.checkpoint.reader import open_checkpoint
 from ucpformat.errors import UCPError
-from ucpformat.reader import open_checkpoint
-from ucpformat.storage import Store
+from ucpformat.store import Store
 
 #: Small chunks and shards, so that a small state is many stored objects.
 SMALL_CHUNKING: dict[str, Any] = {"chunk_bytes": 1024, "shard_bytes": 4096}

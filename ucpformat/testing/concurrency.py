@@ -17,10 +17,10 @@ checkpoint (``old``). Afterwards:
 
 Distributed saves (``--gloo-trials``) run the same trials with writers that are process
 groups of two ranks over ``torch.distributed`` (gloo, on the CPU; the distributed save
-pipeline of :mod:`ucpformat.pipeline`, :mod:`ucpformat.testing.gloo_writers`): in
-``gloo`` mode two groups, each saving with :func:`~ucpformat.distributed.save_distributed`
+pipeline of :mod:`ucpformat.distributed.pipeline`, :mod:`ucpformat.testing.gloo_writers`): in
+``gloo`` mode two groups, each saving with :func:`~ucpformat.distributed.save_fragments`
 or the DCP plugin (:class:`~ucpformat.torch.dcp.UCPWriter`), in turn; in ``gloo-single``
-mode one group against one process saving with :func:`~ucpformat.writer.save`. There,
+mode one group against one process saving with :func:`~ucpformat.checkpoint.writer.save`. There,
 too, a trial that commits must commit exactly one writer's objects, every byte of them
 (deep validation, SHA-256 digests), and no rank may hang (a group that does not answer
 within a time limit is a failure). While a distributed save replaces a checkpoint
@@ -48,14 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ucpformat.checkpoint.reader import open_checkpoint
+from ucpformat.checkpoint.validation import validate
+from ucpformat.checkpoint.writer import save
 from ucpformat.errors import UCPError
-from ucpformat.reader import open_checkpoint
-from ucpformat.storage import LocalStore, Store
+from ucpformat.store import LocalStore, Store
 from ucpformat.testing.common import SMALL_CHUNKING, differences, print_figures, small_state
 from ucpformat.testing.faults import FaultyStore
 from ucpformat.testing.gloo_writers import Answer, SaveOrder, WriterGroup, expected
-from ucpformat.validation import validate
-from ucpformat.writer import save
 
 #: Modes of two single-process writers.
 MODES = ("proc", "thread", "s3")
@@ -425,7 +425,7 @@ def run(trials: int, *, seed: int = 0, modes: Sequence[str] = ("proc", "thread")
                 mode, overwrite, old = plain[i % len(plain)]
                 trial = Trial(mode, overwrite, old, rng.uniform(0.0, 1.0))
                 if mode == "s3":
-                    from ucpformat.storage_fsspec import FsspecStore
+                    from ucpformat.store.fsspec_store import FsspecStore
                     from ucpformat.testing.s3 import BUCKET
 
                     url = f"s3://{BUCKET}/concurrency-{seed}-{i}"

@@ -35,11 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucpformat.engine.sharding import index_nbytes
+from ucpformat.checkpoint.metadata import MANIFEST_KEY, ZARR_JSON
+from ucpformat.checkpoint.reader import open_checkpoint
+from ucpformat.checkpoint.validation import validate
+from ucpformat.checkpoint.writer import save
+from ucpformat.engine.shard_index import index_nbytes
 from ucpformat.errors import UCPError
-from ucpformat.jsonvalues import json_equal
-from ucpformat.metadata import MANIFEST_KEY, ZARR_JSON
-from ucpformat.reader import open_checkpoint
+from ucpformat.format.jsonvalues import json_equal
 from ucpformat.testing.common import (
     SMALL_CHUNKING,
     differences,
@@ -47,8 +49,6 @@ from ucpformat.testing.common import (
     small_state,
     tree_bytes,
 )
-from ucpformat.validation import validate
-from ucpformat.writer import save
 
 TARGETS = ("chunk", "shard-index", "node-metadata", "root-metadata", "manifest")
 DAMAGES = ("bitflip", "byte", "zero", "truncate", "delete")

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
-from ucpformat.torch.dcp import UCPReader, UCPWriter
+from ucpformat.torch.dcp import UCPWriter
+from ucpformat.torch.dcp_reader import UCPReader
 
 
 class DropInWriter(UCPWriter):

@@ -15,7 +15,7 @@ must remove what it wrote, and must leave a location that a retry can save into
   ``overwrite=True`` or into a fresh location. The error must say whether the previous
   checkpoint is gone (it is gone exactly when the save had un-committed it), no file of
   the failed save may remain, and once the disk has room again the retry must succeed;
-- ``manager-disk-full``: a :class:`~ucpformat.manager.CheckpointManager` whose disk is
+- ``manager-disk-full``: a :class:`~ucpformat.checkpoint.manager.CheckpointManager` whose disk is
   full for one to three consecutive steps: each failed step must leave no partial
   location, every committed checkpoint must stay, and the first step after the disk has
   room again must save and rotate as usual.
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
+from ucpformat.checkpoint.metadata import ZARR_JSON
+from ucpformat.checkpoint.writer import save
 from ucpformat.errors import UCPError
-from ucpformat.manager import CheckpointManager, CheckpointWarning
-from ucpformat.metadata import ZARR_JSON
-from ucpformat.storage import LocalStore, Store
+from ucpformat.store import LocalStore, Store
 from ucpformat.testing.common import SMALL_CHUNKING, print_figures, same_state, small_state
 from ucpformat.testing.faults import DiskFull, FaultyStore
-from ucpformat.writer import save
 
 KINDS = ("stray", "disk-full", "manager-disk-full", "s3-stray")
 #: Names that no checkpoint file has (refused by the key check, UCP-1.0-R091).
@@ -105,7 +105,7 @@ def stray_trial(root: Path, rng: random.Random) -> Trial:
 
 
 def s3_stray_trial(options: dict[str, Any], name: str, rng: random.Random) -> Trial:
-    from ucpformat.storage_fsspec import FsspecStore
+    from ucpformat.store.fsspec_store import FsspecStore
     from ucpformat.testing.s3 import BUCKET
 
     trial = Trial("s3-stray")

@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     import atheris
 
+    from ucpformat.checkpoint.reader import open_checkpoint
+    from ucpformat.checkpoint.validation import validate
     from ucpformat.errors import UCPError
-    from ucpformat.reader import open_checkpoint
     from ucpformat.testing.hostile import make_fixture
-    from ucpformat.validation import validate
 
     tmp = tempfile.TemporaryDirectory()
     fx = make_fixture(Path(tmp.name))

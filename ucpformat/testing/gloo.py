@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ucpformat.comm import Communicator
+from ucpformat.distributed.comm import Communicator
 
 
 class _GlooCommunicator:

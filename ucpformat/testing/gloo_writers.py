@@ -8,13 +8,13 @@ on its stdin); each rank waits for the order's start time, saves its share, and 
 with a JSON line: ``saved``, ``refused`` (a :class:`~ucpformat.errors.UCPError`, its rule
 and message) or ``crashed`` (any other exception). Writers (``SaveOrder.writer``):
 
-- ``distributed``: :func:`ucpformat.distributed.save_distributed` of
+- ``distributed``: :func:`ucpformat.distributed.save_fragments` of
   :func:`ucpformat.testing.faults.distributed_parts` (rows split between the ranks); it
   loads back as :func:`distributed_expected`;
 - ``dcp``: ``torch.distributed.checkpoint.save`` with :class:`ucpformat.torch.dcp.UCPWriter`
   of the model of :func:`~ucpformat.testing.common.small_state` as DTensors sharded on
   their rows; it loads back as :func:`dcp_expected`;
-- ``single``: :func:`ucpformat.writer.save` of ``small_state`` in one process (a group
+- ``single``: :func:`ucpformat.checkpoint.writer.save` of ``small_state`` in one process (a group
   of one); it loads back as ``small_state``.
 
 Every writer's store sleeps ``delay`` seconds before each storage operation
@@ -44,7 +44,7 @@ from typing import IO, Any
 from unittest import mock
 
 from ucpformat.errors import UCPError
-from ucpformat.storage import LocalStore, Store
+from ucpformat.store import LocalStore, Store
 from ucpformat.testing.common import SMALL_CHUNKING, small_state
 
 WRITERS = ("distributed", "dcp", "single")
@@ -260,7 +260,7 @@ def _store(order: SaveOrder) -> Store:
 
 def _save(order: SaveOrder, comm: Any) -> None:
     if order.writer == "single":
-        from ucpformat.writer import save
+        from ucpformat.checkpoint.writer import save
 
         save(_store(order), small_state(order.seed), overwrite=order.overwrite, workers=2,
              durable=False, **SMALL_CHUNKING)

@@ -94,10 +94,10 @@ def crash_save(argv: list[str] | None = None) -> int:
     """
     import sys
 
-    from ucpformat.storage_fsspec import FsspecStore
+    from ucpformat.checkpoint.writer import save
+    from ucpformat.store.fsspec_store import FsspecStore
     from ucpformat.testing.common import SMALL_CHUNKING, small_state
     from ucpformat.testing.faults import FaultyStore
-    from ucpformat.writer import save
 
     endpoint, url, seed, kill_at, mode, delay = (argv or sys.argv[1:])[:6]
     store = FaultyStore(

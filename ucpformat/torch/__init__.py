@@ -36,8 +36,8 @@ from ucpformat.optional import require
 
 require("torch", extra="torch", purpose="ucpformat.torch")  # a missing torch: name the extra
 
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype  # noqa: E402
 from ucpformat.torch.flat import SafeOpen, load_file, safe_open, save_file  # noqa: E402
+from ucpformat.torch.numpy_bridge import data_type, from_numpy, to_numpy, torch_dtype  # noqa: E402
 from ucpformat.torch.rng import rng_state, set_rng_state  # noqa: E402
 from ucpformat.torch.state import (  # noqa: E402
     LoadResult,

@@ -4,7 +4,7 @@ replaces them, instead of being copied into.
 
 This is how a model built on the ``meta`` device (shapes and types, no memory) gets its
 data: copying into a meta tensor does nothing, so the loads refuse meta targets without
-``assign`` (:func:`ucpformat.torch.planner.plan_model`). The rules follow torch's:
+``assign`` (:func:`ucpformat.torch.load_plan.plan_model`). The rules follow torch's:
 
 * the new tensors keep the checkpoint's data type and land on the load's ``map_location``;
   a parameter stays a ``Parameter`` and keeps its ``requires_grad``, a buffer stays a
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ucpformat.errors import LoadError
-from ucpformat.torch.planner import Step
+from ucpformat.torch.load_plan import Step
 
 
 @dataclass(frozen=True)

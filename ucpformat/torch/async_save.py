@@ -12,7 +12,7 @@
 :meth:`AsyncSaver.save` blocks training only while it copies every local tensor this
 rank holds (its DTensor shards and its replicas) into host staging buffers; it then
 returns a :class:`concurrent.futures.Future` and a background thread runs the
-collective write (:func:`ucpformat.distributed.save_distributed`: plan, exchange,
+collective write (:func:`ucpformat.distributed.save_fragments`: plan, exchange,
 shards, commit). The next ``save`` first waits for the previous one (and raises its
 error, if it failed), so at most one save is in flight and the staging buffers, kept
 between saves, are reused: after the first save, the blocked time is the copy itself.
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from ucpformat.comm import Communicator
 from ucpformat.distributed import DistributedSaveResult
-from ucpformat.storage import Store
+from ucpformat.distributed.comm import Communicator
+from ucpformat.store import Store
 from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator
 from ucpformat.torch.distributed import (
     collect_state,

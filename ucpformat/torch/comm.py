@@ -1,4 +1,4 @@
-"""``ucpformat.comm.Communicator`` over a ``torch.distributed`` process group.
+"""``ucpformat.distributed.comm.Communicator`` over a ``torch.distributed`` process group.
 
 The format core's distributed writer speaks to ranks through three collectives:
 ``allgather`` of JSON-able descriptions, ``exchange`` of byte buffers, ``barrier``.
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ucpformat.comm import Communicator, SingleProcess
+from ucpformat.distributed.comm import Communicator, SingleProcess
 
 ProcessGroup = dist.ProcessGroup
 
@@ -45,7 +45,7 @@ class TorchCommunicator:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: call init_process_group first "
-                "(or use ucpformat.comm.SingleProcess for one process)"
+                "(or use ucpformat.distributed.comm.SingleProcess for one process)"
             )
         self.group = group
         self._rank = dist.get_rank(group)

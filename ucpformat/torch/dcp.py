@@ -13,14 +13,14 @@ What lands on disk is an ordinary UCP checkpoint: every tensor consolidated at i
 shape (``model/<fqn>``, ``optimizer/state/<fqn>/<state>``, ...; the mapping of DCP keys
 is in :mod:`ucpformat.torch.dcp_keys`), non-tensor values as JSON, no pickle anywhere.
 
-Saving runs the distributed save pipeline (:mod:`ucpformat.pipeline`, which says how a
+Saving runs the distributed save pipeline (:mod:`ucpformat.distributed.pipeline`, which says how a
 save fails), in DCP's order of calls:
 
 1. every rank: DCP's planner makes write items (a chunk of a tensor, or a non-tensor
    value); the default planner removes replicas so each chunk has one writer.
 2. the coordinator (``prepare_global_plan``) sees every rank's items: it checks coverage,
    chooses each array's shard grid from the chunk boundaries with
-   :func:`ucpformat.saveplan.make_plan` and assigns every shard one owner, who holds
+   :func:`ucpformat.distributed.save_plan.make_plan` and assigns every shard one owner, who holds
    it; where chunks are too small to shard on their boundaries, the owner of a coarser
    shard receives the missing cells from their holders (in ``write_data``). Each rank's
    share goes back in its plan. It then marks the destination (refusing a committed
@@ -39,73 +39,64 @@ save fails), in DCP's order of calls:
    writer's next ``reset`` (DCP calls it when the next save begins) or the next save to
    that location.
 
-Loading: ``read_metadata`` builds DCP's metadata from the root ``zarr.json`` (one chunk
-per tensor, no pickle); DCP's planner turns each rank's target layout into read requests
-(offsets and lengths), which :meth:`ucpformat.Tensor.read_region` serves by reading only
-the inner chunks that overlap them.
+Loading is :class:`~ucpformat.torch.dcp_reader.UCPReader`
+(:mod:`ucpformat.torch.dcp_reader`), importable from here too.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import math
 import os
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
     SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ucpformat import dtypes, names, schemas
-from ucpformat.comm import Communicator, SingleProcess
+from ucpformat.checkpoint.commit import abandon, explain_failure
+from ucpformat.checkpoint.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
+from ucpformat.checkpoint.options import SaveOptions
+from ucpformat.checkpoint.tree import zero_bits
+from ucpformat.distributed.comm import Communicator, SingleProcess
+from ucpformat.distributed.pipeline import DistributedSave, check_written
+from ucpformat.distributed.save_plan import (
+    DEFAULT_MIN_SHARD_BYTES,
+    RankTasks,
+    TensorSpec,
+    make_plan,
+)
 from ucpformat.engine import chunking
 from ucpformat.engine.compression import Compression
 from ucpformat.engine.grid import object_coords, object_region
 from ucpformat.engine.write import StoredObject, write_object
 from ucpformat.errors import (
     CheckpointExistsError,
-    FormatError,
     InvalidValueError,
     LayoutError,
-    LoadError,
     WriteError,
 )
+from ucpformat.format import dtypes, names, schemas
 from ucpformat.layout.boxes import Box, box_shape, box_size
-from ucpformat.metadata import ZARR_JSON, ArrayMeta, GroupMeta, build_root_ucp
-from ucpformat.pipeline import check_written, exchange_and_prepare, mark, write
-from ucpformat.reader import Checkpoint, open_checkpoint
-from ucpformat.saveplan import DEFAULT_MIN_SHARD_BYTES, RankTasks, TensorSpec, make_plan
-from ucpformat.storage import Store, open_store
+from ucpformat.store import Store, open_store
 from ucpformat.torch.comm import TorchCommunicator
-from ucpformat.torch.convert import data_type, from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.dcp_keys import (
     MAX_VALUE_TENSOR,
     RECORD_KEY,
@@ -117,33 +108,22 @@ from ucpformat.torch.dcp_keys import (
     ancestors,
     assemble_values,
     check_groups_and_arrays,
-    derive_entries,
     encode_value,
     locate,
-    lookup,
     node_path,
-    record_from_json,
     record_to_json,
 )
-from ucpformat.torch.planner import like
-from ucpformat.torch.reads import DeviceStaging
-from ucpformat.torch.staging import DeviceUploads, Staging, host_array
+from ucpformat.torch.numpy_bridge import data_type, to_numpy
+from ucpformat.torch.staging import Staging
 from ucpformat.torch.state import qualified_name, unwrap
-from ucpformat.writer import (
-    WriteClaim,
-    abandon,
-    commit,
-    default_workers,
-    explain_failure,
-    zero_bits,
-)
 
 CheckpointId = str | os.PathLike[str]
 
 _ROLES = {"optimizer": "optimizer_state", "training": "training_state"}
 
 
-def _done(value: Any) -> Future[Any]:
+def completed(value: Any) -> Future[Any]:
+    """A future that is already done, with ``value`` (DCP's storage calls return futures)."""
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
@@ -164,7 +144,7 @@ def _is_tensor_item(item: WriteItem) -> bool:
 class _RankShare:
     """A rank's share of a save, sent in its ``SavePlan.storage_data``."""
 
-    tasks: dict[str, Any]  # its RankTasks (ucpformat.saveplan), as JSON
+    tasks: dict[str, Any]  # its RankTasks (ucpformat.distributed.save_plan), as JSON
     key_of: dict[str, str]  # node path -> DCP key, of the arrays in its tasks
     tensor_values: list[str]  # DCP keys of tensors stored as JSON values
 
@@ -180,7 +160,7 @@ class _SavePlanState:
     values: dict[str, tuple[ObjectPath, ValueTarget]]
     context: SaveContext
     tensor_values: dict[str, tuple[str, tuple[int, ...]]]
-    claim: WriteClaim  # the hold on the destination (UCP-1.0-R059), from mark to commit
+    save: DistributedSave  # the coordinator's part in the save: it holds the location
 
 
 # -- the writer -----------------------------------------------------------------------------
@@ -397,13 +377,14 @@ class UCPWriter(StorageWriter):
         )
         shares = plan.all_tasks()
         self._check_group(world, any(t.sends for t in shares))
-        # Mark the destination now; write_data un-commits a checkpoint it replaces only
+        # Claim the destination now; write_data un-commits a checkpoint it replaces only
         # after the exchange, so that a rank failing until then leaves it intact.
         _refuse_existing(store, overwrite=self.overwrite)
-        claim = mark(store, overwrite=self.overwrite)
+        save = DistributedSave(store, self._communicator(), self._options())
+        save.claim(plan)
         self._state = _SavePlanState(
             world, {p: tp.meta for p, tp in plan.tensors.items()}, plan.object_keys(),
-            tensor_entries, values, ctx, tensor_values, claim,
+            tensor_entries, values, ctx, tensor_values, save,
         )
         return [
             replace(p, storage_data=_RankShare(
@@ -413,7 +394,8 @@ class UCPWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.pipeline`) on this rank."""
+        """Steps 3 to 6 of the save pipeline (:mod:`ucpformat.distributed.pipeline`) on this
+        rank."""
         store = self._require_store()
         share = plan.storage_data
         if not isinstance(share, _RankShare):
@@ -442,17 +424,16 @@ class UCPWriter(StorageWriter):
             error = exc
         source = _ItemFragments(planner, items_of, share.key_of,
                                 tasks.arrays if tasks is not None else {}, self.staging)
-        # the coordinator holds the destination from prepare_global_plan (mark) on
-        claim = self._state.claim if self._is_coordinator and self._state else None
-        received = exchange_and_prepare(
-            self._communicator(), store, tasks, source, error=error, claim=claim)
-        assert tasks is not None  # agreed: no rank failed
+        # the coordinator's save holds the destination from prepare_global_plan (claim) on
+        save = self._state.save if self._is_coordinator and self._state else DistributedSave(
+            store, self._communicator(), self._options())
+        save.take(tasks, error)
+        save.exchange(source)
         # A failure from here on is DCP's to gather: the coordinator's writer removes what
         # the ranks wrote in its next reset (no rank may still be writing then).
-        stored = write(store, tasks, source, received.inbox, workers=self.workers,
-                       hash_algorithm=self.hash_algorithm, claim=claim)  # stops the staging
+        stored = save.write(source)  # stops the staging
         by_path: dict[str, list[StoredObject]] = {}
-        for obj, written in zip(tasks.objects, stored, strict=True):
+        for obj, written in zip(save.tasks.objects, stored, strict=True):
             by_path.setdefault(obj.path, []).append(written)
         for apath, objs in sorted(by_path.items()):
             key = share.key_of[apath]
@@ -461,7 +442,7 @@ class UCPWriter(StorageWriter):
                 index=index, size_in_bytes=sum(o.nbytes for o in objs),
                 storage_data={"objects": [[o.key, o.nbytes, o.sha256] for o in objs]},
             ))
-        return _done(results)
+        return completed(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Step 7 of the save pipeline (the coordinator, once every rank has written): a
@@ -471,7 +452,10 @@ class UCPWriter(StorageWriter):
         if state is None:
             raise WriteError("finish() without a global plan: this UCPWriter was not the "
                              "coordinator's", path=store.location)
-        with explain_failure(store, state.claim):
+        claim = state.save.location_claim
+        if claim is None:  # pragma: no cover - claim() sets it, or raised
+            raise WriteError("the coordinator's save holds no claim", path=store.location)
+        with explain_failure(store, claim):
             self._commit(store, state, results, _save_id(metadata, self.save_id))
         self._state = None
 
@@ -552,10 +536,17 @@ class UCPWriter(StorageWriter):
                 RECORD_KEY: {**record_to_json(entries), "context": state.context.to_json()}
             },
         )
-        commit(store, arrays=final_metas, groups=group_metas, objects=objects,
-               root_ucp=root_ucp, hash_algorithm=self.hash_algorithm, claim=state.claim)
+        state.save.commit_objects(objects, arrays=final_metas, groups=group_metas,
+                                  root_ucp=root_ucp, expected=state.expected)
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _options(self) -> SaveOptions:
+        return SaveOptions(
+            compression=self.compression, chunk_bytes=self.chunk_bytes,
+            shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
+            hash_algorithm=self.hash_algorithm, overwrite=self.overwrite, workers=self.workers,
+            durable=self.durable)
 
     def _require_store(self) -> Store:
         if self._store is None:
@@ -622,7 +613,7 @@ class UCPWriter(StorageWriter):
 
 
 class _ItemFragments:
-    """A rank's DCP write items as a :class:`ucpformat.pipeline.FragmentSource`: each
+    """A rank's DCP write items as a :class:`ucpformat.distributed.pipeline.FragmentSource`: each
     tensor's chunks resolved through the planner when the pipeline asks for them; chunks
     on a device are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
     (one key per chunk), ahead of the write step and released after it."""
@@ -684,14 +675,6 @@ class _ItemFragments:
 
     def stop(self) -> None:
         self._stager.stop()
-
-
-def _item_bounds(item: ReadItem) -> tuple[list[int], list[int]]:
-    """The box of the stored tensor a read item asks for: ``[lo, hi)``."""
-    base = item.storage_index.offset or ()
-    lo = [int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True)] \
-        if base else [int(o) for o in item.storage_offsets]
-    return lo, [a + int(n) for a, n in zip(lo, item.lengths, strict=True)]
 
 
 def _item_box(item: WriteItem) -> Box:
@@ -782,271 +765,12 @@ def _save_id(metadata: Metadata, default: str) -> str:
     return meta.save_id if meta is not None and meta.save_id else default
 
 
-def _stored_save_id(ckpt: Checkpoint) -> str | None:
-    saved_by = ckpt.ucp.get("saved_by")
-    save_id = saved_by.get("save_id") if isinstance(saved_by, Mapping) else None
-    return save_id if isinstance(save_id, str) else None
+def __getattr__(name: str) -> Any:
+    if name == "UCPReader":  # the loading half lives in its own module, which imports this one
+        from ucpformat.torch.dcp_reader import UCPReader
+
+        return UCPReader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# -- the reader -----------------------------------------------------------------------------
-
-
-class UCPReader(StorageReader):
-    """Read a UCP checkpoint with ``torch.distributed.checkpoint.load``.
-
-    Any UCP checkpoint loads, not only those written by :class:`UCPWriter`: one written
-    by UCPWriter gets back exactly the keys it was saved with; for any other, the keys
-    are derived from the layout with ``key_map`` (default: ``model.<fqn>``,
-    ``optim.state.<fqn>.<state>``, ``optim.param_groups.<i>.<key>``, the contents of
-    ``training`` at the top level; :meth:`KeyMap.torchtitan` for torchtitan's keys).
-    Each tensor is one DCP chunk; each rank reads only the inner chunks that overlap the
-    regions its state dict needs.
-
-    A target that is a contiguous CPU tensor of the stored type is itself the read
-    buffer; a contiguous GPU target of the stored type is filled from pinned host
-    buffers, copied while the next reads run (``staging``, a
-    :class:`ucpformat.torch.reads.DeviceStaging`; see docs/gpu.md); other targets get a
-    copy of what was read.
-    """
-
-    def __init__(
-        self,
-        path: CheckpointId | None = None,
-        *,
-        key_map: KeyMap | None = None,
-        workers: int | None = None,
-        max_read_bytes: int | None = None,
-        staging: DeviceStaging | None = None,
-    ) -> None:
-        super().__init__()
-        self.staging = staging if staging is not None else DeviceStaging()
-        self.path: CheckpointId | None = path
-        self.key_map = key_map or KeyMap()
-        self.workers = workers
-        self.max_read_bytes = max_read_bytes
-        self._ckpt: Checkpoint | None = None
-        self._entries: dict[str, Entry] = {}
-        #: This load's id, as FileSystemReader's: new at every reset.
-        self.load_id = uuid.uuid4().hex
-
-    @property
-    def checkpoint_id(self) -> CheckpointId | None:
-        return self.path
-
-    @property
-    def checkpoint(self) -> Checkpoint:
-        """The open checkpoint (after ``read_metadata``); ``checkpoint.stats`` counts reads."""
-        if self._ckpt is None:
-            raise LoadError("UCPReader has not read the checkpoint's metadata yet")
-        return self._ckpt
-
-    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = checkpoint_id
-        self.close()
-        self.load_id = uuid.uuid4().hex
-
-    def close(self) -> None:
-        if self._ckpt is not None:
-            self._ckpt.close()
-            self._ckpt = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
-        """True for a local UCP checkpoint (its root ``zarr.json`` is there), so that a
-        choice between readers picks this one only where it can read; for a URL of a
-        supported protocol, True without a request."""
-        if not is_supported_location(checkpoint_id):
-            return False
-        text = os.fspath(checkpoint_id)
-        if "://" in text and not text.startswith("file://"):
-            return True
-        local = text[len("file://"):] if text.startswith("file://") else text
-        return os.path.isfile(os.path.join(local, ZARR_JSON))
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.path is None:
-            raise LoadError("UCPReader needs a path: UCPReader(path) or dcp.load(..., "
-                            "checkpoint_id=path)")
-        self.close()
-        ckpt = open_checkpoint(self.path, max_read_bytes=self.max_read_bytes,
-                               workers=self.workers)
-        self._ckpt = ckpt
-        self._entries = self._load_entries(ckpt)
-        md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        for key, entry in self._entries.items():
-            if entry.tensor is not None:  # a small tensor stored as a JSON value
-                dtype_name, dims = entry.tensor
-            elif entry.array is None or entry.encoding is not None:
-                md[key] = BytesStorageMetadata()
-                continue
-            else:
-                meta = ckpt.arrays[entry.array]
-                dtype_name, dims = meta.dtype.name, meta.shape
-            shape = torch.Size(dims)
-            md[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype(dtype_name, tensor=key)),
-                size=shape,
-                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
-            )
-        return Metadata(
-            state_dict_metadata=md,
-            planner_data={k: e.path for k, e in self._entries.items()},
-            storage_meta=StorageMeta(checkpoint_id=os.fspath(self.path),
-                                     save_id=_stored_save_id(ckpt), load_id=self.load_id),
-            version=CURRENT_DCP_VERSION,
-        )
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        self.checkpoint  # noqa: B018 - raises unless read_metadata ran
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        ckpt = self.checkpoint
-        templates = getattr(planner, "state_dict", None)
-        tensor_items: list[ReadItem] = []
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                template = templates.get(item.dest_index.fqn) if isinstance(
-                    templates, Mapping) else None
-                buf = io.BytesIO()
-                torch.save(self._value(item.storage_index.fqn, template), buf)
-                buf.seek(0)
-                planner.load_bytes(item, buf)
-            else:
-                tensor_items.append(item)
-
-        def read(item: ReadItem, out: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
-            entry = self._entry(item.storage_index.fqn)
-            lo, hi = _item_bounds(item)
-            if entry.tensor is not None:
-                assert entry.group is not None
-                value = lookup(ckpt.values(entry.group), entry.pointer, where=entry.key)
-                dtype_name, dims = entry.tensor
-                full = np.asarray(value, dtype=dtypes.by_name(dtype_name).numpy)
-                if full.shape != dims:
-                    raise FormatError(f"the value has shape {list(full.shape)}, the entry "
-                                      f"says {list(dims)}", path=entry.key)
-                return full[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
-            assert entry.array is not None
-            return ckpt[entry.array].read_region(lo, hi, out=out)
-
-        def direct(item: ReadItem, target: torch.Tensor) -> str | None:
-            """How the target is filled: "memory" (read into it), "device" (through the
-            pinned pool) or None (a copy of what was read)."""
-            entry = self._entry(item.storage_index.fqn)
-            if entry.array is None or tuple(target.shape) != tuple(
-                    int(n) for n in item.lengths):
-                return None
-            stored = torch_dtype(ckpt.arrays[entry.array].dtype, tensor=entry.array)
-            plain = target.layout == torch.strided and target.is_contiguous() and not (
-                target.is_conj() or target.is_neg())
-            if not plain or target.dtype != stored:
-                return None
-            if self.staging.stages(target.device):
-                return "device"
-            return "memory" if target.device.type == "cpu" else None
-
-        uploads: DeviceUploads | None = None
-        window = 4 * (self.workers or default_workers())
-        with ThreadPoolExecutor(self.workers or default_workers()) as pool:
-            try:
-                for start in range(0, len(tensor_items), window):
-                    batch = tensor_items[start:start + window]
-                    targets = [planner.resolve_tensor(item).detach() for item in batch]
-                    ways = [direct(item, t) for item, t in zip(batch, targets, strict=True)]
-                    outs: list[np.ndarray[Any, Any] | None] = []
-                    hosts: list[torch.Tensor | None] = []
-                    for target, way in zip(targets, ways, strict=True):
-                        host = None
-                        if way == "device":
-                            if uploads is None:
-                                uploads = DeviceUploads(self.staging.the_pool(),
-                                                        self.staging.copier,
-                                                        self.staging.recorder)
-                            host = uploads.host_view(target)
-                        hosts.append(host)
-                        outs.append(to_numpy(target, name=None) if way == "memory" else
-                                    host_array(host, name="") if host is not None else None)
-                    regions = pool.map(read, batch, outs)
-                    for item, target, region, host, out in zip(batch, targets, regions, hosts,
-                                                               outs, strict=True):
-                        if host is not None:
-                            assert uploads is not None
-                            uploads.upload(target, host, functools.partial(
-                                planner.commit_tensor, item, target))
-                            continue
-                        if region is not out:
-                            source = from_numpy(region, name=item.storage_index.fqn)
-                            if tuple(target.shape) != tuple(source.shape):
-                                raise LoadError(
-                                    f"read {tuple(source.shape)} for a target of "
-                                    f"{tuple(target.shape)}", tensor=item.dest_index.fqn,
-                                )
-                            target.copy_(source)
-                        planner.commit_tensor(item, target)
-                    if uploads is not None:
-                        uploads.end_batch(str(start))
-                if uploads is not None:
-                    uploads.finish()
-            except BaseException:
-                if uploads is not None:
-                    uploads.abort()
-                raise
-        return _done(None)
-
-    # -- helpers ----------------------------------------------------------------------------
-
-    def _entry(self, key: str) -> Entry:
-        entry = self._entries.get(key)
-        if entry is None:
-            raise LoadError(f"the checkpoint has no entry {key!r}", path=key)
-        return entry
-
-    def _load_entries(self, ckpt: Checkpoint) -> dict[str, Entry]:
-        record = ckpt.ucp.get(RECORD_KEY)
-        entries = record_from_json(record, where=ckpt.location) if record is not None else None
-        if entries is None:
-            group_values = {g: ckpt.values(g) for g in ckpt.groups}
-            model = ckpt.groups.get("model")
-            aliases = model.ucp.get("aliases", {}) if model is not None else {}
-            entries = derive_entries(
-                ckpt.arrays, group_values,
-                {str(a): str(t) for a, t in aliases.items() if isinstance(t, str)}
-                if isinstance(aliases, Mapping) else {},
-                self.key_map,
-            )
-        for key, entry in entries.items():
-            if entry.array is not None:
-                meta = ckpt.arrays.get(entry.array)
-                if meta is None:
-                    raise FormatError(f"entry {key!r} names the array {entry.array!r}, which the "
-                                      "checkpoint lacks", path=ckpt.location)
-                if entry.encoding is not None and (meta.dtype.name != "uint8"
-                                                   or len(meta.shape) != 1):
-                    raise FormatError(f"bytes entry {key!r} must be a 1-D uint8 array",
-                                      tensor=entry.array)
-            elif entry.group not in ckpt.groups:
-                raise FormatError(f"entry {key!r} names the group {entry.group!r}, which the "
-                                  "checkpoint lacks", path=ckpt.location)
-        return entries
-
-    def _value(self, key: str, template: Any) -> Any:
-        entry = self._entry(key)
-        ckpt = self.checkpoint
-        if entry.array is not None:
-            raw = ckpt[entry.array].read().tobytes()
-            return io.BytesIO(raw) if entry.encoding == "bytesio" else raw
-        assert entry.group is not None
-        values = ckpt.values(entry.group)
-        return like(template, lookup(values, entry.pointer, where=key))
-
-
-__all__ = ["KeyMap", "UCPReader", "UCPWriter"]
+__all__ = ["KeyMap", "UCPReader", "UCPWriter"]  # noqa: F822 (UCPReader: __getattr__)

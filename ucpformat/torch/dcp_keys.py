@@ -59,8 +59,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ucpformat import dtypes, jsonvalues, names
 from ucpformat.errors import FormatError, InvalidValueError
+from ucpformat.format import dtypes, jsonvalues, names
 
 PathItem = str | int
 ObjectPath = tuple[PathItem, ...]

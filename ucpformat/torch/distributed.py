@@ -16,7 +16,7 @@ Each DTensor's local tensor is described, from its mesh, placements and global s
 as pieces of the consolidated tensor (:func:`ucpformat.layout.dtensor.dtensor_local_map`,
 checked against the local tensor's shape and torch's own
 ``compute_local_shape_and_global_offset``). The format core's distributed writer
-(:func:`ucpformat.distributed.save_distributed`) then writes every stored object once,
+(:func:`ucpformat.distributed.save_fragments`) then writes every stored object once,
 by one rank that holds it (replicas are written once), and rank 0 commits after every
 rank has succeeded.
 
@@ -30,9 +30,6 @@ outcome, before any tensor is modified.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,31 +44,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ucpformat import names
-from ucpformat.comm import Communicator, gather_bytes, gather_failures, scatter_bytes
-from ucpformat.description import MeshPosition, MeshTensor
-from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec
-from ucpformat.distributed import save_distributed as _core_save_distributed
+from ucpformat.checkpoint.reader import Checkpoint
+from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec, save_fragments
+from ucpformat.distributed.comm import Communicator, gather_failures
+from ucpformat.distributed.pipeline import FragmentSource
+from ucpformat.distributed.rank_description import MeshPosition, MeshTensor
 from ucpformat.errors import (
     InvalidValueError,
-    LayoutError,
     LoadError,
 )
-from ucpformat.layout.boxes import Box, LocalMap, Piece, as_slices, box_shape, box_size, full_box
-from ucpformat.layout.dtensor import (
-    Placement,
-    Replicate,
-    Shard,
-    StridedShard,
-    dtensor_local_map,
-    placement_to_json,
-)
-from ucpformat.pipeline import FragmentSource
-from ucpformat.reader import Checkpoint
-from ucpformat.storage import Store
+from ucpformat.format import names
+from ucpformat.layout.boxes import Box, Piece, as_slices, box_shape, box_size
+from ucpformat.store import Store
 from ucpformat.torch.assign import (
     AssignGroup,
     assign_groups,
@@ -80,8 +66,16 @@ from ucpformat.torch.assign import (
     live_tensors,
 )
 from ucpformat.torch.comm import ProcessGroup, TorchCommunicator, communicator
-from ucpformat.torch.convert import data_type, to_numpy, torch_dtype
-from ucpformat.torch.planner import (
+from ucpformat.torch.dtensor_layout import (
+    agreed_meshes,
+    local_map_of,
+    mesh_name,
+    placements_of,
+    root_layout,
+    saved_with,
+    whole_map,
+)
+from ucpformat.torch.load_plan import (
     Device,
     ModelPlan,
     OptimizerPlan,
@@ -99,12 +93,12 @@ from ucpformat.torch.planner import (
     scheduler_step,
     tree_to_torch,
 )
+from ucpformat.torch.numpy_bridge import data_type, to_numpy, torch_dtype
 from ucpformat.torch.reads import StagedReads, TensorRead, partly_changed, read_tensors, whole
 from ucpformat.torch.staging import Stager, Staging
 from ucpformat.torch.state import (
     LoadResult,
     Stateful,
-    meta_left,
     non_persistent_buffers,
     qualified_name,
     tied_aliases,
@@ -120,129 +114,6 @@ Snapshot = Callable[[str, torch.Tensor], np.ndarray[Any, Any]]
 def _path(*logical: str) -> str:
     """``names.path_of``, cached: the same names come back at every save."""
     return names.path_of(*logical)
-
-
-# -- DTensor placements --------------------------------------------------------------------
-
-
-def placements_of(dt: DTensor, *, name: str | None = None) -> list[Placement]:
-    """A DTensor's placements in the layout language (torch ``_StridedShard`` included).
-
-    ``Partial`` (values pending a reduction) is refused (UCP-1.0-R114).
-    """
-    from torch.distributed.tensor.placement_types import (
-        Replicate as TorchReplicate,
-    )
-    from torch.distributed.tensor.placement_types import (
-        Shard as TorchShard,
-    )
-    from torch.distributed.tensor.placement_types import (
-        _StridedShard,
-    )
-
-    out: list[Placement] = []
-    for p in dt.placements:
-        if isinstance(p, _StridedShard):
-            out.append(StridedShard(int(p.dim), int(p.split_factor)))
-        elif isinstance(p, TorchShard):
-            out.append(Shard(int(p.dim)))
-        elif isinstance(p, TorchReplicate):
-            out.append(Replicate())
-        else:
-            raise LayoutError(
-                f"placement {p} is not Shard, Replicate or a strided shard; partial values "
-                "must be reduced before saving (redistribute the DTensor)",
-                rule="UCP-1.0-R114",
-                tensor=name,
-            )
-    return out
-
-
-_MapKey = tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...], tuple[int, ...],
-                tuple[int, ...]]
-_LOCAL_MAPS: dict[_MapKey, LocalMap] = {}
-
-
-def local_map_of(dt: DTensor, *, name: str | None = None) -> LocalMap | None:
-    """This rank's local tensor of ``dt`` as pieces of the global tensor (None: not in mesh).
-
-    The map is checked against the local tensor's shape and, where it is one box, against
-    torch's ``compute_local_shape_and_global_offset``: a disagreement is an error, never a
-    silently misplaced shard. Checked maps are cached by global shape, mesh, placements,
-    coordinates and local shape (a save repeats them all).
-    """
-    mesh = dt.device_mesh
-    coords = mesh.get_coordinate()
-    if coords is None:
-        return None
-    placements = tuple(placements_of(dt, name=name))
-    global_shape = tuple(int(n) for n in dt.shape)
-    local_shape = tuple(int(n) for n in dt.to_local().shape)
-    key = (global_shape, tuple(int(n) for n in mesh.shape), placements,
-           tuple(int(c) for c in coords), local_shape)
-    cached = _LOCAL_MAPS.get(key)
-    if cached is not None:
-        return cached
-    lm = dtensor_local_map(global_shape, key[1], placements, key[3], tensor=name)
-    if local_shape != lm.local_shape:
-        raise LayoutError(
-            f"the local tensor has shape {list(local_shape)}, but placements "
-            f"{list(dt.placements)} on mesh {list(mesh.shape)} at {list(coords)} give "
-            f"{list(lm.local_shape)}",
-            rule="UCP-1.0-R114",
-            tensor=name,
-        )
-    _check_against_torch(dt, lm, name)
-    if len(_LOCAL_MAPS) > 1 << 16:
-        _LOCAL_MAPS.clear()
-    _LOCAL_MAPS[key] = lm
-    return lm
-
-
-def _check_against_torch(dt: DTensor, lm: LocalMap, name: str | None) -> None:
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            dt.shape, dt.device_mesh, dt.placements
-        )
-    except Exception:  # a private helper: its absence must not stop a save
-        return
-    shape = tuple(int(n) for n in shape)
-    if shape != lm.local_shape:
-        raise LayoutError(
-            f"torch computes local shape {list(shape)}, the layout language "
-            f"{list(lm.local_shape)} (placements {list(dt.placements)})",
-            rule="UCP-1.0-R114", tensor=name,
-        )
-    if math.prod(lm.local_shape) and len(lm.pieces) == 1 and lm.pieces[0].local == full_box(
-        lm.local_shape
-    ):
-        mine = tuple(a for a, _ in lm.pieces[0].glob)
-        theirs = tuple(int(o) for o in offset)
-        if mine != theirs:
-            raise LayoutError(
-                f"torch places this rank's shard at offset {list(theirs)}, the layout "
-                f"language at {list(mine)} (placements {list(dt.placements)})",
-                rule="UCP-1.0-R114", tensor=name,
-            )
-
-
-def _whole(shape: tuple[int, ...]) -> LocalMap:
-    box = full_box(shape)
-    return LocalMap(shape, (Piece(box, box),) if math.prod(shape) or not shape else ())
-
-
-def _saved_with(dt: DTensor) -> dict[str, Any]:
-    """Informative: the mesh and placements a DTensor was saved with."""
-    mesh = dt.device_mesh
-    doc: dict[str, Any] = {
-        "mesh": [int(n) for n in mesh.shape],
-        "placements": [placement_to_json(p) for p in placements_of(dt)],
-    }
-    if mesh.mesh_dim_names:
-        doc["mesh_dim_names"] = list(mesh.mesh_dim_names)
-    return doc
 
 
 # -- what a rank holds ------------------------------------------------------------------------
@@ -405,12 +276,12 @@ def local_parts(state: _State, rank: int) -> LocalParts:
         dt = data_type(t.dtype, tensor=item.path)
         ucp: dict[str, Any] = {"role": item.role}
         if isinstance(t, DTensor):
-            ucp["saved_with"] = _saved_with(t)
+            ucp["saved_with"] = saved_with(t)
             lm = local_map_of(t, name=item.path)
             pieces = lm.pieces if lm is not None else ()
             local = t.to_local()
         else:
-            pieces = _whole(tuple(t.shape)).pieces
+            pieces = whole_map(tuple(t.shape)).pieces
             local = t
             if item.only_rank is not None and item.only_rank != rank:
                 pieces = ()
@@ -445,7 +316,7 @@ def fragments_of(
 
 
 class StagedFragments:
-    """A rank's fragments as a :class:`~ucpformat.pipeline.FragmentSource` whose device
+    """A rank's fragments as a :class:`~ucpformat.distributed.pipeline.FragmentSource` whose device
     tensors are copied to host memory through a :class:`~ucpformat.torch.staging.Stager`
     when the pipeline needs them (bounded memory, copies overlapped with the write);
     the other tensors' values are numpy views."""
@@ -503,7 +374,7 @@ def save_distributed(
     entries too (JSON values; tensors are taken from rank 0, DTensors from every rank).
     ``group`` carries the checkpoint's collectives (default: the world; see
     :func:`ucpformat.torch.comm.checkpoint_group`). ``save_kwargs`` go to
-    :func:`ucpformat.distributed.save_distributed` (``overwrite``, ``compression``,
+    :func:`ucpformat.distributed.save_fragments` (``overwrite``, ``compression``,
     ``hash_algorithm``, ...). Without torch.distributed it saves as one process.
 
     Local tensors on a device (a GPU) are copied to host memory through a bounded pool
@@ -536,7 +407,7 @@ def write_collected(
     """The collective write of collected state (shared by the sync and async paths).
     DTensors are described by their device mesh (:func:`mesh_layout`)."""
     meshes, on_mesh = mesh_layout(state, comm)
-    return _core_save_distributed(
+    return save_fragments(
         path,
         comm,
         specs=specs,
@@ -549,48 +420,16 @@ def write_collected(
     )
 
 
-def mesh_name(mesh: DeviceMesh) -> str:
-    """A device mesh's name for :class:`~ucpformat.description.MeshPosition`: from the
-    global ranks at its positions (so the same on every rank of the mesh, and different
-    for a mesh of other ranks or another shape)."""
-    ranks = json.dumps(mesh.mesh.tolist()).encode()
-    return "torch:" + hashlib.sha256(ranks).hexdigest()[:20]
-
-
-def root_layout(t: DTensor, *, name: str | None = None
-                ) -> tuple[DeviceMesh, tuple[Placement, ...]] | None:
-    """A DTensor's mesh and placements, those on a sub-mesh as on its root mesh
-    (``Replicate`` along the root's other dimensions: the same local part). FSDP2 puts
-    the parameters that tensor parallelism leaves whole on the data-parallel slice of a
-    2-D mesh, one slice per tensor-parallel rank: as slices they would be several
-    meshes holding one tensor, as the root they are one. None where torch does not say
-    how the sub-mesh sits in its root (a flattened dimension): describe it by boxes."""
-    mesh = t.device_mesh
-    placements = tuple(placements_of(t, name=name))
-    get_root = getattr(mesh, "_get_root_mesh", None)  # private in torch 2.13
-    root = get_root() if get_root is not None else mesh
-    if root is None or root is mesh or root.mesh.tolist() == mesh.mesh.tolist():
-        return mesh, placements
-    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-    if not names or not root_names or not set(names) <= set(root_names):
-        return None
-    index = [root_names.index(n) for n in names]
-    if index != sorted(index):
-        return None
-    by_dim = dict(zip(index, placements, strict=True))
-    return root, tuple(by_dim.get(i, Replicate()) for i in range(root.ndim))
-
-
 def mesh_layout(
     state: _State, comm: Communicator
 ) -> tuple[list[MeshPosition], list[MeshTensor]]:
     """The DTensors of ``state`` described by their device mesh (:func:`root_layout`):
     this rank's place in each mesh and each DTensor's placements (the coordinator
-    derives every rank's fragments from them, :class:`~ucpformat.description.MeshTensor`).
-    Collective over ``comm`` (the save's). Left to their fragments' boxes: a DTensor
-    whose mesh has ranks outside the save's process group (or this rank not in it), and
-    the DTensors of a mesh whose ranks do not all lay out the same tensors on it
-    (:func:`agreed_meshes`)."""
+    derives every rank's fragments from them,
+    :class:`~ucpformat.distributed.rank_description.MeshTensor`). Collective over ``comm`` (the
+    save's). Left to their fragments' boxes: a DTensor whose mesh has ranks outside the save's
+    process group (or this rank not in it), and the DTensors of a mesh whose ranks do not all lay
+    out the same tensors on it (:func:`agreed_meshes`)."""
     if not isinstance(comm, TorchCommunicator):
         return [], []
     members = set(torch.distributed.get_process_group_ranks(
@@ -614,37 +453,6 @@ def mesh_layout(
         if places[name] is not None:
             on_mesh.append(MeshTensor(item.path, name, placements))
     return agreed_meshes(comm, [p for p in places.values() if p is not None], on_mesh)
-
-
-def agreed_meshes(
-    comm: Communicator, meshes: Sequence[MeshPosition], on_mesh: Sequence[MeshTensor]
-) -> tuple[list[MeshPosition], list[MeshTensor]]:
-    """The meshes (and their tensors) that every rank of the mesh describes alike, the
-    others' tensors left to boxes. Collective: the coordinator gathers a digest of each
-    rank's tensors per mesh and tells every rank which meshes agree. A sub-mesh lifted
-    to its root (:func:`root_layout`) is one mesh only where its slices hold the same
-    tensors: FSDP2's data-parallel slices of a (dp, tp) mesh do, pipeline stages on the
-    data-parallel slices of a (pp, dp) mesh do not (each stage its own layers)."""
-    mine = {}
-    for m in meshes:
-        listed = [[t.path, [placement_to_json(p) for p in t.placements]]
-                  for t in on_mesh if t.mesh == m.name]
-        mine[m.name] = [list(m.shape),
-                        hashlib.sha256(json.dumps(listed).encode()).hexdigest()]
-    gathered = gather_bytes(comm, json.dumps(mine).encode())
-    agreed: list[str] = []
-    if gathered is not None:  # the coordinator
-        seen: dict[str, list[Any]] = {}
-        for raw in gathered:
-            for name, (shape, digest) in json.loads(raw).items():
-                seen.setdefault(name, []).append((tuple(shape), digest))
-        agreed = sorted(name for name, reports in seen.items()
-                        if len(set(reports)) == 1 and len(reports) == math.prod(reports[0][0]))
-    body = json.dumps(agreed).encode()
-    received = scatter_bytes(
-        comm, dict.fromkeys(range(comm.world_size), body) if gathered is not None else None)
-    ok = set(json.loads(body if gathered is not None else received))
-    return ([m for m in meshes if m.name in ok], [t for t in on_mesh if t.mesh in ok])
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -904,20 +712,8 @@ def load_distributed(
         except BaseException as exc:
             error = exc
         _agree(comm, error, "loading the checked state", staged.written)
-        step = training.get("step")
-        mp, op = plan.model, plan.optimizer
-        return LoadResult(
-            step=int(step) if isinstance(step, int) else None,
-            training=training,
-            metadata=ckpt.metadata,
-            missing_keys=mp.missing if mp else [],
-            unexpected_keys=mp.unexpected if mp else [],
-            ignored_keys=mp.ignored if mp else [],
-            missing_optimizer_params=op.missing if op else [],
-            unexpected_optimizer_params=op.unexpected if op else [],
-            bytes_read=ckpt.stats.bytes_read - start,
-            on_meta=meta_left(model),
-        )
+        return LoadResult.of(ckpt, training, plan.model, plan.optimizer,
+                             bytes_read=ckpt.stats.bytes_read - start, model=model)
 
 
 __all__ = [

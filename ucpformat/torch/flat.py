@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucpformat import names
+from ucpformat.checkpoint.reader import Checkpoint, Tensor, open_checkpoint
+from ucpformat.checkpoint.writer import SaveResult
 from ucpformat.errors import InvalidValueError, LoadError, TensorNotFoundError, UCPError
-from ucpformat.reader import Checkpoint, Tensor, open_checkpoint
-from ucpformat.storage import Store
-from ucpformat.torch.convert import from_numpy
-from ucpformat.torch.planner import check_device
+from ucpformat.format import names
+from ucpformat.store import Store
+from ucpformat.torch.load_plan import check_device
+from ucpformat.torch.numpy_bridge import from_numpy
 from ucpformat.torch.reads import TensorRead, read_tensors
-from ucpformat.writer import SaveResult
 
 Device = str | int | torch.device
 #: ``framework`` values of :func:`safe_open`, and whether each gives numpy arrays.

@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ucpformat.checkpoint.reader import Checkpoint
 from ucpformat.distributed import read_locals
 from ucpformat.errors import LoadError, UCPError, restated
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
-from ucpformat.reader import Checkpoint
-from ucpformat.torch.convert import from_numpy, to_numpy, torch_dtype
+from ucpformat.torch.numpy_bridge import from_numpy, to_numpy, torch_dtype
 from ucpformat.torch.staging import (
     Copier,
     DeviceUploads,

@@ -10,7 +10,7 @@
 Generators a run holds itself (a ``numpy.random.Generator``, a ``torch.Generator``, a
 ``random.Random``) are named: ``rng_state(generators={"loader": gen})`` captures them,
 ``set_rng_state(state, generators={"loader": gen})`` restores them. The layout in the
-checkpoint is :mod:`ucpformat.rng` (spec UCP-1.0-R085).
+checkpoint is :mod:`ucpformat.checkpoint.rng` (spec UCP-1.0-R085).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucpformat import rng as layout
+from ucpformat.checkpoint import rng as layout
 from ucpformat.errors import InvalidValueError, KeyMismatchError, LoadError
 
 #: A generator that a run holds itself.

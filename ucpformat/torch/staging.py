@@ -11,7 +11,7 @@ would not overlap the copy with the write. Here:
   tensor larger than the pool is staged alone, in a buffer of its size that is freed
   when it is released: the pool then holds at most ``max(capacity_bytes, largest
   tensor)``.
-* :class:`Stager` is a :class:`ucpformat.feed.Feed`: once told the order in which the
+* :class:`Stager` is a :class:`ucpformat.checkpoint.deferred.Feed`: once told the order in which the
   writer needs the tensors, a copy thread copies tensor ``i + 1`` (and further, while
   buffers are free) while tensor ``i`` is encoded and written; the writer takes each
   host copy when it needs it and releases it once written. A failed copy is raised to
@@ -42,9 +42,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ucpformat.checkpoint.deferred import Deferred
 from ucpformat.errors import ResourceLimitError, UCPError, WriteError
-from ucpformat.feed import Deferred
-from ucpformat.torch.convert import data_type, to_numpy
+from ucpformat.torch.numpy_bridge import data_type, to_numpy
 
 #: Default bound of a synchronous save's staging pool (bytes of host buffers).
 DEFAULT_POOL_BYTES = 512 << 20
@@ -280,7 +280,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """numpy's view of the bytes of a plain (see :func:`_plain`) tensor: a few calls,
-    where :func:`~ucpformat.torch.convert.to_numpy` checks and converts (a snapshot makes
+    where :func:`~ucpformat.torch.numpy_bridge.to_numpy` checks and converts (a snapshot makes
     one copy per tensor: hundreds of small ones)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
@@ -319,7 +319,7 @@ class _Slot:
 
 
 class Stager:
-    """A :class:`ucpformat.feed.Feed` of torch tensors copied through a bounded pool.
+    """A :class:`ucpformat.checkpoint.deferred.Feed` of torch tensors copied through a bounded pool.
 
     ``tensors`` maps keys to the tensors to stage (any device; CPU tensors are copied
     too, which tests use). :meth:`schedule` starts a copy thread that copies in the given

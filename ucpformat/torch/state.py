@@ -34,7 +34,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ucpformat import names
+from ucpformat.checkpoint.reader import Checkpoint
+from ucpformat.checkpoint.tree import ArrayValue, Group
+from ucpformat.checkpoint.writer import SaveResult
+from ucpformat.checkpoint.writer import save as _save
 from ucpformat.errors import (
     FormatError,
     InvalidValueError,
@@ -42,7 +45,8 @@ from ucpformat.errors import (
     LoadError,
     TensorNotFoundError,
 )
-from ucpformat.storage import Store
+from ucpformat.format import names
+from ucpformat.store import Store
 from ucpformat.torch.assign import (
     AssignGroup,
     assign_groups,
@@ -51,8 +55,7 @@ from ucpformat.torch.assign import (
     live_tensors,
     still_on_meta,
 )
-from ucpformat.torch.convert import to_numpy
-from ucpformat.torch.planner import (
+from ucpformat.torch.load_plan import (
     Device,
     OptimizerView,
     PathOrCheckpoint,
@@ -67,13 +70,12 @@ from ucpformat.torch.planner import (
     scheduler_step,
     tree_to_torch,
 )
+from ucpformat.torch.numpy_bridge import to_numpy
 from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
 from ucpformat.torch.rng import from_layout as rng_from_layout
 from ucpformat.torch.rng import rng_state, set_rng_state
 from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.torch.staging import Staging, deferred_of
-from ucpformat.writer import ArrayValue, Group, SaveResult
-from ucpformat.writer import save as _save
 
 
 class MetaTensorWarning(UserWarning):
@@ -118,6 +120,27 @@ class LoadResult:
     #: checkpoint has nothing for them: non-persistent buffers, missing keys with
     #: ``strict=False``); a warning names them too.
     on_meta: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, training: dict[str, Any], model_plan: Any,
+           optimizer_plan: Any, *, bytes_read: int, model: torch.nn.Module | None,
+           rng: dict[str, Any] | None = None) -> LoadResult:
+        """The result of a load planned as ``model_plan`` and ``optimizer_plan`` (either
+        None where nothing of it was loaded), every step of it applied."""
+        step = training.get("step")
+        return cls(
+            step=int(step) if isinstance(step, int) else None,
+            training=training,
+            metadata=ckpt.metadata,
+            missing_keys=model_plan.missing if model_plan else [],
+            unexpected_keys=model_plan.unexpected if model_plan else [],
+            ignored_keys=model_plan.ignored if model_plan else [],
+            missing_optimizer_params=optimizer_plan.missing if optimizer_plan else [],
+            unexpected_optimizer_params=optimizer_plan.unexpected if optimizer_plan else [],
+            bytes_read=bytes_read,
+            rng=rng,
+            on_meta=meta_left(model),
+        )
 
 
 def qualified_name(obj: object) -> str:
@@ -598,7 +621,6 @@ def load(
         for (_, entry, name, _), tensor in zip(arrays, new[len(hooked_keys):], strict=True):
             entry[name] = tensor
         training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
-        step = training.get("step")
         stored_rng = _stored_rng(training, required=rng)
         training = tree_to_torch(training, map_location, "training")
         # Everything is read and checked: now modify, what can be undone first (in place,
@@ -620,19 +642,9 @@ def load(
                 hooked_values.update(model_plan.values)
                 steps.append(_model_step(model, hooked_values, read))
         apply_steps(steps)
-        return LoadResult(
-            step=int(step) if isinstance(step, int) else None,
-            training=training,
-            metadata=ckpt.metadata,
-            missing_keys=model_plan.missing if model_plan else [],
-            unexpected_keys=model_plan.unexpected if model_plan else [],
-            ignored_keys=model_plan.ignored if model_plan else [],
-            missing_optimizer_params=opt_plan.missing if opt_plan else [],
-            unexpected_optimizer_params=opt_plan.unexpected if opt_plan else [],
-            bytes_read=ckpt.stats.bytes_read - start,
-            rng=stored_rng,
-            on_meta=meta_left(model),
-        )
+        return LoadResult.of(ckpt, training, model_plan, opt_plan,
+                             bytes_read=ckpt.stats.bytes_read - start, model=model,
+                             rng=stored_rng)
 
 
 def meta_left(model: torch.nn.Module | None) -> list[str]:

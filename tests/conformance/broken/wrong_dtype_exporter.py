@@ -10,8 +10,8 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from ucpformat import dtypes
 from ucpformat.conformance.adapters import reference
+from ucpformat.format import dtypes
 
 entry = dtypes.BY_NAME["float8_e4m3fn"]
 wrong = dataclasses.replace(entry, name="float8_e4m3")

@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from ucpformat import dtypes, jsonvalues, names
 from ucpformat._version import __version__
+from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.conformance import contents
 from ucpformat.conformance.layouts import Target, local_from_checkpoint, source_maps
 from ucpformat.errors import UCPError
+from ucpformat.format import dtypes, jsonvalues, names
 from ucpformat.layout.boxes import as_slices
 from ucpformat.layout.semantics import TensorLayout, layout_of
-from ucpformat.reader import Checkpoint, open_checkpoint
 
 EXIT_OK, EXIT_REFUSED, EXIT_ADAPTER = 0, 1, 2
 
@@ -163,8 +163,8 @@ def _tensor_values(entry: Mapping[str, Any], base: Path) -> list[tuple[int, Any,
 
 def write(scenario_path: str | Path, out_dir: str | Path) -> None:
     """Write a scenario as a distributed save: each source rank writes its own fragments."""
-    from ucpformat.comm import ThreadGroup, run_threads
-    from ucpformat.distributed import Fragment, TensorSpec, save_distributed
+    from ucpformat.distributed import Fragment, TensorSpec, save_fragments
+    from ucpformat.distributed.comm import ThreadGroup, run_threads
 
     scenario_path = Path(scenario_path)
     doc = json.loads(scenario_path.read_text(encoding="utf-8"))
@@ -193,7 +193,7 @@ def write(scenario_path: str | Path, out_dir: str | Path) -> None:
     world = max([1, *(r + 1 for r in fragments)])
 
     def rank_main(comm: ThreadGroup) -> None:
-        save_distributed(
+        save_fragments(
             out_dir, comm, specs=specs if comm.rank == 0 else [],
             fragments=fragments.get(comm.rank, []),
             group_attributes=group_attributes if comm.rank == 0 else None,
@@ -208,7 +208,7 @@ def write(scenario_path: str | Path, out_dir: str | Path) -> None:
 
 
 def validate(checkpoint: str | Path) -> dict[str, Any]:
-    from ucpformat.validation import validate as _validate
+    from ucpformat.checkpoint.validation import validate as _validate
 
     return _validate(checkpoint, deep=True).to_json()
 

@@ -12,10 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ucpformat import dtypes, schemas
 from ucpformat.conformance.adapter import Adapter
 from ucpformat.conformance.checks import CHECKS
 from ucpformat.conformance.report import Result, SuiteReport
+from ucpformat.format import dtypes, schemas
 
 #: Data types a reader supports to claim "UCP 1.0 reader" (UCP-1.0-R202).
 READER_MINIMUM_TYPES = (

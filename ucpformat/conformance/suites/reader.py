@@ -30,7 +30,7 @@ from ucpformat.conformance.suites.core import (
     timed,
     types_of,
 )
-from ucpformat.jsonvalues import json_equal
+from ucpformat.format.jsonvalues import json_equal
 
 
 def reader_suite(

@@ -38,7 +38,7 @@ from ucpformat.conformance.suites.core import (
 )
 from ucpformat.conformance.watch import WriteCounter
 from ucpformat.errors import UCPError
-from ucpformat.jsonvalues import json_equal
+from ucpformat.format.jsonvalues import json_equal
 
 
 def writer_suite(
@@ -123,7 +123,7 @@ def _prepare(scenario: Scenario, supported: set[str], dest: Path) -> tuple[Path,
 
 
 def _node_path(name: Sequence[str]) -> str:
-    from ucpformat import names
+    from ucpformat.format import names
 
     return names.path_of(*name)
 
@@ -192,7 +192,7 @@ def _judge_refusal(result: Result, run: Run, out: Path, scenario: Scenario) -> N
 def _judge_output(report: SuiteReport, result: Result, name: str, out: Path,
                   expected: Mapping[str, Any]) -> None:
     """Validity (deep) in ``result``; exact contents in a writer.contents result."""
-    from ucpformat.validation import validate
+    from ucpformat.checkpoint.validation import validate
 
     with timed(result):
         validation = validate(out, deep=True)
@@ -208,7 +208,7 @@ def _judge_output(report: SuiteReport, result: Result, name: str, out: Path,
 
 def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) -> None:
     """Compare a checkpoint with expected contents (tensors, values, metadata, version)."""
-    from ucpformat.reader import open_checkpoint
+    from ucpformat.checkpoint.reader import open_checkpoint
 
     try:
         ckpt = open_checkpoint(location)
@@ -282,8 +282,8 @@ def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) 
 
 def _judge_loading(result: Result, out: Path, expected: Mapping[str, Any]) -> None:
     """Load the written checkpoint into other layouts with ucpformat (UCP-1.0-R222)."""
+    from ucpformat.checkpoint.reader import open_checkpoint
     from ucpformat.layout.semantics import layout_of
-    from ucpformat.reader import open_checkpoint
 
     targets = expected.get("targets", [])
     with timed(result):
@@ -440,7 +440,7 @@ def _onto_committed(result: Result, adapter: Adapter, base: Path, scenario: Scen
         else:
             result.note(None, "the writer refused and left the committed checkpoint as it was")
         return
-    from ucpformat.validation import validate
+    from ucpformat.checkpoint.validation import validate
 
     validation = validate(dest, deep=True)
     for issue in validation.errors:
@@ -491,7 +491,7 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
         else:
             result.note(None, "both writers failed; nothing is committed")
         return
-    from ucpformat.validation import validate
+    from ucpformat.checkpoint.validation import validate
 
     validation = validate(dest, deep=True)
     for issue in validation.errors:
@@ -529,7 +529,7 @@ def _fault_run(result: Result, adapter: Adapter, scenario: Scenario, supported: 
         else:
             result.note(None, f"{what}; the writer failed and committed nothing")
         return
-    from ucpformat.validation import validate
+    from ucpformat.checkpoint.validation import validate
 
     validation = validate(out, deep=True)
     if validation.errors:

@@ -1,0 +1,91 @@
+"""How a save writes: one options object that every writer takes and passes through.
+
+``ucpformat.save``, the distributed save (:class:`ucpformat.distributed.pipeline.DistributedSave`,
+``ucpformat.distributed.save_fragments``), and the torch, DCP, DeepSpeed, Megatron and
+JAX integrations read their grid, codec, durability and concurrency settings from one
+:class:`SaveOptions`. Their documented keyword arguments (``chunk_bytes=...``) are the
+same fields, packed once by :meth:`SaveOptions.merged`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ucpformat.engine.chunking import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MIN_SHARD_BYTES,
+    DEFAULT_SHARD_BYTES,
+)
+from ucpformat.errors import InvalidValueError
+
+#: Hash algorithms a manifest may record (UCP-1.0-R044).
+HASH_ALGORITHMS = ("sha256",)
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save writes (every field has the default a plain ``save`` uses).
+
+    - ``compression``: ``None`` (raw), ``"zstd"``, ``"gzip"``, ``"blosc"`` or a codec
+      object (``{"name": "zstd", "configuration": {"level": 3}}``);
+    - ``chunk_bytes``: the target size of an inner chunk, the unit of reading (1 MiB);
+    - ``shard_bytes``: the target size of a shard, the unit of writing (1 GiB);
+    - ``min_shard_bytes``: distributed saves only: shards smaller than this are
+      assembled by one rank from cells the others send (1 MiB; 0: no minimum);
+    - ``hash_algorithm``: ``"sha256"`` to record each file's digest in the manifest;
+    - ``overwrite``: replace a committed checkpoint at the location (it stays committed
+      until the save has gathered everything it needs, UCP-1.0-R053);
+    - ``workers``: writer threads per process (default: twice the CPUs, 2 to 16);
+    - ``durable``: fsync files and directories before the commit (off only for tests
+      and scratch space);
+    - ``progress``: a progress bar (``True``) or a callback taking bytes written.
+    """
+
+    compression: str | Mapping[str, Any] | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
+    hash_algorithm: str | None = None
+    overwrite: bool = False
+    workers: int | None = None
+    durable: bool = True
+    progress: bool | Callable[[int], None] = False
+
+    def __post_init__(self) -> None:
+        if self.hash_algorithm not in (None, *HASH_ALGORITHMS):
+            raise InvalidValueError(
+                f"hash_algorithm must be one of {HASH_ALGORITHMS} or None, not "
+                f"{self.hash_algorithm!r}", rule="UCP-1.0-R044")
+        for name in ("chunk_bytes", "shard_bytes"):
+            if int(getattr(self, name)) <= 0:
+                raise InvalidValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.min_shard_bytes < 0:
+            raise InvalidValueError(f"min_shard_bytes must be >= 0, not {self.min_shard_bytes}")
+        if self.workers is not None and self.workers < 1:
+            raise InvalidValueError(f"workers must be at least 1, not {self.workers}")
+
+    @classmethod
+    def merged(cls, options: SaveOptions | None, **keywords: Any) -> SaveOptions:
+        """The options of a call that takes both ``options=`` and the same settings as
+        keyword arguments: ``options`` if given (then every keyword must be left at its
+        default, or the call is refused: a setting given twice is ambiguous), else the
+        keywords packed."""
+        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"SaveOptions has no field {unknown[0]!r}")
+        if options is None:
+            return cls(**keywords)
+        defaults = cls()
+        given = sorted(k for k, v in keywords.items() if v != getattr(defaults, k))
+        if given:
+            raise InvalidValueError(
+                f"pass the save's settings either as options=SaveOptions(...) or as keyword "
+                f"arguments, not both ({', '.join(given)} given beside options)")
+        return options
+
+    def replace(self, **changes: Any) -> SaveOptions:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
