@@ -13,7 +13,8 @@ every arm sees the same machine load, and counts the runs in which a rank aborte
 * ``plain+barrier`` and ``ucp+barrier``: the same with ``dist.barrier()`` before
   ``destroy_process_group()`` (the recipe of docs/torch-distributed.md).
 
-    python -m ucpformat.testing.teardown [--runs 30] [--jobs 1 | --fork] [--arms A,B] [--json]
+    python -m ucpformat.testing.teardown [--runs 30] [--jobs 1 | --fork] [--torchrun]
+                                         [--arms A,B] [--json]
 
 ``--fork`` forks the ranks from the harness (torch imported once; each rank still ends
 through the interpreter's normal shutdown), to afford many runs on a small machine.
@@ -157,6 +158,23 @@ def run_forked(arm: str, ckpt: str, logdir: str, *, timeout: float = 300.0) -> R
     return RunResult(arm, aborted, statuses, other)
 
 
+def run_torchrun(arm: str, ckpt: str, *, timeout: float = 300.0) -> RunResult:
+    """:func:`run_once` through ``torchrun --nproc_per_node 2`` itself (one more
+    interpreter per run): the abort shows as torchrun's exit status 1 and the text, or
+    the signal, in its output."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(_free_port()), "-m", "ucpformat.testing.teardown",
+            "--worker", arm, ckpt]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    text = proc.stdout + proc.stderr
+    aborted = ABORT_TEXT in text or "Signal 6 (SIGABRT)" in text
+    other = None
+    if not aborted and (proc.returncode or text.count("done") < 2):
+        other = (proc.stderr.strip().splitlines() or [f"status {proc.returncode}"])[-1]
+    return RunResult(arm, aborted, [proc.returncode], other)
+
+
 def make_checkpoint(path: str) -> None:
     """The checkpoint the ``ucp`` arms load (one process, the same model)."""
     import torch
@@ -190,15 +208,18 @@ def fisher_exact(a: int, n1: int, b: int, n2: int) -> float:
                         if p(x) <= observed * (1 + 1e-9)))
 
 
-def measure(runs: int, jobs: int = 1, arms: Sequence[str] = ARMS) -> dict[str, Counts]:
-    """``runs`` runs of each arm, interleaved (arm by arm within each round)."""
+def measure(runs: int, jobs: int = 1, arms: Sequence[str] = ARMS, *,
+            torchrun: bool = False) -> dict[str, Counts]:
+    """``runs`` runs of each arm, interleaved (arm by arm within each round); through
+    ``torchrun`` itself with ``torchrun``."""
     counts = {arm: Counts() for arm in arms}
     with tempfile.TemporaryDirectory(prefix="ucp-teardown-") as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         make_checkpoint(ckpt)
         order = [arm for _ in range(runs) for arm in arms]
         with ThreadPoolExecutor(jobs) as pool:
-            for i, res in enumerate(pool.map(lambda arm: run_once(arm, ckpt), order)):
+            one = run_torchrun if torchrun else run_once
+            for i, res in enumerate(pool.map(lambda arm: one(arm, ckpt), order)):
                 c = counts[res.arm]
                 c.runs += 1
                 c.aborted += res.aborted
@@ -242,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma-separated arms (default: {','.join(ARMS)})")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="start each run with torchrun itself")
     parser.add_argument("--fork", action="store_true",
                         help="fork the ranks from this process (torch imported once)")
     parser.add_argument("--worker", nargs=2, metavar=("ARM", "CKPT"), help=argparse.SUPPRESS)
@@ -255,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown arms {unknown}; known: {list(ARMS)}")
     counts = (measure_forked(args.runs, arms) if args.fork
-              else measure(args.runs, args.jobs, arms))
+              else measure(args.runs, args.jobs, arms, torchrun=args.torchrun))
     doc: dict[str, Any] = {
         arm: {"runs": c.runs, "aborted": c.aborted, "other_failures": c.failed}
         for arm, c in counts.items()}
