@@ -10,6 +10,14 @@ process, round robin, median of repeats:
 - ``safe_open`` + one ``get_slice``: a sixteenth of the rows of the largest tensor.
 
 Reads find the files in the page cache (each was just written or read).
+
+A second table (issue 28) loads and touches every value, as a new user would, at 1 MiB,
+64 MiB, 512 MiB and 2 GiB of mixed types (the synthetic state's bf16 weights and fp32
+master weights and Adam moments; the 1 MiB set is the first tensors of the smallest
+state): ``load_file`` (safetensors' default, which maps the file) and ``safe_open`` +
+``get_tensor`` of every name, each followed by a sum over every byte of every tensor
+(the touch, one torch thread: a mapped file is read only then). Warm page cache, round
+robin, median.
 """
 
 from __future__ import annotations
@@ -28,15 +36,119 @@ from benchmarks import state as synthetic
 
 SIZE_MIB = 2048  # the state whose weights are saved: about 290 MiB of bf16 weights
 QUICK_SIZE_MIB = 64
+#: Sizes of the load-and-touch table (MiB), full and quick runs.
+LADDER_MIB = (1, 64, 512, 2048)
+QUICK_LADDER_MIB = (1, 16)
 
 
 def _weights(d: synthetic.TensorDef) -> bool:
     return d.name.startswith("model.")
 
 
+def mixed(size_mib: float) -> dict[str, Any]:
+    """About ``size_mib`` MiB of the synthetic state's tensors (bf16 and fp32), in order."""
+    state = synthetic.make(max(size_mib, 4))
+    out: dict[str, Any] = {}
+    total = 0
+    for name, tensor in state.items():
+        if total >= size_mib * 2**20:
+            break
+        out[name] = tensor
+        total += tensor.nbytes
+    return out
+
+
+def touch(tensors: dict[str, Any]) -> int:
+    """Read every byte of every tensor (a mapped file is read only when touched)."""
+    import torch
+
+    return sum(int(torch.sum(t.reshape(-1).view(torch.uint8), dtype=torch.int64))
+               for t in tensors.values())
+
+
+def ladder(sizes: tuple[float, ...], repeats: int, directory: Path) -> Table:
+    """Load and touch every value, safetensors against ucpformat, at each size."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the touch's sums: OpenMP threads swing with the machine's load
+    try:
+        return _ladder(sizes, repeats, directory)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _ladder(sizes: tuple[float, ...], repeats: int, directory: Path) -> Table:
+    import safetensors
+    import safetensors.torch
+
+    import ucpformat.torch as ucpt
+
+    table = Table(
+        title="Load and touch every value: safetensors against the flat API",
+        columns=["size", "tensors", "files (st / ucp)", "st load_file ms", "ucp load_file ms",
+                 "× st", "st safe_open ms", "ucp safe_open ms", "× st"],
+    )
+    data: dict[str, Any] = {}
+    for size in sizes:
+        tensors = mixed(size)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        st_path, ucp_path = str(directory / f"l{size}.safetensors"), directory / f"l{size}.ucp"
+        safetensors.torch.save_file(tensors, st_path)
+        ucpt.save_file(tensors, ucp_path, durable=False)
+        del tensors
+
+        def st_each(path: str = st_path) -> int:
+            with safetensors.safe_open(path, framework="pt") as f:
+                return touch({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+
+        def ucp_each(path: Path = ucp_path) -> int:
+            with ucpt.safe_open(path, framework="pt") as f:
+                return touch({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+
+        def st_load(path: str = st_path) -> int:
+            return touch(safetensors.torch.load_file(path))
+
+        def ucp_load(path: Path = ucp_path) -> int:
+            return touch(ucpt.load_file(path))
+
+        cases: dict[str, Any] = {"st load": st_load, "ucp load": ucp_load,
+                                 "st open": st_each, "ucp open": ucp_each}
+        assert len({fn() for fn in cases.values()}) == 1  # the same bytes, and a warm-up
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for r in range(repeats):
+            names = list(cases)[r % len(cases):] + list(cases)[:r % len(cases)]
+            for name in names:
+                t0 = time.perf_counter()
+                cases[name]()
+                times[name].append(time.perf_counter() - t0)
+        files = len(common.files_under(ucp_path))
+        med = {k: median(v) for k, v in times.items()}
+        count = len(ucpt.safe_open(ucp_path).keys())
+        table.rows.append([
+            f"{nbytes / 2**20:,.1f} MiB", str(count), f"1 / {files:,}",
+            ms(med["st load"]), ms(med["ucp load"]), f"{med['st load'] / med['ucp load']:.2f}",
+            ms(med["st open"]), ms(med["ucp open"]), f"{med['st open'] / med['ucp open']:.2f}",
+        ])
+        data[str(size)] = {**med, "files": files, "nbytes": nbytes}
+        common.remove(st_path)
+        common.remove(ucp_path)
+    table.notes += [
+        f"median of {repeats} round-robin repeats after a warm-up, one process, warm page "
+        "cache; '× st' is a throughput ratio (safetensors' time over ucpformat's: above 1 "
+        "is faster); safetensors' `load_file` maps the file (its default), the touch reads it",
+        "ucpformat checks a CRC32C of every chunk before handing out its values; "
+        "safetensors checks nothing",
+        f"load average (1/5/15 min) at the end: {common.load_average()}",
+    ]
+    table.data = {"flat_ladder": data}
+    return table
+
+
 def run(quick: bool, *, size_mib: float | None = None, repeats: int | None = None,
-        directory: Path | None = None, durable: bool = True) -> list[Table]:
-    """The table; ``durable=False`` (for tests) saves without fsync on both sides."""
+        directory: Path | None = None, durable: bool = True,
+        ladder_mib: tuple[float, ...] | None = None) -> list[Table]:
+    """The tables; ``durable=False`` (for tests) saves without fsync on both sides."""
     import safetensors
     import safetensors.torch
     import torch
@@ -134,4 +246,8 @@ def run(quick: bool, *, size_mib: float | None = None, repeats: int | None = Non
     ]
     table.data = {"flat": {label: [median(theirs), median(ours)]
                            for label, theirs, ours in rows_out}}
-    return [table]
+    sizes = ladder_mib if ladder_mib is not None else (QUICK_LADDER_MIB if quick else LADDER_MIB)
+    if not sizes:
+        return [table]
+    with tempfile.TemporaryDirectory(prefix="ucp-flat-ladder-") as tmp:
+        return [table, ladder(sizes, repeats, Path(tmp))]

@@ -263,6 +263,16 @@ def tables(m: dict[str, Any]) -> list[Table]:
         f"in_place=True (no staging copy): {staged_cost['cold']:.2f}x the time cold, "
         f"{staged_cost['warm']:.2f}x warm"
     )
+    default = {kind: med(m[kind]["ucpformat staged"]) for kind in ("cold", "warm")}
+    t.notes.append(
+        "the default load into a model (`ucpformat.torch.load(model=)`, staged) as a "
+        "throughput ratio over `load_state_dict` (new tensors): "
+        f"{med(m['cold']['ucpformat']) / default['cold']:.2f} cold, "
+        f"{med(m['warm']['ucpformat']) / default['warm']:.2f} warm; over DCP's load: "
+        f"{dcp_cold / default['cold']:.2f} cold, {dcp_warm / default['warm']:.2f} warm; over "
+        f"`torch.load`: {med(m['cold']['torch']) / default['cold']:.2f} cold, "
+        f"{med(m['warm']['torch']) / default['warm']:.2f} warm"
+    )
     copy = med(m["copy"])
     clone = med(m["clone"])
     blocked = med(m["blocked"]) if m["blocked"] else m["blocked_first"]

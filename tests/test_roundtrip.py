@@ -287,7 +287,7 @@ def _names_json_value(state: dict[str, Any], key: str) -> bool:
             return True
         if k == key and not isinstance(v, np.ndarray | np.generic | dict):
             return True
-        if k == key and isinstance(v, dict) and not writer._has_array(v):
+        if k == key and isinstance(v, dict) and not tree._has_array(v):
             return True
     return False
 

@@ -20,7 +20,11 @@ scripts still work).
 Loading cannot go through a checkpoint engine: ``engine.load_checkpoint`` finds the
 files to read by their per-rank names, on disk (``glob``, ``os.path.exists``), reads
 the universal layout's pickles itself, and expects state dicts laid out for
-the saving world size; :meth:`load` refuses and names :func:`ucpformat.deepspeed.load`.
+the saving world size; it fails in DeepSpeed's own code (a bare ``AssertionError`` of
+``check_ckpt_list``) before a checkpoint engine's ``load`` is called, so the plug-in
+replaces the engine's ``load_checkpoint`` while it is the engine's checkpoint engine: it
+raises :class:`~ucpformat.errors.UnsupportedFeatureError` naming
+:func:`ucpformat.deepspeed.load` at once.
 DeepSpeed is not imported here: the class has the methods DeepSpeed calls.
 """
 
@@ -93,6 +97,25 @@ class UCPCheckpointEngine:
         self.save_options = {"overwrite": True, **save_options}
         self.client_state: dict[str, Any] = {}
         self.last_result: Any = None
+        self._guard_load_checkpoint(engine)
+
+    def _guard_load_checkpoint(self, engine: Any) -> None:
+        """``engine.load_checkpoint`` fails in DeepSpeed's own code before it reaches
+        :meth:`load` (``SDLoaderBase.check_ckpt_list``: a bare ``AssertionError``, as a UCP
+        checkpoint has no ``mp_rank_*_model_states.pt``): while this plug-in is the
+        engine's checkpoint engine, the engine's ``load_checkpoint`` refuses at once with
+        the error of :meth:`load`, which names :func:`ucpformat.deepspeed.load`."""
+        original = getattr(engine, "load_checkpoint", None)
+        if original is None or getattr(original, "_ucp_guarded", False):
+            return
+
+        def load_checkpoint(load_dir: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(engine, "checkpoint_engine", None) is self:
+                return self.load(os.fspath(load_dir))
+            return original(load_dir, *args, **kwargs)
+
+        load_checkpoint._ucp_guarded = True  # type: ignore[attr-defined]
+        engine.load_checkpoint = load_checkpoint
 
     # -- what DeepSpeed calls while saving -------------------------------------------------
 
@@ -143,7 +166,8 @@ class UCPCheckpointEngine:
     def load(self, path: str, map_location: Any = None) -> Any:
         raise UnsupportedFeatureError(
             "DeepSpeed's load_checkpoint reads per-rank files that a UCP checkpoint does not "
-            "have; resume with ucpformat.deepspeed.load(engine, path)", path=path)
+            "have; resume with ucpformat.deepspeed.load(engine, path) (the same for every "
+            "ZeRO stage and world size), nothing was loaded", path=path)
 
 
 __all__ = ["RECOVERY_SCRIPTS", "RECOVERY_STUB", "UCPCheckpointEngine", "replace_recovery_scripts"]

@@ -170,7 +170,10 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
         self.params = dict(rule_params)
         self.allow_opaque = allow_opaque
         self.overwrite = overwrite
-        self.compression = compression
+        #: The grid and codec of every save (``compression``, ``chunk_bytes``, ...); the
+        #: other settings are the attributes below, read when a save starts.
+        self.options = SaveOptions(compression=compression, hash_algorithm=hash_algorithm,
+                                   overwrite=overwrite, workers=workers, durable=durable)
         self.hash_algorithm = hash_algorithm
         self.workers = workers
         self.durable = durable
@@ -197,9 +200,9 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
             source=_Source(described, error),
             group_attributes=described.group_attributes(),
             metadata={**self.metadata, ATTRIBUTE: self.root_metadata()},
-            options=SaveOptions(compression=self.compression,
-                                hash_algorithm=self.hash_algorithm, overwrite=self.overwrite,
-                                workers=self.workers, durable=self.durable),
+            options=self.options.replace(hash_algorithm=self.hash_algorithm,
+                                         overwrite=self.overwrite, workers=self.workers,
+                                         durable=self.durable),
         )
 
     def root_metadata(self) -> dict[str, Any]:

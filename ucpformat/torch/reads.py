@@ -187,12 +187,21 @@ def upload_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
     """``target.copy_(data)`` without autograd. A contiguous CPU target of ``data``'s type
     is a plain memory copy (numpy's: torch's ``copy_`` slows down badly when the machine's
-    cores are busy)."""
+    cores are busy), of their bytes: the copy is the cost staging adds to a load, and
+    for thousands of small tensors the calls around it were most of that cost."""
+    if target.dtype == data.dtype and _plain_memory(target) and _plain_memory(data):
+        np.copyto(_bytes_of(target), _bytes_of(data))
+        return
     with torch.no_grad():
         if _plain_memory(target) and target.dtype == data.dtype:
             np.copyto(to_numpy(target.detach(), name=None), to_numpy(data, name=None))
         else:
             target.copy_(data)
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """The bytes of a contiguous CPU tensor, as a numpy array sharing its memory."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _plain_memory(t: torch.Tensor) -> bool:
@@ -258,6 +267,16 @@ def read_tensors(
     next reads (``staging``, see :class:`DeviceStaging`).
     """
     how = staging if staging is not None else DeviceStaging()
+    # new tensors are refused before any exists: each over max_read_bytes, and those in host
+    # memory together (a device's memory is not the host's: there, each alone)
+    new = [(r, (r.path, math.prod(r.local.local_shape if r.local is not None
+                                  else ckpt[r.path].shape) * ckpt[r.path].dtype.itemsize))
+           for r in reads if r.target is None]
+    ckpt.check_new_arrays([size for r, size in new
+                           if r.device is None or torch.device(r.device).type == "cpu"])
+    for r, size in new:
+        if r.device is not None and torch.device(r.device).type != "cpu":
+            ckpt.check_new_arrays([size])
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([], device=how)
     to_device = [i for i, r in enumerate(reads) if (
