@@ -10,6 +10,13 @@ consolidated checkpoint ``save_dir/tag`` (and ``save_dir/latest``)::
     engine.checkpoint_engine = UCPCheckpointEngine(engine)
     engine.save_checkpoint("ckpt", client_state={"epoch": 3})   # ckpt/global_step<N>: UCP
 
+DeepSpeed also copies its recovery scripts, ``zero_to_fp32.py`` and ``zero_to_torch.py``,
+into ``save_dir``; they read per-rank ZeRO files that a UCP checkpoint does not have and
+fail there. After the save, rank 0 replaces each script that is DeepSpeed's own copy by
+:data:`RECOVERY_STUB`, which says that the checkpoint is consolidated already and names
+``ucp export`` (unless ``save_dir`` also holds DeepSpeed's own checkpoints, for which the
+scripts still work).
+
 Loading cannot go through a checkpoint engine: ``engine.load_checkpoint`` finds the
 files to read by their per-rank names, on disk (``glob``, ``os.path.exists``), reads
 the universal layout's pickles itself, and expects state dicts laid out for
@@ -23,11 +30,56 @@ DeepSpeed is not imported here: the class has the methods DeepSpeed calls.
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from ucpformat.errors import UnsupportedFeatureError
+
+#: DeepSpeed's recovery scripts that ``save_checkpoint`` copies into the save directory.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+#: What replaces them in a directory of UCP checkpoints (``{script}``: its name).
+RECOVERY_STUB = '''#!/usr/bin/env python3
+"""Written by ucpformat's UCPCheckpointEngine in place of DeepSpeed's {script}."""
+import sys
+
+sys.exit(
+    "{script}: the checkpoints in this directory are UCP checkpoints (ucpformat's "
+    "UCPCheckpointEngine), already consolidated: there are no per-rank ZeRO files to "
+    "merge. Read one with ucpformat.open(DIR/TAG), or write the consolidated weights with "
+    "'ucp export --to safetensors DIR/TAG OUT' (or --to torch); "
+    "'ucp inspect DIR' shows the newest."
+)
+'''
+
+
+def replace_recovery_scripts(save_dir: str) -> list[str]:
+    """Replace DeepSpeed's recovery scripts in ``save_dir`` by :data:`RECOVERY_STUB`; the
+    paths replaced. A script that is not DeepSpeed's own copy (a user's file) stays, and
+    so do all where ``save_dir`` holds a DeepSpeed checkpoint (``*_model_states.pt``)."""
+    deepspeed = sys.modules.get("deepspeed")
+    origin = getattr(deepspeed, "__file__", None)
+    if origin is None or glob.glob(os.path.join(glob.escape(save_dir), "*",
+                                                "*_model_states.pt")):
+        return []
+    replaced = []
+    for script in RECOVERY_SCRIPTS:
+        path = os.path.join(save_dir, script)
+        try:
+            with open(os.path.join(os.path.dirname(origin), "utils", script), "rb") as f:
+                theirs = f.read()
+            with open(path, "rb") as f:
+                if f.read() != theirs:
+                    continue
+        except OSError:
+            continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(RECOVERY_STUB.format(script=script))
+        replaced.append(path)
+    return replaced
 
 
 class UCPCheckpointEngine:
@@ -87,6 +139,8 @@ class UCPCheckpointEngine:
 
         self.last_result = save(self.engine, info.save_dir, tag=str(info.tag),
                                 client_state=self.client_state, **self.save_options)
+        if getattr(self.engine, "global_rank", 0) == 0:  # the rank DeepSpeed copied them on
+            replace_recovery_scripts(str(info.save_dir))
         return True
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
@@ -116,4 +170,4 @@ class UCPCheckpointEngine:
             "ZeRO stage and world size), nothing was loaded", path=path)
 
 
-__all__ = ["UCPCheckpointEngine"]
+__all__ = ["RECOVERY_SCRIPTS", "RECOVERY_STUB", "UCPCheckpointEngine", "replace_recovery_scripts"]

@@ -250,6 +250,7 @@ def read_tensors(
     batch_bytes: int = STAGED_BATCH_BYTES,
     in_place: bool = False,
     staging: DeviceStaging | None = None,
+    own_targets: bool = False,
 ) -> StagedReads:
     """Read every request as one batch (where memory allows).
 
@@ -257,7 +258,9 @@ def read_tensors(
     damaged or missing chunk, a refused region) raises here with every target as it was.
     ``in_place``: targets are filled by the read itself (:meth:`StagedReads.apply` has
     nothing left to do); a failure raises the error restated by :func:`partly_changed`
-    when a target was written.
+    when a target was written, unless ``own_targets``: the targets are tensors the caller
+    allocated for this read alone (no model's or optimizer's state), and a failure is
+    raised as it is, for the caller to say what it means for its state.
 
     New tensors for a device (and, in place, contiguous device targets of the stored
     type) go through pinned host buffers, their copies to the device overlapped with the
@@ -283,7 +286,7 @@ def read_tensors(
         try:
             moved = _read_to_device(ckpt, [reads[i] for i in to_device], how, result.written)
         except BaseException as exc:
-            if result.written:
+            if result.written and not own_targets:
                 raise partly_changed(exc, result.written) from exc
             raise
         for i, tensor in zip(to_device, moved, strict=True):
@@ -319,7 +322,7 @@ def read_tensors(
             flush()
         except BaseException as exc:
             written = result.written + direct
-            if written:
+            if written and not own_targets:
                 raise partly_changed(exc, written) from exc
             raise
         result.written.extend(direct)
