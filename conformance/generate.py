@@ -823,6 +823,46 @@ def _compressors(dest: Path) -> dict[str, Any]:
         arrays, exercises=["UCP-1.0-R022", "UCP-1.0-R024", "UCP-1.0-R039"])
 
 
+def _zstd_raw_frame(raw: bytes) -> bytes:
+    """One zstd frame of ``raw`` made of raw blocks (RFC 8878 Block_Type 0), as a writer
+    without a zstd encoder writes it: Single_Segment_flag set, the content size declared."""
+    n = len(raw)
+    if n < 256:
+        fhd, fcs = 0x20, n.to_bytes(1, "little")
+    elif n < 65536 + 256:
+        fhd, fcs = 0x20 | 0x40, (n - 256).to_bytes(2, "little")
+    else:
+        fhd, fcs = 0x20 | 0x80, n.to_bytes(4, "little")
+    out = (0xFD2FB528).to_bytes(4, "little") + bytes([fhd]) + fcs
+    pieces = [raw[i:i + (128 << 10)] for i in range(0, n, 128 << 10)] or [b""]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out += ((len(piece) << 3) | int(last)).to_bytes(3, "little") + piece
+    return out
+
+
+@valid("zstd-raw-blocks")
+def _zstd_raw_blocks(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/raw", "float32", (16, 8), 79, chunk=(8, 8), compression="zstd"),
+              arr("model/raw.sharded", "int16", (8, 3), 80, chunk=(2, 3), shard=(4, 3),
+                  compression="zstd")]
+    write_reference(dest, arrays)
+    d = Damage(dest)
+    for key in ("model/raw/c/0/0", "model/raw/c/1/0"):
+        d.rewrite_chunk(key, lambda p: _zstd_raw_frame(_zstd_decode(p)))
+    return valid_expected(
+        "zstd chunks written without a zstd encoder: each one frame of raw blocks "
+        "(Block_Type 0) with Single_Segment_flag and the content size, as R047 allows "
+        "(1.0.1: the note after R039); every zstd decoder reads them.",
+        arrays, exercises=["UCP-1.0-R024", "UCP-1.0-R047"])
+
+
+def _zstd_decode(payload: bytes) -> bytes:
+    import numcodecs
+
+    return bytes(numcodecs.Zstd(level=1).decode(payload))
+
+
 @valid("crc32c-spellings")
 def _crc32c_spellings(dest: Path) -> dict[str, Any]:
     arrays = [arr("model/unsharded", "float32", (4, 3), 77, chunk=(2, 3)),
@@ -1262,6 +1302,8 @@ CONVENTION_CONFIGS: list[tuple[str, Target]] = [
     ("ep2.r1.no-num-experts", Target(ep=2, ep_rank=1)),
     ("ep2.r1.num-experts-8", Target(ep=2, ep_rank=1, num_experts=8)),
     ("ep2.r1", Target(ep=2, ep_rank=1, num_experts=4)),
+    ("ep1.num-experts-2", Target(num_experts=2)),  # expert 2 of 2 experts: refused (R117)
+    ("ep1.no-num-experts", Target()),  # ep 1 and no E: the one rank holds every expert
 ]
 
 
@@ -1440,6 +1482,9 @@ R = "UCP-1.0-R"
 #: Other requirements an implementation may name for a case (what a reader sees of it).
 ALSO: dict[str, list[str]] = {
     "chunk-parent-is-file": ["031", "072"],
+    "sparse-chunk-parent-is-file": ["031", "072"],
+    "zstd-declares-other-size": ["047"],
+    "shard-index-huge-range": ["098"],
     "root-edited-data-type": ["055"],
     "root-edited-sparse": ["055", "031"],
     "chunk-never-written": ["031"],
@@ -1929,6 +1974,65 @@ def _(d: Damage) -> None:
                     lambda p: _zstd_frame(bytes(zstd.decode(p)), window_log=20))
 
 
+@invalid("zstd-dictionary-id-zero", "read", ["047"],
+         "A zstd chunk (its CRC32C correct) whose frame header has a Dictionary_ID field of "
+         "value 0: R047 allows no Dictionary_ID field at all (1.0.1), although libzstd "
+         "decodes this frame without a dictionary.")
+def _(d: Damage) -> None:
+    def with_dictionary_id(p: bytes) -> bytes:
+        frame = bytes(p)
+        fhd = frame[4]
+        assert fhd & 0x20 and not fhd & 3, "numcodecs writes single-segment frames"
+        # the Dictionary_ID field follows the header descriptor (no window descriptor
+        # in a single-segment frame)
+        return frame[:4] + bytes([fhd | 1, 0]) + frame[5:]
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/0/0", with_dictionary_id)
+
+
+@invalid("zstd-small-chunk-window-1kib", "read", ["047"],
+         "A zstd chunk of 96 bytes (CRC32C correct, content size declared) whose frame does "
+         "not set Single_Segment_flag and so declares the smallest window a descriptor "
+         "can, 1 KiB: more than the chunk, refused as R047 says, literally (1.0.1).")
+def _(d: Damage) -> None:
+    import numcodecs
+
+    zstd = numcodecs.Zstd(level=1)
+    d.rewrite_chunk("optimizer/state/fc.weight/exp_avg/c/1/0",
+                    lambda p: _zstd_frame(bytes(zstd.decode(p)), window_log=10))
+
+
+def _gzip_arrays() -> list[Arr]:
+    """The base checkpoint with exp_avg compressed by gzip."""
+    return [arr("optimizer/state/fc.weight/exp_avg", "float32", (8, 6), 5, chunk=(4, 6),
+                compression={"name": "gzip", "configuration": {"level": 1}},
+                ucp={"role": "optimizer_state"}) if a.name[-1] == "exp_avg" else a
+            for a in base_arrays()]
+
+
+@invalid("chunk-over-bound-by-crc", "read", ["098"],
+         "An unsharded gzip chunk of 96 bytes stored in 65,729 bytes, one more than 2 x 96 + "
+         "65,536, counting its 4-byte CRC32C: without the CRC32C it is within the bound. "
+         "One valid gzip member whose header carries a comment (FCOMMENT) as padding; "
+         "the stored size counts the CRC32C (1.0.1).", arrays=_gzip_arrays)
+def _(d: Damage) -> None:
+    import zlib
+
+    key = "optimizer/state/fc.weight/exp_avg/c/0/0"
+    bound = 2 * 96 + 65_536
+
+    def padded(p: bytes) -> bytes:
+        raw = zlib.decompress(p, 16 + zlib.MAX_WBITS)
+        deflate = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
+        body = deflate.compress(raw) + deflate.flush()
+        trailer = zlib.crc32(raw).to_bytes(4, "little") + len(raw).to_bytes(4, "little")
+        head = bytes([0x1F, 0x8B, 8, 0x10, 0, 0, 0, 0, 0, 255])
+        comment = len(head) + len(body) + len(trailer) + 1  # the comment's zero byte
+        member_size = bound + 1 - 4  # the stored chunk is one byte over, with its CRC32C
+        return head + b"p" * (member_size - comment) + b"\0" + body + trailer
+    d.rewrite_chunk(key, padded)
+    assert len(d.read(key)) == bound + 1
+
+
 def _forge_crc(head: bytes, tail: bytes, target: int) -> bytes:
     """Four bytes X with crc32c(head + X + tail) == target (CRC32C is affine over GF(2))."""
     from ucpformat.engine.checksum import crc32c
@@ -2169,6 +2273,22 @@ def _(d: Damage) -> None:
 @invalid("chunk-parent-is-file", "read", ["099"],
          "Where model/fc.bias/c/ should be a directory holding the chunk 0, a file stands: "
          "the chunk cannot be read (the file system says 'not a directory').")
+def _(d: Damage) -> None:
+    d.delete("model/fc.bias/c")
+    d.put("model/fc.bias/c", b"not a directory\n", listed=False)
+
+
+def _sparse_arrays() -> list[Arr]:
+    """The base checkpoint with model/fc.bias sparse."""
+    return [arr("model/fc.bias", "float32", (6,), 2, chunk=(4,),
+                ucp={"role": "parameter", "sparse": True}) if a.name[-1] == "fc.bias" else a
+            for a in base_arrays()]
+
+
+@invalid("sparse-chunk-parent-is-file", "read", ["099"],
+         "As chunk-parent-is-file, in a sparse array: a file stands where model/fc.bias/c/ "
+         "should be a directory. Something is there, so the chunks are not absent: refused, "
+         "never read as fill values (1.0.1, R099).", arrays=_sparse_arrays)
 def _(d: Damage) -> None:
     d.delete("model/fc.bias/c")
     d.put("model/fc.bias/c", b"not a directory\n", listed=False)

@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ROOT_MODULES = {"", "errors", "_version", "compat", "optional", "progress", "interchange"}
 #: The first layer that may import torch (and the frameworks built on it).
 TORCH_LAYER = "torch"
-FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers")
+FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers", "lightning", "accelerate",
+              "torchtitan")
 #: Framework-layer packages that never import torch (nor ucpformat.torch), not even lazily.
 TORCH_FREE = ("jax",)
 

@@ -236,7 +236,9 @@ def test_diff_reports_root_metadata(capsys: pytest.CaptureFixture[str],
     assert out.strip().splitlines()[-1].startswith("different:")
     code, out, _ = ucp(capsys, "diff", "--data-only", str(a), str(b))
     assert code == 0
-    assert "metadata.run" in out  # still reported
+    assert "metadata.run" not in out  # --data-only prints data differences only
+    assert out.strip().splitlines()[-1] == (
+        "identical: 7 equal; 1 metadata difference(s) not shown (--data-only)")
     code, out, _ = ucp(capsys, "diff", "--json", str(a), str(b))
     doc = json.loads(out)
     assert doc["identical"] is False

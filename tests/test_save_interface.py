@@ -36,7 +36,7 @@ def test_save_options_refuse_settings_given_twice() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(hash_algorithm="md5"), dict(chunk_bytes=0),
-                                 dict(min_shard_bytes=-1), dict(workers=0)])
+                                 dict(min_shard_bytes=-1), dict(workers=-1)])
 def test_save_options_refuse_bad_values(bad: dict[str, Any]) -> None:
     with pytest.raises(InvalidValueError):
         SaveOptions(**bad)
@@ -158,3 +158,42 @@ def test_commit_objects_refuses_a_missing_object_and_cleans_up(tmp_path: Path) -
         save.commit_objects(objects[:-1], arrays=[tp.meta for tp in plan.tensors.values()],
                             groups=list(plan.groups.values()), root_ucp={})
     assert not any((tmp_path / "g").iterdir())  # nothing committed, its files removed
+
+
+def test_the_single_process_writers_take_the_same_options(tmp_path: Path) -> None:
+    from ucpformat.checkpoint.streaming import StreamingWriter
+
+    opts = SaveOptions(chunk_bytes=64, durable=False, hash_algorithm="sha256", workers=0)
+    assert opts.workers is None  # 0 is the default, as before 0.2
+    state = {"model": {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}}
+    ucpformat.save(tmp_path / "s", state, options=opts)
+    ckpt = ucpformat.open(tmp_path / "s")
+    assert ckpt["model/w"].meta.chunk_shape != (8, 8)  # the options' chunk size was used
+    with pytest.raises(InvalidValueError, match="not both"):
+        ucpformat.save(tmp_path / "t", state, options=opts, chunk_bytes=128)
+    # StreamingWriter hashes by default: its own default is not "given" beside options
+    with StreamingWriter(tmp_path / "w", options=SaveOptions(durable=False)) as w:
+        assert w.hash_algorithm is None
+        w.declare("model/w", (8, 8), "float32")
+        w.write("model/w", state["model"]["w"])
+        w.commit()
+
+
+def test_old_module_attributes_and_entry_points(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import tomllib
+
+    from ucpformat.compat import MOVED
+
+    vars(ucpformat).pop("storage", None)  # set by an earlier import of the old path
+    with pytest.warns(DeprecationWarning, match="ucpformat.store"):
+        assert ucpformat.storage.LocalStore is importlib.import_module(  # type: ignore[attr-defined]
+            "ucpformat.store").LocalStore
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    for group in project["project"]["entry-points"].values():
+        for target in group.values():
+            assert target.split(":")[0] not in MOVED, target
+    done = subprocess.run([sys.executable, "-m", "ucpformat.testing.links", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "link_attacks" in done.stdout + done.stderr, done.stderr

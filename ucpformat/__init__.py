@@ -11,7 +11,9 @@ The format core (this package minus ``ucpformat.torch``) needs numpy and zarr on
 
 # compat first: the old import paths of moved modules work for one release (it installs
 # its finder on import, before anything else of ucpformat is imported)
-from ucpformat import compat, errors  # noqa: F401
+from typing import Any
+
+from ucpformat import compat, errors
 from ucpformat._version import __version__
 from ucpformat.checkpoint.adopt import adopt
 from ucpformat.checkpoint.metadata import FORMAT_VERSION
@@ -26,6 +28,10 @@ from ucpformat.format.zarr_dtypes import register as _register_zarr_dtypes
 _register_zarr_dtypes()
 
 open = open_checkpoint  # ``ucpformat.open(path)`` is the documented entry point
+
+
+def __getattr__(name: str) -> Any:
+    return compat.moved_attribute(__name__, name)  # ucpformat.storage and the other moves
 
 __all__ = [
     "DATA_TYPES",

@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
+from typing import Any
 
 #: Each package's moved modules: old name -> new dotted path (".name": in the same package).
 MOVED_IN: dict[str, dict[str, str]] = {
@@ -53,17 +55,44 @@ MOVED: dict[str, str] = {
 }
 
 
-class _Alias(importlib.abc.Loader):
+def _warn(old: str, new: str, stacklevel: int = 3) -> None:
+    warnings.warn(f"{old} moved to {new}; the old path goes away in the next release",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_attribute(package: str, name: str) -> ModuleType:
+    """``package.name`` where ``name`` is a module that moved (``ucpformat.storage`` after a
+    plain ``import ucpformat``), with the warning; AttributeError for any other name.
+    A package whose modules moved calls this from its ``__getattr__``."""
+    new = MOVED.get(f"{package}.{name}")
+    if new is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    _warn(f"{package}.{name}", new)
+    return importlib.import_module(new)
+
+
+class _Alias(importlib.abc.InspectLoader):
     def __init__(self, new: str) -> None:
         self.new = new
+
+    def get_source(self, fullname: str) -> str | None:
+        return None
+
+    def get_code(self, fullname: str) -> Any:
+        """``python -m <old path>`` runs the new module as ``__main__``."""
+        _warn(fullname, self.new)
+        spec = importlib.util.find_spec(self.new)
+        loader = spec.loader if spec is not None else None
+        if not isinstance(loader, importlib.abc.InspectLoader):
+            raise ImportError(f"{fullname} moved to {self.new}: run python -m {self.new}")
+        return loader.get_code(self.new)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return None
 
     def exec_module(self, module: ModuleType) -> None:
         old = module.__name__
-        warnings.warn(f"{old} moved to {self.new}; the old path goes away in the next release",
-                      DeprecationWarning, stacklevel=2)
+        _warn(old, self.new)
         # the import system returns what sys.modules holds under the name after this
         sys.modules[old] = importlib.import_module(self.new)
 

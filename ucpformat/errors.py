@@ -86,6 +86,12 @@ class CheckpointNotFoundError(FormatError, FileNotFoundError):
     """Nothing that could be a checkpoint exists at the given location."""
 
 
+class ManagerRecordError(UCPError):
+    """A checkpoint manager's record of the checkpoints it wrote cannot be trusted: it
+    changed since the manager wrote it, another user owns it, it is malformed, or its HMAC
+    does not verify (``ucpformat.manager``). Names the record's file."""
+
+
 class StorageError(UCPError, OSError):
     """The storage refused a read: permission denied, a file where a directory should be,
     a name too long for the file system, an I/O error (UCP-1.0-R099). Names the file and

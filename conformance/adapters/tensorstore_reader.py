@@ -467,6 +467,12 @@ class Checkpoint:
     def _file(self, key: str) -> Path | None:
         path = self.root_dir / key
         if not os.path.lexists(path):
+            parts = key.split("/")
+            for i in range(1, len(parts)):  # a file where a directory should be (R099)
+                above = self.root_dir.joinpath(*parts[:i])
+                if os.path.lexists(above) and not above.is_dir():
+                    raise Refused(R + "099", f"{key} cannot be read: {'/'.join(parts[:i])} is "
+                                             "not a directory")
             return None
         real = Path(os.path.realpath(path))
         if real != self.root_dir and self.root_dir not in real.parents:
@@ -482,7 +488,8 @@ class Checkpoint:
     def check_present(self, path: str, lo: Sequence[int], hi: Sequence[int]) -> None:
         """Every stored object and inner chunk the box [lo, hi) needs exists (UCP-1.0-R031), lies
         before its shard's index (UCP-1.0-R048), and, zstd-compressed, is one frame that declares
-        its size (UCP-1.0-R047): tensorstore checks none of these."""
+        its size (UCP-1.0-R047), within the bound of UCP-1.0-R098 (CRC32C included):
+        tensorstore checks none of these."""
         node = self.nodes[path]
         shape = node["shape"]
         if any(b <= a for a, b in zip(lo, hi, strict=True)):
@@ -502,6 +509,11 @@ class Checkpoint:
                 raise Refused(R + "031", f"{path}: stored object {key} is missing (never read "
                                          "as fill values)")
             if inner is None:
+                # the stored size, its CRC32C included, is at most twice the decoded
+                # size plus 64 KiB (UCP-1.0-R098): tensorstore reads whatever is there
+                if file.stat().st_size > 2 * chunk_bytes + 65536:
+                    raise Refused(R + "098", f"{key}: stored in {file.stat().st_size} bytes, "
+                                             "more than twice its size plus 64 KiB")
                 if zstd:
                     check_zstd(file.read_bytes()[:-4], chunk_bytes, key)
                 continue
@@ -541,6 +553,9 @@ class Checkpoint:
             if offset + nbytes > size:
                 raise Refused(R + "094", f"{key}: inner chunk {list(local)} reaches beyond "
                                          "the end of its shard")
+            if nbytes > 2 * chunk_bytes + 65536:
+                raise Refused(R + "098", f"{key}: inner chunk {list(local)} is stored in "
+                                         f"{nbytes} bytes, more than twice its size plus 64 KiB")
             if offset + nbytes > size - 16 * n - 4:
                 raise Refused(R + "048", f"{key}: inner chunk {list(local)} reaches into the "
                                          "shard index")

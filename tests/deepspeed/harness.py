@@ -794,6 +794,20 @@ def _other_paths(rank: int, root: Path, checks: Checks) -> None:
         engine.destroy()
 
 
+def _with_training_value(source: Path, dest: Path, key: str, value: Any) -> None:
+    """A copy of ``source`` whose ``training`` group holds ``value`` under ``key`` (in the
+    node's zarr.json and the root's consolidated metadata, the root sealed again)."""
+    from ucpformat.testing.hostile import dump, dump_root
+
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(source, dest)
+    root_doc = json.loads((dest / "zarr.json").read_text())
+    node = root_doc["consolidated_metadata"]["metadata"]["training"]
+    node["attributes"]["ucp"]["values"][key] = value
+    (dest / "training" / "zarr.json").write_bytes(dump(node))
+    (dest / "zarr.json").write_bytes(dump_root(root_doc))
+
+
 def _refusals(rank: int, root: Path, checks: Checks) -> None:
     """Bad input is refused on every rank before anything of the engine changes."""
     import ucpformat.deepspeed as uds
@@ -808,6 +822,8 @@ def _refusals(rank: int, root: Path, checks: Checks) -> None:
         ("refuse a damaged checkpoint", "dsnet", UCPError, "fc2.weight", root / "damaged"),
         ("refuse a value of another kind", "dsnet", LoadError, "param_groups[0].betas",
          root / "bad-value"),
+        ("refuse a counter of another kind", "dsnet", LoadError, "training/step",
+         root / "bad-step"),
     ]
     # a checkpoint whose Adam betas are a string: refused while planning, not half-applied
     engine = make_engine("dsnet", 2, "bf16")
@@ -815,6 +831,8 @@ def _refusals(rank: int, root: Path, checks: Checks) -> None:
     inner_optimizer(engine).param_groups[0]["betas"] = "oops"
     uds.save(engine, root / "bad-value")
     engine.destroy()
+    if rank == 0:  # a checkpoint whose training/step is a string (issue 31, item 6)
+        _with_training_value(root / "ucp" / "zero2-bf16", root / "bad-step", "step", "abc")
     if rank == 0:  # a copy of a checkpoint with one tensor's data gone
         shutil.rmtree(root / "damaged", ignore_errors=True)
         shutil.copytree(root / "ucp" / "zero2-fp32", root / "damaged")

@@ -181,7 +181,8 @@ def test_checkpoints_of_distributed_writers_load(ds_run: Path, results: dict[str
 
 @pytest.mark.parametrize("check", ["refuse another shape", "refuse another name",
                                    "refuse a damaged checkpoint",
-                                   "refuse a value of another kind"])
+                                   "refuse a value of another kind",
+                                   "refuse a counter of another kind"])
 def test_bad_input_is_refused_before_anything_changes(results: dict[str, Any],
                                                       check: str) -> None:
     """Every rank raises (naming the tensor, or the rank that could not read it) and every

@@ -218,3 +218,116 @@ def test_minilm_round_trip_bit_exact_and_same_outputs(tmp_path: Path, minilm_dir
     with torch.no_grad():
         assert torch.equal(exported(**batch).last_hidden_state, want)
     assert np.isfinite(want.numpy()).all()
+
+
+# -- __metadata__ through import and export (issue 29, item 3) --------------------------------
+
+
+def _header(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    doc: dict[str, Any] = json.loads(raw[8 : 8 + n])
+    return doc
+
+
+@pytest.mark.parametrize("metadata", [
+    None,
+    {"format": "pt"},
+    {"z": "1", "a": "2", "format": "pt", "m": "3", "b": "4"},  # any order the library picks
+    {"name": "mine"},
+])
+def test_metadata_comes_back_byte_for_byte(tmp_path: Path,
+                                           metadata: dict[str, str] | None) -> None:
+    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.ones(3, dtype=torch.bfloat16)}
+    src = tmp_path / "model.safetensors"
+    st.save_file(tensors, str(src), metadata=metadata)
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    for dest in (tmp_path / "one.safetensors", tmp_path / "dir"):
+        exporters.export(tmp_path / "ckpt", dest, to="safetensors")
+        out = dest if dest.suffix else dest / "model.safetensors"
+        assert out.read_bytes() == src.read_bytes(), dest
+        assert list((_header(out).get("__metadata__") or {}).items()) == list(
+            (_header(src).get("__metadata__") or {}).items())
+
+
+def test_shards_keep_their_metadata(tmp_path: Path) -> None:
+    """Hugging Face's shards (``{"format": "pt"}`` each, the user's metadata in the index)
+    export back byte for byte, the index's metadata kept."""
+    hub = pytest.importorskip("huggingface_hub")
+    tensors = {f"layer.{i}": torch.full((8,), float(i)) for i in range(4)}
+    src = tmp_path / "hf"
+    src.mkdir()
+    hub.save_torch_state_dict(tensors, src, max_shard_size=64, metadata={"run": "r1"})
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    exporters.export(tmp_path / "ckpt", tmp_path / "out", to="safetensors", max_shard_size=64)
+    shards = sorted(src.glob("*.safetensors"))
+    assert len(shards) > 1
+    for f in shards:
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    index = "model.safetensors.index.json"
+    assert json.loads((tmp_path / "out" / index).read_text()) == json.loads(
+        (src / index).read_text())
+
+
+def test_differing_file_metadata_is_a_note(tmp_path: Path) -> None:
+    src = tmp_path / "two"
+    src.mkdir()
+    st.save_file({"a": torch.ones(2)}, str(src / "a.safetensors"), metadata={"part": "a"})
+    st.save_file({"b": torch.ones(2)}, str(src / "b.safetensors"), metadata={"part": "b"})
+    importers.convert(src, tmp_path / "ckpt", durable=False)
+    result = exporters.export(tmp_path / "ckpt", tmp_path / "one.safetensors", to="safetensors")
+    assert _header(tmp_path / "one.safetensors")["__metadata__"] == {"format": "pt"}
+    assert any("__metadata__ differ" in n for n in result.notes), result.notes
+    exporters.export(tmp_path / "ckpt", tmp_path / "mine.safetensors", to="safetensors",
+                     metadata={"k": "v"})
+    assert _header(tmp_path / "mine.safetensors")["__metadata__"] == {"k": "v"}
+
+
+# -- a Hugging Face Trainer checkpoint directory (issue 29, item 2) ----------------------------
+
+
+@pytest.fixture
+def trainer_dir(tmp_path: Path) -> Path:
+    """What transformers' Trainer leaves in checkpoint-<step>/ (the files, not a run)."""
+    d = tmp_path / "checkpoint-10"
+    d.mkdir()
+    st.save_file({"w": torch.ones(2, 2), "b": torch.zeros(2)}, str(d / "model.safetensors"),
+                 metadata={"format": "pt"})
+    torch.save({"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": []},
+               d / "optimizer.pt")
+    torch.save({"last_epoch": 1}, d / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, d / "rng_state.pth")
+    (d / "trainer_state.json").write_text('{"global_step": 10}')
+    (d / "config.json").write_text('{"model_type": "gpt2"}')
+    return d
+
+
+def test_trainer_checkpoint_is_refused_naming_what_would_be_left(tmp_path: Path,
+                                                                  trainer_dir: Path) -> None:
+    with pytest.raises(FormatError) as info:
+        importers.convert(trainer_dir, tmp_path / "ckpt", durable=False)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        assert name in str(info.value)
+    assert "weights_only=True" in str(info.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_trainer_checkpoint_weights_only_notes_what_was_left(tmp_path: Path,
+                                                             trainer_dir: Path) -> None:
+    result = importers.convert(trainer_dir, tmp_path / "ckpt", durable=False, weights_only=True)
+    assert result.tensors == 2
+    (note,) = [n for n in result.notes if "training state was not converted" in n]
+    assert "optimizer.pt, rng_state.pth, scheduler.pt, trainer_state.json" in note
+
+
+def test_ucp_convert_of_a_trainer_checkpoint(tmp_path: Path, trainer_dir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from ucpformat.cli import main
+
+    assert main(["convert", str(trainer_dir), str(tmp_path / "ckpt")]) == 2
+    out, err = capsys.readouterr()
+    assert "optimizer.pt" in out + err and "--weights-only" in out + err
+    assert main(["convert", "--weights-only", str(trainer_dir), str(tmp_path / "ckpt")]) == 0
+    out, _ = capsys.readouterr()
+    assert "note: weights only: the training state was not converted" in out

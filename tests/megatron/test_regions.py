@@ -117,3 +117,44 @@ def test_an_object_that_is_not_json_is_refused_unless_opted_in() -> None:
     with pytest.raises(LoadError, match="runs code"):
         objects.load_opaque("k/shard_0_1", raw, allow_opaque=False)
     assert objects.load_opaque("k/shard_0_1", raw, allow_opaque=True) == {"x": {1, 2}}
+
+
+@pytest.mark.parametrize(("stored", "tensors", "live", "where"), [
+    ([1, 2], {}, {"a": 1, "b": 2}, "'/'"),                 # a dict stored as a list
+    ({"a": "x"}, {}, {"a": 1}, "'/a'"),                    # a number stored as a string
+    ({"a": [1]}, {}, {"a": {"b": 1}}, "'/a'"),
+    ({"t": 3}, {}, {"t": torch.zeros(2)}, "'/t'"),         # a tensor stored as a value
+    ({"t": None}, {"/t": (np.ones(2), "numpy")}, {"t": 1.5}, "'/t'"),
+])
+def test_a_sharded_object_of_another_json_kind_is_refused(
+    stored: object, tensors: dict, live: object, where: str
+) -> None:
+    """Before: a ShardedObject whose stored value had another JSON type than the live
+    object (a dict stored as a list) was handed to Megatron unchecked."""
+    from ucpformat.megatron import objects
+
+    with pytest.raises(LoadError, match=rf"'k/shard_0_1' at {where}.*refused"):
+        objects.decode("k/shard_0_1", stored, tensors, live)
+    # None on either side says nothing; tuples and lists are both arrays
+    assert objects.decode("k", {"a": None}, {}, {"a": 3}) == {"a": None}
+    assert objects.decode("k", [1, 2], {}, (0, 0)) == (1, 2)
+    assert objects.decode("k", {"a": 1.5}, {}, {"a": np.float32(1)}) == {"a": 1.5}
+
+
+def test_register_keeps_the_two_opaque_opt_ins_apart() -> None:
+    """Before: register(allow_opaque=True), an opt-in to store opaque objects, also made the
+    registered load strategy unpickle them."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.dist_checkpointing.strategies.base import (
+        StrategyAction,
+        get_default_strategy,
+    )
+
+    import ucpformat.megatron as um
+
+    um.register({"num_attention_heads": 2}, backend="ucp-test-opt-ins", allow_opaque=True)
+    load = get_default_strategy(StrategyAction.LOAD_SHARDED, "ucp-test-opt-ins", 1)
+    save = get_default_strategy(StrategyAction.SAVE_SHARDED, "ucp-test-opt-ins", 1)
+    assert save.allow_opaque and not load.allow_opaque
+    um.register(backend="ucp-test-opt-ins", unpickle_opaque=True)
+    assert get_default_strategy(StrategyAction.LOAD_SHARDED, "ucp-test-opt-ins", 1).allow_opaque

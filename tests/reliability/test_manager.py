@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import warnings
@@ -12,7 +13,12 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat.checkpoint.manager import CheckpointManager, CheckpointWarning
+from ucpformat.checkpoint.manager import (
+    RECORD_KEY,
+    CheckpointManager,
+    CheckpointWarning,
+    step_name,
+)
 from ucpformat.errors import UCPError
 from ucpformat.store import LocalStore
 from ucpformat.testing import faults
@@ -21,6 +27,14 @@ from ucpformat.testing.common import SMALL_CHUNKING, differences, small_state
 
 def _steps(manager: CheckpointManager) -> list[int]:
     return [e.step for e in manager.checkpoints()]
+
+
+def _record_began(root: Path, step: int) -> None:
+    """What the record of a manager killed during its save of ``step`` says."""
+    path = root / RECORD_KEY
+    doc = json.loads(path.read_text())
+    doc["checkpoints"][step_name(step)] = {"step": step, "state": "saving", "root_sha256": None}
+    path.write_text(json.dumps(doc))
 
 
 def _flip_a_chunk(location: str) -> None:
@@ -79,9 +93,16 @@ def test_recovers_from_a_disk_that_was_full_for_a_while(tmp_path: Path) -> None:
     )
     manager.maybe_save(1, small_state(1))
     manager.maybe_save(2, small_state(2))
-    # the remains of a save killed earlier (marker and a stored object)
+    # the remains of a save killed earlier (marker and a stored object), which the record
+    # of the manager that was killed says it began
     LocalStore(manager.location(3)).put("write-in-progress.ucp.json", [b"{}"])
     LocalStore(manager.location(3)).put("model/fc.bias/c/0", [b"x"])
+    _record_began(tmp_path / "run", 3)
+    manager = CheckpointManager(
+        tmp_path / "run", keep_last=2,
+        store_factory=lambda loc: faults.FaultyStore(LocalStore(loc), disk=disk),
+        **SMALL_CHUNKING,
+    )
     disk.fill()
     for step in (4, 5, 6):
         with pytest.raises(UCPError, match="No space left"):
@@ -155,6 +176,7 @@ def test_killed_saves_and_deletions_never_lose_the_last_good_checkpoint(
                 os._exit(0)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        manager = CheckpointManager(root, keep_last=1, **SMALL_CHUNKING)  # a restart
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointWarning)
             latest = manager.latest_valid(deep=True)
@@ -163,7 +185,12 @@ def test_killed_saves_and_deletions_never_lose_the_last_good_checkpoint(
             assert differences(ckpt.to_dict(), small_state(latest.step)) == []
         committed = [e.step for e in manager.checkpoints()
                      if (Path(e.location) / "zarr.json").exists()]
-        assert latest.step == max(committed)
+        # the newest committed one, unless it was killed before its record said "saved"
+        # (then it is not restored: nothing vouches for it)
+        record = manager.record()
+        newer = [s for s in committed if s > latest.step]
+        assert all(record[step_name(s)]["state"] == "saving" for s in newer), kill_at
+        assert len(newer) <= 1
     # and a normal save afterwards cleans up the debris
     step += 1
     manager.maybe_save(step, small_state(step))
@@ -194,8 +221,12 @@ def test_works_with_ucpformat_torch_save(tmp_path: Path) -> None:
     assert torch.equal(fresh.weight, weights[4])
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError):
         CheckpointManager("x", keep_last=0)
     with pytest.raises(UCPError):
         CheckpointManager("x").maybe_save(1, {"model": "not a group"})
+    # the failed save left nothing, not even its entry in the record
+    assert CheckpointManager("x").record() == {}
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["ucp-manager.json"]

@@ -111,7 +111,7 @@ def test_keeps_the_best_k_by_a_metric_besides_the_last_k(tmp_path: Path) -> None
     assert manager.metrics(4) is None  # deleted with its checkpoint
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_file()) == [
         f"step-{s:010d}.metrics.json" for s in (1, 3, 5, 6)
-    ]
+    ] + ["ucp-manager.json"]
     high = CheckpointManager(tmp_path / "high", keep_last=1, keep_best=1,
                              best_metric=lambda m: m["acc"], **SMALL_CHUNKING)
     for step, acc in enumerate([0.2, 0.9, 0.5, 0.1]):

@@ -175,8 +175,7 @@ def test_a_displaced_coordinator_commits_nothing_and_removes_nothing(tmp_path: P
             run_pipeline(LocalStore(target, durable=False), comm, specs=parts.specs,
                          source=source, group_attributes=parts.group_attributes,
                          options=PlanOptions(None, SMALL_CHUNKING["chunk_bytes"],
-                                             SMALL_CHUNKING["shard_bytes"], 1),
-                         workers=2)
+                                             SMALL_CHUNKING["shard_bytes"], 1, workers=2))
         except BaseException as exc:
             errors[comm.rank] = exc
 

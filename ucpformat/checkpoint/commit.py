@@ -112,7 +112,8 @@ def prepare_destination(store: Store, *, overwrite: bool) -> WriteClaim:
 def mark_destination(store: Store, *, overwrite: bool) -> WriteClaim:
     """The first half of :func:`prepare_destination`: refuse, or hold the location.
 
-    Everything that can refuse the save is checked before anything changes (UCP-1.0-R049):
+    Everything that can refuse the save is checked before anything changes (UCP-1.0-R049),
+    and again once the location is claimed, in the order of UCP-1.0-R065:
     a committed checkpoint without ``overwrite``, files that are not a checkpoint's, names
     the writer could not remove. Then the in-progress marker (UCP-1.0-R056) is written as this
     save's claim (UCP-1.0-R059): a second writer is refused while the first runs (on a
@@ -183,7 +184,9 @@ def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str
             path=store.location,
         )
     if keys and IN_PROGRESS_KEY not in keys and not (committed and holds_checkpoint(store)):
-        # overwrite=True replaces a checkpoint; it never deletes a directory of other files.
+        # overwrite=True replaces a checkpoint; it never deletes a directory of other files
+        # (UCP-1.0-R066). Beside a committed checkpoint, files with names no checkpoint has
+        # are refused below; others are removed with the checkpoint it replaces.
         raise CheckpointExistsError(
             "the destination holds files that are not a UCP checkpoint (the first: "
             f"{sorted(keys)[0]!r}); refusing to mix them with a checkpoint or to delete them "
@@ -375,7 +378,8 @@ def commit_checkpoint(
 
 def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str],
                  replace: bool) -> None:
-    """Write the root if this save still holds the location (UCP-1.0-R059).
+    """Write the root if this save still holds the location (UCP-1.0-R059), in a step that
+    replaces no checkpoint's root (UCP-1.0-R064).
 
     With a lock (a local file system), checking the marker's token suffices. Without one
     (object stores), the location must also hold no object this save did not write, the

@@ -17,8 +17,20 @@
     manager.close()                                 # waits for the last save
 
 Each checkpoint is its own location, ``<root>/step-<step, 10 digits>`` (a new location
-per save, so readers of older ones are never disturbed: spec section 11.3). The rules
+per save, so readers of older ones are never disturbed: spec section 11.3); one
+formatter (:func:`step_name`) and one parser (:func:`parse_step_name`) agree, and a
+``step-*`` name the formatter would not write is ignored with a warning. The rules
 (docs/manager.md says more):
+
+- the manager knows which checkpoints it wrote: its record, ``<root>/ucp-manager.json``,
+  holds each one's name and the SHA-256 of its root ``zarr.json``. Restoring, counting
+  and rotation see only the checkpoints of the record whose root is still the one
+  recorded; anything else under the root (a planted checkpoint, a checkpoint replaced
+  at one of its names, a link, an odd name) is never restored, counted or deleted, and a
+  :class:`CheckpointWarning` says so. A record that changed since this manager wrote it,
+  that another user owns, or (with ``record_key``) whose HMAC does not verify, is refused
+  with :class:`~ucpformat.errors.ManagerRecordError`; :meth:`CheckpointManager.adopt`
+  takes a checkpoint the manager did not write into its record, explicitly;
 
 - a new checkpoint is committed and verified (it opens and validates) before anything old
   is deleted, and only then is its step recorded (:meth:`all_steps`, the metrics); a save
@@ -30,7 +42,7 @@ per save, so readers of older ones are never disturbed: spec section 11.3). The 
   than the newest valid checkpoint is deleted, incomplete remains included;
 - a checkpoint is deleted by first removing its root ``zarr.json`` (UCP-1.0-R053), and
   only what is a checkpoint, or the remains of a save, is deleted
-  (``writer.delete_checkpoint``): a ``step-*`` link or a directory of other files is left
+  (``commit.delete_checkpoint``): a ``step-*`` link or a directory of other files is left
   as it is with a :class:`CheckpointWarning`; nothing is read, written or deleted through
   a link;
 - a save that fails removes what it wrote, and the remains of earlier interrupted saves;
@@ -45,10 +57,10 @@ Works on local directories and on object stores (``s3://bucket/runs/exp1`` with
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
-import re
 import signal
 import threading
 import warnings
@@ -58,20 +70,37 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ucpformat.checkpoint.commit import delete_checkpoint
+from ucpformat.checkpoint.manager_record import (
+    MAX_RECORD_BYTES,
+    METRICS_SUFFIX,
+    RECORD_FORMAT,
+    RECORD_KEY,
+    parse_record,
+    parse_step_name,
+    record_mac,
+    step_name,
+)
 from ucpformat.checkpoint.metadata import ZARR_JSON
-from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
+from ucpformat.checkpoint.reader import (
+    MAX_METADATA_BYTES,
+    Checkpoint,
+    open_checkpoint,
+    read_metadata,
+)
 from ucpformat.checkpoint.validation import validate
 from ucpformat.checkpoint.writer import save
-from ucpformat.errors import CheckpointNotFoundError, InvalidValueError, UCPError
+from ucpformat.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidValueError,
+    ManagerRecordError,
+    UCPError,
+    WriteError,
+)
 from ucpformat.store import LocalStore, Store, open_store
 
 if TYPE_CHECKING:  # the distributed layer sits above this one (docs/architecture.md)
     from ucpformat.distributed.comm import Communicator
-
-_NAME = re.compile(r"^step-([0-9]{10,})$")
-
-#: The object, beside a checkpoint's location, that holds the metrics it was saved with.
-METRICS_SUFFIX = ".metrics.json"
 
 StateOrCallback = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | Callable[[str], Any]
 
@@ -119,6 +148,12 @@ class CheckpointManager:
     :class:`~ucpformat.distributed.comm.Communicator`, e.g. ``ucpformat.torch.comm.communicator()``)
     is for saves that all ranks make together: the ranks agree on preemption saves and
     rank 0 alone verifies, records metrics and deletes.
+
+    The manager restores, counts and deletes only what it wrote: its record
+    (:data:`RECORD_KEY` under ``root``) names each checkpoint with the SHA-256 of its
+    root; ``record_key`` (bytes or str, kept outside the root) signs the record with an
+    HMAC, so that a record rewritten by anyone without the key is refused after a restart
+    too (docs/manager.md).
     """
 
     def __init__(
@@ -137,6 +172,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         validate_deep: bool = False,
         store_factory: Callable[[str], Store] | None = None,
+        record_key: bytes | str | None = None,
         **save_kwargs: Any,
     ) -> None:
         if save_every < 1 or keep_last < 1:
@@ -162,6 +198,10 @@ class CheckpointManager:
         self.is_url = "://" in self.root and not self.root.startswith("file://")
         self._pending: _Pending | None = None
         self._verified: set[int] = set()  # steps this manager found valid
+        self._record_key = (record_key.encode() if isinstance(record_key, str)
+                            else record_key)
+        self._record_bytes: bytes | None = None  # the record as this manager last wrote it
+        self._warned: set[str] = set()  # names a warning was given for
         self._metrics: dict[int, dict[str, Any] | None] = {}  # metrics read or written
         self._preemption_requested = False  # set by the handler
         self._preemption_step: int | None = None  # the step of the preemption save
@@ -184,9 +224,8 @@ class CheckpointManager:
     # -- locations ------------------------------------------------------------------------
 
     def location(self, step: int) -> str:
-        if step < 0:
-            raise ValueError("steps are non-negative")
-        return f"{self.root}/step-{step:010d}"
+        """Where the checkpoint of ``step`` is: ``<root>/`` and :func:`step_name`."""
+        return f"{self.root}/{step_name(step)}"
 
     def store(self, location: str) -> Store:
         """The store of a location; on a file system, one that never follows the location if
@@ -222,12 +261,159 @@ class CheckpointManager:
             return []
 
     def checkpoints(self) -> list[Entry]:
-        """Every checkpoint location under ``root`` (committed or not), oldest first."""
+        """Every checkpoint location under ``root`` (committed or not, written by this
+        manager or not), oldest first; a ``step-*`` name that :func:`step_name` would not
+        write is left out, with a warning."""
         return self._entries(self._names())
 
     def _entries(self, names: list[str]) -> list[Entry]:
-        found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
+        found = []
+        for name in names:
+            step = parse_step_name(name)
+            if step is not None:
+                found.append((step, name))
+            elif (name.startswith("step-") and not name.endswith(METRICS_SUFFIX)
+                  and "." not in name):
+                self._warn_once(name, f"ignored {self.root}/{name}: not a name this manager "
+                                      "writes (step- and at least 10 digits, no other "
+                                      "leading zeros)")
         return [Entry(step, f"{self.root}/{name}") for step, name in sorted(found)]
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, CheckpointWarning, stacklevel=4)
+
+    # -- the record of the checkpoints this manager wrote ---------------------------------
+
+    def _record_where(self) -> str:
+        return f"{self.root}/{RECORD_KEY}"
+
+    def record(self) -> dict[str, dict[str, Any]]:
+        """The manager's record: location name -> ``{"step", "state", "root_sha256"}``
+        (``state`` is ``"saving"`` from before a save starts until it is recorded
+        ``"saved"`` with the SHA-256 of its root ``zarr.json``). Refused with
+        :class:`~ucpformat.errors.ManagerRecordError` if it cannot be trusted."""
+        where = self._record_where()
+        store = self._root_store()
+        try:
+            body = read_metadata(store, RECORD_KEY, limit=MAX_RECORD_BYTES,
+                                 what="the manager's record")
+        except UCPError as exc:
+            raise ManagerRecordError(f"the record cannot be read: {exc.message}",
+                                     path=where) from exc
+        except OSError as exc:
+            raise ManagerRecordError(f"the record cannot be read: {exc}", path=where) from exc
+        if self._record_bytes is not None and body != self._record_bytes:
+            raise ManagerRecordError(
+                "the record changed since this manager wrote it (another manager on this "
+                "root, or a planted record): refused; nothing was restored or deleted "
+                "(a new CheckpointManager reads it as it is now)", path=where)
+        if body is None:
+            return {}
+        if not self.is_url:
+            try:
+                owner = os.stat(_local(where), follow_symlinks=False).st_uid
+            except OSError as exc:
+                raise ManagerRecordError(f"the record cannot be read: {exc}",
+                                         path=where) from exc
+            if owner != os.geteuid():
+                raise ManagerRecordError(
+                    f"the record belongs to user {owner}, not to this process's user "
+                    f"{os.geteuid()}: not written by this manager; refused", path=where)
+        entries = parse_record(body, self._record_key, where)
+        if self.primary:
+            self._record_bytes = body  # from now on, only this manager changes it
+        return entries
+
+    def _write_record(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
+        """Write the record (atomically, never through a link)."""
+        doc: dict[str, Any] = {"format": RECORD_FORMAT,
+                               "checkpoints": {k: dict(entries[k]) for k in sorted(entries)}}
+        if self._record_key is not None:
+            doc["hmac_sha256"] = record_mac(doc, self._record_key)
+        body = json.dumps(doc, sort_keys=True, indent=1).encode()
+        try:
+            self._root_store().put(RECORD_KEY, [body], atomic=True)
+        except OSError as exc:
+            raise WriteError(f"the manager's record cannot be written: {exc}",
+                             path=self._record_where()) from exc
+        self._record_bytes = body
+
+    def _update_record(self, name: str, entry: Mapping[str, Any] | None) -> None:
+        entries = self.record()
+        if entry is None:
+            if name not in entries:
+                return
+            entries.pop(name)
+        else:
+            entries[name] = dict(entry)
+        self._write_record(entries)
+
+    def _root_sha256(self, location: str) -> str | None:
+        """The SHA-256 of the root zarr.json at ``location`` (None: no commit there)."""
+        raw = read_metadata(self.store(location), ZARR_JSON, limit=MAX_METADATA_BYTES,
+                            what="the root zarr.json")
+        return None if raw is None else hashlib.sha256(raw).hexdigest()
+
+    def foreign(self, entry: Entry, record: Mapping[str, Mapping[str, Any]] | None = None
+                ) -> str | None:
+        """Why the committed checkpoint at ``entry`` is not one this manager wrote (None if
+        it is: its record holds the name, saved, with this root's SHA-256)."""
+        record = self.record() if record is None else record
+        name = entry.location.rsplit("/", 1)[-1]
+        own = record.get(name)
+        if own is None or own.get("state") != "saved":
+            return (f"not written by this manager (its record, {self._record_where()}, has "
+                    "no such checkpoint)")
+        try:
+            digest = self._root_sha256(entry.location)
+        except (OSError, UCPError) as exc:
+            return f"its root cannot be read: {exc}"
+        if digest != own.get("root_sha256"):
+            return ("not the checkpoint this manager wrote there: its root zarr.json differs "
+                    "from the one recorded (replaced?)")
+        return None
+
+    def _own_entries(self, record: Mapping[str, Mapping[str, Any]] | None = None
+                     ) -> tuple[list[Entry], list[Entry]]:
+        """The committed checkpoints under root this manager wrote, and the others (each of
+        which gets a warning, once), oldest first."""
+        record = self.record() if record is None else record
+        own, others = [], []
+        for entry in self.checkpoints():
+            if self._pending is not None and entry.step == self._pending.step:
+                continue  # being written
+            if not self._committed(entry.location):
+                if entry.location.rsplit("/", 1)[-1] not in record:
+                    self._warn_once(entry.location, f"left {entry.location} as it is: no "
+                                                    "checkpoint, and no save this manager made")
+                continue
+            why = self.foreign(entry, record)
+            if why is None:
+                own.append(entry)
+            else:
+                others.append(entry)
+                self._warn_once(entry.location, f"ignored checkpoint of step {entry.step} at "
+                                                f"{entry.location}: {why}; it is never "
+                                                "restored, counted or deleted by this manager "
+                                                "(adopt() takes it)")
+        return own, others
+
+    def adopt(self, step: int) -> Entry:
+        """Take the checkpoint of ``step``, which this manager did not write (one of an
+        earlier version without a record, say), into its record: from now on it is
+        restored, counted and rotated as its own. It must be valid."""
+        location = self.location(step)
+        why = self.problem(location)
+        if why is not None:
+            raise CheckpointNotFoundError(f"no valid checkpoint of step {step} to adopt: {why}",
+                                          path=location)
+        digest = self._root_sha256(location)
+        self._update_record(step_name(step), {"step": step, "state": "saved",
+                                              "root_sha256": digest})
+        self._verified.add(step)
+        return Entry(step, location)
 
     def _committed(self, location: str) -> bool:
         """True if ``location`` holds a root ``zarr.json`` (a commit, valid or not)."""
@@ -253,10 +439,10 @@ class CheckpointManager:
         return None
 
     def latest_valid(self, *, deep: bool | None = None) -> Entry | None:
-        """The newest checkpoint that opens and validates; skipped ones give a warning."""
-        for entry in reversed(self.checkpoints()):
-            if self._pending is not None and entry.step == self._pending.step:
-                continue  # not recorded before its save has committed
+        """The newest checkpoint this manager wrote that opens and validates; skipped ones
+        (and checkpoints it did not write) give a warning."""
+        own, _ = self._own_entries()
+        for entry in reversed(own):
             why = self.problem(entry.location, deep=deep)
             if why is None:
                 return entry
@@ -274,12 +460,10 @@ class CheckpointManager:
         return None if entry is None else entry.step
 
     def all_steps(self) -> list[int]:
-        """The steps of every committed checkpoint, oldest first (an async save in flight
-        is not one yet; :meth:`latest_step` also validates)."""
+        """The steps of every committed checkpoint this manager wrote, oldest first (an
+        async save in flight is not one yet; :meth:`latest_step` also validates)."""
         self._poll()
-        pending = None if self._pending is None else self._pending.step
-        return [e.step for e in self.checkpoints()
-                if e.step != pending and self._committed(e.location)]
+        return [e.step for e in self._own_entries()[0]]
 
     def restore(
         self, step: int | None = None, *, deep: bool | None = None, **open_kwargs: Any
@@ -295,6 +479,8 @@ class CheckpointManager:
         else:
             location = self.location(step)
             why = self.problem(location, deep=deep)
+            if why is None:
+                why = self.foreign(Entry(step, location))
             if why is not None:
                 raise CheckpointNotFoundError(f"no valid checkpoint of step {step}: {why}",
                                               path=location)
@@ -360,15 +546,33 @@ class CheckpointManager:
         if self.comm is not None and not takes_location:
             raise ValueError("with comm, the state is saved by a callback that every rank "
                              "calls with the location (e.g. ucpformat.torch.save_async)")
-        kept = self.primary and store.exists(ZARR_JSON) and self.problem(location) is None
-        if self._agree(kept, rank0=True):
+        failure: UCPError | None = None
+        try:
+            decision = self._before_save(step, location, store) if self.primary else ""
+        except UCPError as exc:  # a record that cannot be trusted, or not be written
+            if isinstance(exc, WriteError):  # no save began: the remains of earlier ones
+                self._clean_up_after_failure()
+            if self.comm is None:
+                raise
+            failure, decision = exc, f"failed: {exc}"
+        if self.comm is not None:  # every rank learns rank 0's decision (none waits alone)
+            decision = str(self.comm.allgather(decision)[0])
+            if failure is not None:
+                raise failure
+            if decision.startswith("failed: "):
+                raise UCPError(f"rank 0 refused the save: {decision[len('failed: '):]}",
+                               path=location)
+        if decision == "kept":
             warnings.warn(f"step {step} is already saved at {location}; kept as it is",
                           CheckpointWarning, stacklevel=2)
             return Entry(step, location)
+        if decision.startswith("refused:"):
+            raise CheckpointExistsError(decision[len("refused:"):].strip(), rule="UCP-1.0-R053",
+                                        path=location)
         try:
             if takes_location:
                 if self.primary and not store.is_empty():
-                    delete_checkpoint(store)  # the remains of an interrupted save
+                    delete_checkpoint(store)  # the remains of this manager's interrupted save
                 if self.comm is not None:
                     self.comm.barrier()
                 result = cast(Callable[[str], Any], state_or_callback)(location)
@@ -383,7 +587,7 @@ class CheckpointManager:
                 result = None
         except BaseException:
             if self.primary:
-                self.remove_partial()  # this save's remains, and those of earlier ones
+                self._clean_up_after_failure()  # this save's remains, and earlier ones'
             raise
         if preempt:
             self._preemption_step = step
@@ -393,6 +597,31 @@ class CheckpointManager:
         else:
             self._record(step, location, body)
         return Entry(step, location)
+
+    def _before_save(self, step: int, location: str, store: Store) -> str:
+        """On the primary rank, before a save: "kept" (this manager's valid checkpoint of
+        ``step`` is there), "refused: why" (something this manager did not write is
+        there), or "" (save; the record now says a save of ``step`` is under way)."""
+        name = step_name(step)
+        record = self.record()
+        own = record.get(name)
+        try:
+            empty = store.is_empty()
+            committed = not empty and store.exists(ZARR_JSON)
+        except (OSError, UCPError) as exc:
+            return f"refused: {location} cannot be read: {exc}; nothing was saved"
+        if committed:
+            why = self.foreign(Entry(step, location), record)
+            if why is None and self.problem(location) is None:
+                return "kept"
+            if why is not None and not (own is not None and own["state"] == "saving"):
+                return (f"refused: {location} holds a checkpoint {why}; it is left as it is "
+                        "and nothing was saved (move it away, or adopt() it)")
+        elif not empty and own is None:
+            return (f"refused: {location} holds files this manager did not write; they are "
+                    "left as they are and nothing was saved")
+        self._update_record(name, {"step": step, "state": "saving", "root_sha256": None})
+        return ""
 
     def wait_until_finished(self) -> Entry | None:
         """Wait for the asynchronous save in flight, if any, then verify it, record it and
@@ -405,7 +634,7 @@ class CheckpointManager:
             pending.future.result()
         except BaseException:
             if self.primary:
-                self.remove_partial()
+                self._clean_up_after_failure()
             raise
         self._record(pending.step, pending.location, pending.metrics)
         return Entry(pending.step, pending.location)
@@ -454,28 +683,57 @@ class CheckpointManager:
         if why is not None:
             raise UCPError(f"the checkpoint just saved at {location} is not valid: {why}; "
                            "nothing was deleted")
+        self._update_record(step_name(step), {"step": step, "state": "saved",
+                                              "root_sha256": self._root_sha256(location)})
         self._verified.add(step)
         if metrics is not None:
             self._root_store().put(_metrics_key(step), [metrics], atomic=True)
         self._metrics[step] = None if metrics is None else json.loads(metrics)
         self.prune(newest=step)
 
+    def _clean_up_after_failure(self) -> None:
+        """:meth:`remove_partial` while a save's error is raised: its own failure (a record
+        that cannot be trusted, say) is a warning, so that the save's error is the one seen."""
+        try:
+            self.remove_partial()
+        except UCPError as exc:
+            warnings.warn(f"the remains of failed saves under {self.root} were not removed: "
+                          f"{exc}", CheckpointWarning, stacklevel=3)
+
     def remove_partial(self) -> list[Entry]:
-        """Delete every location that holds no committed checkpoint: the remains of saves
-        that failed or were interrupted (every committed checkpoint stays, valid or not).
-        Returns the deleted locations; one that cannot be deleted gives a warning."""
+        """Delete the remains of this manager's saves that failed or were interrupted (its
+        record says a save began there, and no commit followed); every committed
+        checkpoint stays, valid or not, and so does every location this manager did not
+        write (with a warning). Returns the deleted locations; one that cannot be deleted
+        gives a warning."""
         deleted = []
+        record = self.record()
         for entry in self.checkpoints():
             if self._pending is not None and entry.step == self._pending.step:
                 continue  # being written
+            name = entry.location.rsplit("/", 1)[-1]
             try:
                 committed = self.store(entry.location).exists(ZARR_JSON)
             except (OSError, UCPError) as exc:
                 warnings.warn(f"left {entry.location} as it is: {exc}", CheckpointWarning,
                               stacklevel=2)
                 continue
-            if not committed and self._delete(entry.location):
+            if committed:
+                continue
+            if name not in record:
+                self._warn_once(entry.location, f"left {entry.location} as it is: remains "
+                                                "of a save this manager did not make")
+                continue
+            if self._delete(entry.location):
                 deleted.append(entry)
+        present = {e.location.rsplit("/", 1)[-1] for e in self.checkpoints()}
+        pending = None if self._pending is None else step_name(self._pending.step)
+        for name, own in record.items():  # saves that failed before they made a location
+            if own["state"] == "saving" and name not in present and name != pending:
+                try:
+                    self._update_record(name, None)
+                except WriteError as exc:
+                    warnings.warn(f"{exc}", CheckpointWarning, stacklevel=2)
         return deleted
 
     def prune(self, *, newest: int | None = None) -> list[Entry]:
@@ -487,29 +745,39 @@ class CheckpointManager:
         the newest valid one (a save may be in progress there). Metrics objects of deleted
         checkpoints (and of locations that are gone) are deleted with them.
         """
-        names = self._names()
-        entries = self._entries(names)
-        valid = [e for e in entries if self._valid(e)]
+        record = self.record()
+        entries = [e for e in self.checkpoints()
+                   if e.location.rsplit("/", 1)[-1] in record]  # only what it wrote
+        own, _ = self._own_entries(record)
+        valid = [e for e in own if self._valid(e)]
         if not valid:
             return []
         newest_valid = valid[-1].step if newest is None else max(newest, valid[-1].step)
         keep = {e.step for e in valid[-self.keep_last :]} | self._best(valid)
+        committed_own = {e.step for e in own}
         deleted = []
         for entry in entries:
             if entry.step >= newest_valid or entry.step in keep:
                 continue
+            if self._pending is not None and entry.step == self._pending.step:
+                continue
+            name = entry.location.rsplit("/", 1)[-1]
+            if (record[name]["state"] == "saved" and entry.step not in committed_own
+                    and self._committed(entry.location)):
+                continue  # replaced at one of its names: not what it wrote (warned)
             if (self.keep_every is not None and entry.step % self.keep_every == 0
                     and self._committed(entry.location)):
                 continue  # kept for good
             if self._delete(entry.location):
                 deleted.append(entry)
-        present = {e.step for e in entries} - {e.step for e in deleted}
-        for name in names:
-            if name.endswith(METRICS_SUFFIX) and (m := _NAME.match(name[: -len(METRICS_SUFFIX)])):
-                step = int(m.group(1))
-                if step not in present and step < newest_valid:
-                    with contextlib.suppress(OSError, UCPError):
-                        self._root_store().delete(name)
+        present = {e.location.rsplit("/", 1)[-1] for e in self.checkpoints()}
+        gone = [n for n in record if n not in present and (
+            (step := parse_step_name(n)) is not None and step < newest_valid)]
+        for name in gone:  # recorded, and no longer there: forget it and its metrics
+            with contextlib.suppress(OSError, UCPError):
+                self._root_store().delete(name + METRICS_SUFFIX)
+            with contextlib.suppress(WriteError):  # the next rotation tries again
+                self._update_record(name, None)
         return deleted
 
     def _valid(self, entry: Entry) -> bool:
@@ -556,13 +824,18 @@ class CheckpointManager:
         if not self.is_url:  # the emptied directory (rmdir never follows a link)
             with contextlib.suppress(OSError):
                 os.rmdir(_local(location))
-        m = _NAME.match(location.rsplit("/", 1)[-1])
-        if m:
-            step = int(m.group(1))
+        name = location.rsplit("/", 1)[-1]
+        step = parse_step_name(name)
+        if step is not None:
             self._verified.discard(step)
             self._metrics.pop(step, None)
             with contextlib.suppress(OSError, UCPError):
                 self._root_store().delete(_metrics_key(step))
+            try:
+                self._update_record(name, None)
+            except WriteError as exc:  # a later rotation forgets it
+                warnings.warn(f"{location} was deleted, but {exc}", CheckpointWarning,
+                              stacklevel=3)
         return True
 
 
@@ -571,7 +844,7 @@ def _local(location: str) -> str:
 
 
 def _metrics_key(step: int) -> str:
-    return f"step-{step:010d}{METRICS_SUFFIX}"
+    return step_name(step) + METRICS_SUFFIX
 
 
 def _encode_metrics(metrics: Mapping[str, Any] | None, location: str) -> bytes | None:
@@ -612,4 +885,5 @@ def _takes_location(fn: Any) -> bool:
     return len(params) == 1
 
 
-__all__ = ["METRICS_SUFFIX", "CheckpointManager", "CheckpointWarning", "Entry"]
+__all__ = ["METRICS_SUFFIX", "RECORD_KEY", "CheckpointManager", "CheckpointWarning", "Entry",
+           "parse_step_name", "step_name"]

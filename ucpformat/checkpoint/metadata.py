@@ -589,7 +589,7 @@ def build_root_ucp(
     extensions: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The root group's ``attributes.ucp`` of a new checkpoint, but for ``version`` and
-    ``manifest``, which the commit adds (:func:`ucpformat.checkpoint.writer.commit`).
+    ``manifest``, which the commit adds (:func:`ucpformat.checkpoint.commit.commit_checkpoint`).
 
     Members, in this order: ``producer`` (default: :func:`default_producer`), ``created``
     (an RFC 3339 date-time; default: now), ``saved_by`` (how the checkpoint was saved:

@@ -35,10 +35,11 @@ class SaveOptions:
     - ``shard_bytes``: the target size of a shard, the unit of writing (1 GiB);
     - ``min_shard_bytes``: distributed saves only: shards smaller than this are
       assembled by one rank from cells the others send (1 MiB; 0: no minimum);
-    - ``hash_algorithm``: ``"sha256"`` to record each file's digest in the manifest;
+    - ``hash_algorithm``: ``"sha256"`` to record each file's digest in the manifest (any
+      other value is refused: before 0.2 the distributed saves ignored it);
     - ``overwrite``: replace a committed checkpoint at the location (it stays committed
       until the save has gathered everything it needs, UCP-1.0-R053);
-    - ``workers``: writer threads per process (default: twice the CPUs, 2 to 16);
+    - ``workers``: writer threads per process (None or 0: twice the CPUs, 2 to 16);
     - ``durable``: fsync files and directories before the commit (off only for tests
       and scratch space);
     - ``progress``: a progress bar (``True``) or a callback taking bytes written.
@@ -64,22 +65,27 @@ class SaveOptions:
                 raise InvalidValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.min_shard_bytes < 0:
             raise InvalidValueError(f"min_shard_bytes must be >= 0, not {self.min_shard_bytes}")
-        if self.workers is not None and self.workers < 1:
-            raise InvalidValueError(f"workers must be at least 1, not {self.workers}")
+        if self.workers is not None and self.workers < 0:
+            raise InvalidValueError(f"workers must be at least 1 (or 0 / None: the default), "
+                                    f"not {self.workers}")
+        if self.workers == 0:  # as every save took it before 0.2: the default
+            object.__setattr__(self, "workers", None)
 
     @classmethod
-    def merged(cls, options: SaveOptions | None, **keywords: Any) -> SaveOptions:
+    def merged(cls, options: SaveOptions | None, *,
+               defaults: Mapping[str, Any] | None = None, **keywords: Any) -> SaveOptions:
         """The options of a call that takes both ``options=`` and the same settings as
         keyword arguments: ``options`` if given (then every keyword must be left at its
         default, or the call is refused: a setting given twice is ambiguous), else the
-        keywords packed."""
+        keywords packed. ``defaults``: the call's own defaults where they differ from
+        this class's (``StreamingWriter`` hashes by default)."""
         unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"SaveOptions has no field {unknown[0]!r}")
         if options is None:
             return cls(**keywords)
-        defaults = cls()
-        given = sorted(k for k, v in keywords.items() if v != getattr(defaults, k))
+        base = {**dataclasses.asdict(cls()), **dict(defaults or {})}
+        given = sorted(k for k, v in keywords.items() if v != base[k])
         if given:
             raise InvalidValueError(
                 f"pass the save's settings either as options=SaveOptions(...) or as keyword "

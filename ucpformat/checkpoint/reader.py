@@ -44,6 +44,7 @@ from ucpformat.errors import (
     ResourceLimitError,
     SelectionError,
     TensorNotFoundError,
+    UCPError,
     UnsafePathError,
     UnsupportedFeatureError,
 )
@@ -66,10 +67,28 @@ UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
 
 def physical_memory() -> int:
+    """The memory this process can have: the physical memory, or less where an address
+    space limit (RLIMIT_AS) or a cgroup's memory.max says so."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        memory = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 1 << 40
+        memory = 1 << 40
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            memory = min(memory, int(soft))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - non-POSIX
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            memory = min(memory, int(text))
+    except OSError:
+        pass
+    return memory
 
 
 @dataclass
@@ -192,6 +211,22 @@ class Checkpoint:
         return out
 
     # -- reading ------------------------------------------------------------------------
+
+    def check_new_arrays(self, sizes: Sequence[tuple[str, int]]) -> None:
+        """Refuse, before anything is allocated, new arrays of ``(tensor path, bytes)`` for
+        a read whose bytes, one alone or all together, exceed :attr:`max_read_bytes` (the
+        caller's stated bound; by default the memory this process can have): a declared
+        shape of 2^40 rows over tiny chunks must not be allocated first (UCP-1.0-R090)."""
+        total = 0
+        for path, nbytes in sizes:
+            total += nbytes
+            if total > self.max_read_bytes:
+                what = (f"{nbytes} bytes" if total == nbytes
+                        else f"{nbytes} bytes, {total} with the tensors read with it")
+                raise ResourceLimitError(
+                    f"a new array for it needs {what}, over the limit of "
+                    f"{self.max_read_bytes} (read a slice, load into existing tensors, or "
+                    "open with a larger max_read_bytes)", rule="UCP-1.0-R090", tensor=path)
 
     def _count(self, nbytes: int) -> None:
         with self._stats_lock:
@@ -628,7 +663,41 @@ def parse_root(
             check_values(ucp[member], what=f"attributes.ucp.{member}", where=where)
     with gc_paused():
         arrays, groups = parse_consolidated(doc, where=where)
+    check_aliases(arrays, groups, where=where)
     return root, arrays, groups
+
+
+def check_aliases(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], *, where: str
+) -> None:
+    """Refuse what UCP-1.0-R108 forbids, on open: an alias that is also stored (a loader
+    would hand out its target's values under a stored tensor's name), one that points to
+    another alias or to no array of its group. A malformed ``aliases`` member is left to
+    validation (its schema)."""
+    for gpath, group in groups.items():
+        aliases = group.ucp.get("aliases")
+        if not isinstance(aliases, Mapping):
+            continue
+        for alias, target in aliases.items():
+            if not isinstance(alias, str) or not isinstance(target, str):
+                continue
+            try:
+                alias_path = names.join(gpath, names.escape(alias))
+                target_path = names.join(gpath, names.escape(target))
+            except UCPError as exc:
+                raise FormatError(f"alias {alias!r} -> {target!r}: {exc.message}",
+                                  rule="UCP-1.0-R108", path=where, tensor=gpath) from exc
+            if alias_path in arrays:
+                raise FormatError(
+                    f"is declared an alias of {target!r} in {gpath!r} and is also stored: "
+                    "an alias is not stored (refused: a loader would give it the values of "
+                    f"{target!r})", rule="UCP-1.0-R108", tensor=alias_path)
+            if target in aliases:
+                raise FormatError(f"alias {alias!r} points to another alias {target!r}",
+                                  rule="UCP-1.0-R108", tensor=gpath)
+            if target_path not in arrays:
+                raise FormatError(f"alias {alias!r} points to {target!r}, which is not an "
+                                  "array of this group", rule="UCP-1.0-R108", tensor=gpath)
 
 
 def _is_count(value: Any) -> bool:

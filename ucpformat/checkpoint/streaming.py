@@ -25,7 +25,7 @@ from ucpformat.checkpoint.metadata import (
     dumps,
     parse_array,
 )
-from ucpformat.checkpoint.options import HASH_ALGORITHMS
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.tree import zero_bits
 from ucpformat.checkpoint.writer import SaveResult
 from ucpformat.engine import chunking
@@ -71,14 +71,18 @@ class StreamingWriter:
         chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
         shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
         durable: bool = True,
+        options: SaveOptions | None = None,
     ) -> None:
-        if hash_algorithm not in (None, *HASH_ALGORITHMS):
-            raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
-        self.store = open_store(path, durable=durable)
-        self.compression = compression
-        self.hash_algorithm = hash_algorithm
-        self.chunk_bytes = chunk_bytes
-        self.shard_bytes = shard_bytes
+        opts = SaveOptions.merged(
+            options, defaults={"hash_algorithm": "sha256"}, overwrite=overwrite,
+            compression=compression, hash_algorithm=hash_algorithm, chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes, durable=durable)
+        overwrite = opts.overwrite
+        self.store = open_store(path, durable=opts.durable)
+        self.compression = opts.compression
+        self.hash_algorithm = opts.hash_algorithm
+        self.chunk_bytes = opts.chunk_bytes
+        self.shard_bytes = opts.shard_bytes
         self._arrays: dict[str, ArrayMeta] = {}
         self._pending: dict[str, set[tuple[int, ...]]] = {}
         self._groups: dict[str, dict[str, Any]] = {}

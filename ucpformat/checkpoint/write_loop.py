@@ -52,6 +52,8 @@ def write_objects(
     progress: bool | ProgressCallback = False,
     total_bytes: int = 0,
     label: str = "saving",
+    flush: bool = False,
+    name_every_os_error: bool = False,
 ) -> list[StoredObject]:
     """Write the stored object of every job on ``workers`` threads; the objects written, in
     the order of ``jobs``.
@@ -60,7 +62,11 @@ def write_objects(
     values, shaped like the object (cast to the array's data type here); ``written(job)``
     once it is written; ``stop()`` on the first failure; ``claim``: the save's hold on the
     location (None: a rank of a distributed save that does not hold it), which decides
-    whether an object found already there is replaced or refused.
+    whether an object found already there is replaced or refused. ``flush``: make the
+    objects durable before returning, through what the writes opened (the same batch of
+    the store). ``name_every_os_error``: an OSError that is also a UCPError (a storage
+    error) is raised as a WriteError naming the object too, as a distributed rank reports
+    it (else it passes as it is).
     """
     with byte_progress(progress, total_bytes, label) as advance:
 
@@ -74,9 +80,9 @@ def write_objects(
                     lambda: write_object(store, meta, coords, data,
                                          hash_algorithm=hash_algorithm),
                 )
-            except UCPError:
-                raise
             except OSError as exc:
+                if isinstance(exc, UCPError) and not name_every_os_error:
+                    raise
                 raise WriteError(f"writing {key} failed: {exc}", path=store.location) from exc
             if written is not None:
                 written(job)
@@ -86,7 +92,10 @@ def write_objects(
         pool = ThreadPoolExecutor(workers or default_workers())
         with store.batch():  # the writer threads share what the store opens
             try:
-                return list(pool.map(run, jobs))
+                objects = list(pool.map(run, jobs))
+                if flush:
+                    store.flush()
+                return objects
             except BaseException:
                 if stop is not None:
                     stop()  # threads still waiting for a tensor's values raise at once

@@ -27,7 +27,7 @@ from ucpformat.checkpoint.metadata import (
     ArrayMeta,
     build_root_ucp,
 )
-from ucpformat.checkpoint.options import HASH_ALGORITHMS
+from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.tree import ArrayAttributes, ArrayValue, plan
 from ucpformat.checkpoint.write_loop import write_objects
 from ucpformat.engine import chunking
@@ -71,6 +71,7 @@ def save(
     created: str | None = None,
     producer: Mapping[str, Any] | None = None,
     feed: feeds.Feed | None = None,
+    options: SaveOptions | None = None,
 ) -> SaveResult:
     """Write ``state`` (a nested mapping of numpy arrays and JSON values) as a checkpoint.
 
@@ -89,28 +90,34 @@ def save(
     (:mod:`ucpformat.torch.staging` copies tensors from a GPU this way); the feed is
     started when the writes start and stopped when they end (a save that fails before
     never starts it).
+
+    The settings (``compression``, ``hash_algorithm``, ``overwrite``, ``chunk_bytes``,
+    ``shard_bytes``, ``workers``, ``durable``, ``progress``) may instead be given as one
+    :class:`~ucpformat.checkpoint.options.SaveOptions` (``options=``), not both.
     """
-    if hash_algorithm not in (None, *HASH_ALGORITHMS):
-        raise InvalidValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS} or None")
+    opts = SaveOptions.merged(
+        options, compression=compression, hash_algorithm=hash_algorithm, overwrite=overwrite,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, workers=workers, durable=durable,
+        progress=progress)
     the_plan = plan(
         state,
-        compression=compression,
-        chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes,
+        compression=opts.compression,
+        chunk_bytes=opts.chunk_bytes,
+        shard_bytes=opts.shard_bytes,
         array_attributes=array_attributes,
     )
     ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
                          created=created)
-    store = open_store(path, durable=durable)
+    store = open_store(path, durable=opts.durable)
     # the whole save in one batch: every write, the commit and a failure's clean-up go
     # to the directory it claimed (Store.batch), whatever is put at the path meanwhile
     with storage_errors(store), store.batch():
         with storage_errors(store, untouched=True):
-            claim = prepare_destination(store, overwrite=overwrite)
+            claim = prepare_destination(store, overwrite=opts.overwrite)
         with explain_failure(store, claim), storage_errors(store):
             objects = write_arrays(
-                store, the_plan.arrays, hash_algorithm=hash_algorithm, workers=workers,
-                progress=progress, feed=feed,
+                store, the_plan.arrays, hash_algorithm=opts.hash_algorithm,
+                workers=opts.workers, progress=opts.progress, feed=feed,
             )
             commit_checkpoint(
                 store,
@@ -118,7 +125,7 @@ def save(
                 groups=the_plan.groups,
                 objects=objects,
                 root_ucp=ucp,
-                hash_algorithm=hash_algorithm,
+                hash_algorithm=opts.hash_algorithm,
                 claim=claim,
             )
     return SaveResult(store.location, len(the_plan.arrays), the_plan.nbytes, len(objects))
@@ -192,7 +199,6 @@ MOVED_NAMES = {
         ["WriteClaim", "prepare_destination", "mark_destination", "clear_destination",
          "unmark_destination", "create_owned", "abandon", "explain_failure",
          "delete_checkpoint"], "ucpformat.checkpoint.commit"),
-    "HASH_ALGORITHMS": "ucpformat.checkpoint.options",
     "commit": "ucpformat.checkpoint.commit",
     **dict.fromkeys(["Group", "plan", "ArrayValue", "ArrayAttributes", "zero_bits"],
                     "ucpformat.checkpoint.tree"),

@@ -17,6 +17,7 @@ from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.engine.compression import Compression
 from ucpformat.errors import CheckpointNotFoundError, UCPError
 from ucpformat.format import jsonvalues
+from ucpformat.store import open_store
 
 #: The command did what was asked and found nothing wrong (valid, identical).
 OK: Final = 0
@@ -91,10 +92,67 @@ def check_location(location: str) -> None:
                                       path=path)
 
 
-def open_location(location: str) -> Checkpoint:
-    """Open a checkpoint for a command: one read of its root metadata."""
+#: The file in which DeepSpeed (and :func:`ucpformat.deepspeed.save` with a tag) names the
+#: newest checkpoint of a save directory, ``save_dir/<tag>``.
+LATEST = "latest"
+
+
+def resolve_location(location: str) -> str:
+    """The checkpoint a command reads at ``location``: the location itself where it holds a
+    root ``zarr.json``; otherwise the tag its DeepSpeed ``latest`` file names (a note on
+    stderr says so). Where neither is there, the error names the checkpoints one level
+    below (the tags of a DeepSpeed save directory), if any."""
     check_location(location)
-    return open_checkpoint(location)
+    store = open_store(location, durable=False)
+    if store.exists("zarr.json"):
+        return location
+    raw = store.get(LATEST)
+    if raw is None:
+        tags = _checkpoints_inside(location)
+        if tags:
+            raise CheckpointNotFoundError(
+                "no root zarr.json here and no 'latest' file; checkpoints inside it: "
+                + ", ".join(tags[:10]) + (", ..." if len(tags) > 10 else "")
+                + f": pass one of them ({location.rstrip('/')}/{tags[-1]})",
+                rule="UCP-1.0-R051", path=location)
+        return location  # opening it says what is wrong
+    tag = raw.decode(errors="replace").strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\x00" in tag:
+        raise CheckpointNotFoundError(
+            f"no root zarr.json here, and its 'latest' file names {tag!r}, not a directory "
+            "name of this directory", rule="UCP-1.0-R051", path=location)
+    target = location.rstrip("/") + "/" + tag
+    if not open_store(target, durable=False).exists("zarr.json"):
+        raise CheckpointNotFoundError(
+            f"no root zarr.json here, and the checkpoint its 'latest' file names ({tag!r}) "
+            "has none either: not a committed UCP checkpoint", rule="UCP-1.0-R051",
+            path=target)
+    print(f"ucp: {location} holds no checkpoint; its 'latest' file names {tag!r}: "
+          f"reading {target}", file=sys.stderr)
+    return target
+
+
+def _checkpoints_inside(location: str) -> list[str]:
+    """Names of the directories directly in a local ``location`` holding a committed
+    checkpoint, a root zarr.json beside a manifest (sorted; a group of an uncommitted
+    checkpoint has no manifest; none for a URL: listing an object store reads every key)."""
+    if "://" in location and not location.startswith("file://"):
+        return []
+    path = local_path(location)
+    try:
+        with os.scandir(path) as entries:
+            return sorted(e.name for e in entries
+                          if e.is_dir(follow_symlinks=False)
+                          and os.path.isfile(os.path.join(path, e.name, "zarr.json"))
+                          and os.path.isfile(os.path.join(path, e.name, MANIFEST_KEY)))
+    except OSError:
+        return []
+
+
+def open_location(location: str) -> Checkpoint:
+    """Open a checkpoint for a command (following a DeepSpeed ``latest`` file, see
+    :func:`resolve_location`): one read of its root metadata."""
+    return open_checkpoint(resolve_location(location))
 
 
 def manifest_files(ckpt: Checkpoint) -> int | None:

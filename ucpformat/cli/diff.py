@@ -11,7 +11,9 @@ JSON values (optimizer hyperparameters, step, scheduler state) are compared per 
 stored. So is the metadata of every node: the root's ``attributes.ucp`` (the user's
 ``metadata``, the version, ``must_understand``, ...), each group's (tied-tensor aliases,
 ...) and each array's (role, layout semantics). A metadata difference makes the
-checkpoints differ unless ``--data-only``; it is reported either way. Not compared:
+checkpoints differ and is listed, unless ``--data-only``: then the text output lists none
+and only counts them in its last line (``--json`` still carries them, beside
+``"data_only": true``). Not compared:
 ``producer``, ``created``, ``manifest`` and ``root_sha256``, which differ between any two
 saves, and how the data is stored (chunking, compression).
 """
@@ -74,8 +76,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="relative tolerance (of max(|a|, |b|)): tensors within it are 'close'")
     p.add_argument("--all", action="store_true", help="also list the tensors that are equal")
     p.add_argument("--data-only", action="store_true",
-                   help="compare tensors and values only: report metadata differences (user "
-                   "metadata, version, roles, layout semantics, aliases) without counting them")
+                   help="compare tensors and values only: metadata differences (user "
+                   "metadata, version, roles, layout semantics, aliases) are neither listed "
+                   "nor counted as differences; the last line says how many were skipped")
     p.set_defaults(run=run, invalid_status=ERROR)
 
 
@@ -401,13 +404,13 @@ def run(args: argparse.Namespace) -> int:
                 out.print(tensor_line(t), soft_wrap=True)
         for v in result.values:
             out.print(value_line(v), soft_wrap=True)
-        for v in result.metadata:
-            out.print(value_line(v, "metadata", "yellow" if args.data_only else "bold red"),
-                      soft_wrap=True)
+        if not args.data_only:
+            for v in result.metadata:
+                out.print(value_line(v, "metadata"), soft_wrap=True)
         counts = ", ".join(f"{n:,} {_LABEL[s][0]}" for s, n in sorted(result.counts().items()))
         values = f"; {len(result.values)} value(s) differ" if result.values else ""
         if result.metadata:
-            ignored = " (ignored: --data-only)" if args.data_only else ""
+            ignored = " not shown (--data-only)" if args.data_only else ""
             values += f"; {len(result.metadata)} metadata difference(s){ignored}"
         verdict = ("identical", "bold green") if result.identical else ("different", "bold red")
         out.print(Text.assemble(verdict, f": {counts or 'no tensors'}{values}"), soft_wrap=True)

@@ -15,9 +15,11 @@ Exit status 2 (or any other) means the adapter itself failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import time
@@ -52,6 +54,40 @@ class Run:
         why = "timed out" if self.timed_out else f"exit status {self.returncode}"
         return f"`{shlex.join(self.argv)}`: {why}" + (f"; stderr: {' | '.join(tail)}" if tail
                                                        else "")
+
+
+class Started:
+    """An adapter process started in its own process group, still running (see
+    :meth:`Adapter.start`): the writer suite stops and resumes it (``SIGSTOP``,
+    ``SIGCONT``) to make two writes overlap (UCP-1.0-R065)."""
+
+    def __init__(self, argv: list[str], proc: subprocess.Popen[str]) -> None:
+        self.argv = argv
+        self.proc = proc
+        self.started = time.monotonic()
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the adapter's whole process group (its children too)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def finish(self, timeout: float | None) -> Run | None:
+        """Wait for the process to end and return its run; None if it runs on past ``timeout``."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return Run(self.argv, self.proc.returncode, out, err, time.monotonic() - self.started)
+
+    def kill(self) -> Run:
+        """End the process group (resumed first, if stopped); a timed-out run."""
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        out, err = self.proc.communicate()
+        return Run(self.argv, -1, out, err, time.monotonic() - self.started, timed_out=True)
 
 
 class Adapter:
@@ -99,6 +135,21 @@ class Adapter:
         except OSError as exc:
             return Run(argv, -1, "", f"cannot run the adapter: {exc}", time.monotonic() - start)
         return Run(argv, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+    def start(self, *args: str) -> Started | None:
+        """Start the command without waiting for it, in a new process group (POSIX), so
+        that it can be stopped and resumed as a whole; None if it cannot be started."""
+        argv = [*self.command, *args]
+        env = None if self.env is None else {**os.environ, **self.env}
+        try:
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                encoding="utf-8", errors="replace", env=env, cwd=self.cwd,
+                start_new_session=True,
+            )
+        except OSError:
+            return None
+        return Started(argv, proc)
 
     # -- the contract ---------------------------------------------------------------------
 
@@ -181,6 +232,9 @@ class CallableAdapter(Adapter):
         return self._unavailable([*self.command, *args],
                                  "an in-process adapter has no command line")
 
+    def start(self, *args: str) -> Started | None:
+        return None  # no process to stop and resume
+
     def _unavailable(self, argv: list[str], why: str) -> Run:
         """What a command without this operation does: exit status 2, the reason on stderr."""
         return Run(argv, 2, "", f"{self}: {why}", 0.0)
@@ -238,4 +292,4 @@ def _has_error(doc: Any) -> bool:
     return False
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Adapter", "CallableAdapter", "Run"]
+__all__ = ["DEFAULT_TIMEOUT", "Adapter", "CallableAdapter", "Run", "Started"]

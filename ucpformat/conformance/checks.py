@@ -67,8 +67,9 @@ CHECKS: dict[str, CheckInfo] = {
         ),
         CheckInfo(
             "writer.valid",
-            "the checkpoint of every scenario validates, deep",
-            ("UCP-1.0-R063", "UCP-1.0-R220", "UCP-1.0-R233"),
+            "the checkpoint of every scenario validates, deep; the adapter prints nothing "
+            "or a JSON object on success; zero fill values spelled out (a warning)",
+            ("UCP-1.0-R033", "UCP-1.0-R063", "UCP-1.0-R220", "UCP-1.0-R233"),
         ),
         CheckInfo(
             "writer.contents",
@@ -117,14 +118,15 @@ CHECKS: dict[str, CheckInfo] = {
         ),
         CheckInfo(
             "writer.stray",
-            "a committed checkpoint beside a file no checkpoint has: a refusal changes nothing",
-            ("UCP-1.0-R049",),
+            "a committed checkpoint beside a file no checkpoint has: a refusal changes nothing, "
+            "a save removes the file",
+            ("UCP-1.0-R049", "UCP-1.0-R066"),
         ),
         CheckInfo(
             "writer.concurrent",
-            "two writers started at once into one location: one checkpoint, never both, "
-            "never mixed",
-            ("UCP-1.0-R059",),
+            "two writers whose runs overlap (the first stopped once it claims): one "
+            "checkpoint, never both, never mixed",
+            ("UCP-1.0-R059", "UCP-1.0-R064", "UCP-1.0-R065"),
         ),
         # validator suite
         CheckInfo(

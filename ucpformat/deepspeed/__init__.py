@@ -17,9 +17,18 @@ is imported only when an engine is saved or loaded. See docs/deepspeed.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ucpformat.deepspeed.load import LoadResult, load, resolve_location
 from ucpformat.deepspeed.plugin import UCPCheckpointEngine
 from ucpformat.deepspeed.save import checkpoint_location, save, wait
+
+
+def __getattr__(name: str) -> Any:
+    from ucpformat.compat import moved_attribute  # the modules that moved in 0.2
+
+    return moved_attribute(__name__, name)
+
 
 __all__ = ["LoadResult", "UCPCheckpointEngine", "checkpoint_location", "load",
            "resolve_location", "save", "wait"]

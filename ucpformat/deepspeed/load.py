@@ -35,10 +35,11 @@ from ucpformat.errors import (
     LoadError,
     ShapeMismatchError,
     UCPError,
+    UnsafePathError,
 )
 from ucpformat.format import names
 from ucpformat.layout.boxes import LocalMap, Piece, box_size
-from ucpformat.store import open_store
+from ucpformat.store import LocalStore, open_store
 from ucpformat.torch import load_plan
 from ucpformat.torch.comm import communicator
 from ucpformat.torch.numpy_bridge import from_numpy
@@ -64,21 +65,52 @@ class LoadResult:
 
 def resolve_location(path: str | os.PathLike[str], tag: str | None = None) -> str:
     """The checkpoint to load: ``path/tag``; ``path`` if it is a checkpoint; else the one
-    ``path/latest`` names (the file :func:`ucpformat.deepspeed.save` writes with a tag)."""
+    ``path/latest`` names (the file :func:`ucpformat.deepspeed.save` writes with a tag).
+
+    A name read from ``latest`` is content: a link there is refused (UCP-1.0-R089), and
+    :func:`load` opens it without following one (:func:`open_location`)."""
+    location, from_content = _resolve(path, tag)
+    if from_content and "://" not in location:
+        _no_link(location)
+    return location
+
+
+def _resolve(path: str | os.PathLike[str], tag: str | None) -> tuple[str, bool]:
+    """The location, and whether its last name came from the ``latest`` file."""
     from .save import checkpoint_location
 
     base = os.fspath(path)
     if tag is not None:
-        return checkpoint_location(base, tag)
+        return checkpoint_location(base, tag), False
     store = open_store(base, durable=False)
     if store.exists("zarr.json"):
-        return base
+        return base, False
     latest = store.get("latest")
     if latest is None:
         raise CheckpointNotFoundError("no checkpoint here (no zarr.json) and no 'latest' file "
                                       "naming one", rule="UCP-1.0-R051", path=base)
     name = latest.decode(errors="replace").strip()
-    return checkpoint_location(base, name)
+    return checkpoint_location(base, name), True
+
+
+def _no_link(location: str) -> None:
+    local = location[len("file://"):] if location.startswith("file://") else location
+    if os.path.islink(local):
+        raise UnsafePathError(
+            f"'latest' names {os.path.basename(local)!r}, a symbolic link: a name read from a "
+            "checkpoint's files is resolved without following links", rule="UCP-1.0-R089",
+            path=local)
+
+
+def open_location(path: str | os.PathLike[str], tag: str | None = None) -> Checkpoint:
+    """Open the checkpoint :func:`resolve_location` finds; one that ``latest`` names is
+    opened through a store that never follows a link, even at its own name."""
+    location, from_content = _resolve(path, tag)
+    if not from_content or "://" in location:
+        return open_checkpoint(location)
+    _no_link(location)
+    local = location[len("file://"):] if location.startswith("file://") else location
+    return open_checkpoint(LocalStore(local, durable=False, follow_link=False))
 
 
 # -- the plan: every check, and the reads ------------------------------------------------------
@@ -291,6 +323,7 @@ def _plan(ckpt: Checkpoint, engine: Any, h: Holdings, every_rank: Sequence[Seque
         ds = values.get("deepspeed")
         plan.deepspeed = _global_state(engine.optimizer, ds if isinstance(ds, Mapping) else {})
     training = ckpt.values("training") if "training" in ckpt.groups else {}
+    check_counters(training, where=ckpt.location)
     plan.training = training
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         scheduler = training.get("scheduler", training.get("lr_scheduler"))
@@ -450,16 +483,42 @@ def _load_global_state(opt: Any, ds: Mapping[str, Any]) -> None:
         setattr(scaler, key, value)
 
 
+#: The engine's counters in ``training``: integers from 0 to 2**63 - 1 (DeepSpeed keeps
+#: them as Python ints and logs them as int64 tensors).
+COUNTERS = ("step", "global_samples", "skipped_steps")
+_COUNTER_MAX = 2**63 - 1
+
+
+def check_counters(training: Mapping[str, Any], *, where: str) -> None:
+    """Refuse (:class:`~ucpformat.errors.LoadError`, naming the value) a counter of
+    ``training`` that is not an integer from 0 to 2**63 - 1 (``"abc"``, ``1.5``, ``True``,
+    ``-5``, ``2**70``), before anything of the engine changes; ``global_samples`` and
+    ``skipped_steps`` without ``step`` are refused too (nothing would set them)."""
+    for key in COUNTERS:
+        if key not in training:
+            continue
+        value = training[key]
+        if type(value) is not int or not 0 <= value <= _COUNTER_MAX:
+            raise LoadError(
+                f"is {value!r} ({type(value).__name__}); the engine's counter is an integer "
+                f"from 0 to 2**63 - 1: refused, the engine is unchanged",
+                path=where, tensor=f"training/{key}")
+    if "step" not in training and any(k in training for k in COUNTERS[1:]):
+        raise LoadError("training holds global_samples or skipped_steps but no step: refused, "
+                        "the engine is unchanged", path=where, tensor="training/step")
+
+
 def _apply_training(engine: Any, plan: _Plan, *, load_lr_scheduler_states: bool) -> int | None:
+    """Set the engine's counters (checked by :func:`check_counters` when planned)."""
     training = plan.training
     step = training.get("step")
     if load_lr_scheduler_states and plan.scheduler is not None:
         engine.lr_scheduler.load_state_dict(plan.scheduler)
-    if isinstance(step, int):
+    if step is not None:
         engine.global_steps = step
-        engine.global_samples = int(training.get("global_samples",
-                                                 step * engine.train_batch_size()))
-        engine.skipped_steps = int(training.get("skipped_steps", 0))
+        engine.global_samples = training.get("global_samples",
+                                             step * engine.train_batch_size())
+        engine.skipped_steps = training.get("skipped_steps", 0)
     return step if isinstance(step, int) else None
 
 
@@ -492,16 +551,21 @@ def load(
     location = os.fspath(path)
     mine: list[str] = []
     try:
-        location = resolve_location(path, tag)
+        location = _resolve(path, tag)[0]
+        ckpt = open_location(path, tag)
         rule_set = rules if isinstance(rules, RuleSet) or rules is None else RuleSet.load(rules)
         h = holdings(engine, Naming(rule_set, dict(rule_params or {})))
         mine = list(h.params) + list(h.buffers) + list(h.aliases)
-        ckpt = open_checkpoint(location)
     except BaseException as exc:  # reported collectively
         error = exc
     gathered = comm.allgather({"error": error_report(error), "names": mine})
-    raise_if_failed(failed_ranks([g["error"] for g in gathered]), "opening the checkpoint",
-                    error)
+    try:
+        raise_if_failed(failed_ranks([g["error"] for g in gathered]),
+                        "opening the checkpoint", error)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
     assert h is not None and ckpt is not None
     plan: _Plan | None = None
     try:
@@ -528,4 +592,5 @@ def load(
         ckpt.close()
 
 
-__all__ = ["LoadResult", "load", "resolve_location"]
+__all__ = ["COUNTERS", "LoadResult", "check_counters", "load", "open_location",
+           "resolve_location"]

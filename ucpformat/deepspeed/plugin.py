@@ -10,20 +10,76 @@ consolidated checkpoint ``save_dir/tag`` (and ``save_dir/latest``)::
     engine.checkpoint_engine = UCPCheckpointEngine(engine)
     engine.save_checkpoint("ckpt", client_state={"epoch": 3})   # ckpt/global_step<N>: UCP
 
+DeepSpeed also copies its recovery scripts, ``zero_to_fp32.py`` and ``zero_to_torch.py``,
+into ``save_dir``; they read per-rank ZeRO files that a UCP checkpoint does not have and
+fail there. After the save, rank 0 replaces each script that is DeepSpeed's own copy by
+:data:`RECOVERY_STUB`, which says that the checkpoint is consolidated already and names
+``ucp export`` (unless ``save_dir`` also holds DeepSpeed's own checkpoints, for which the
+scripts still work).
+
 Loading cannot go through a checkpoint engine: ``engine.load_checkpoint`` finds the
 files to read by their per-rank names, on disk (``glob``, ``os.path.exists``), reads
 the universal layout's pickles itself, and expects state dicts laid out for
-the saving world size; :meth:`load` refuses and names :func:`ucpformat.deepspeed.load`.
+the saving world size; it fails in DeepSpeed's own code (a bare ``AssertionError`` of
+``check_ckpt_list``) before a checkpoint engine's ``load`` is called, so the plug-in
+replaces the engine's ``load_checkpoint`` while it is the engine's checkpoint engine: it
+raises :class:`~ucpformat.errors.UnsupportedFeatureError` naming
+:func:`ucpformat.deepspeed.load` at once.
 DeepSpeed is not imported here: the class has the methods DeepSpeed calls.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from ucpformat.errors import UnsupportedFeatureError
+
+#: DeepSpeed's recovery scripts that ``save_checkpoint`` copies into the save directory.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+#: What replaces them in a directory of UCP checkpoints (``{script}``: its name).
+RECOVERY_STUB = '''#!/usr/bin/env python3
+"""Written by ucpformat's UCPCheckpointEngine in place of DeepSpeed's {script}."""
+import sys
+
+sys.exit(
+    "{script}: the checkpoints in this directory are UCP checkpoints (ucpformat's "
+    "UCPCheckpointEngine), already consolidated: there are no per-rank ZeRO files to "
+    "merge. Read one with ucpformat.open(DIR/TAG), or write the consolidated weights with "
+    "'ucp export --to safetensors DIR/TAG OUT' (or --to torch); "
+    "'ucp inspect DIR' shows the newest."
+)
+'''
+
+
+def replace_recovery_scripts(save_dir: str) -> list[str]:
+    """Replace DeepSpeed's recovery scripts in ``save_dir`` by :data:`RECOVERY_STUB`; the
+    paths replaced. A script that is not DeepSpeed's own copy (a user's file) stays, and
+    so do all where ``save_dir`` holds a DeepSpeed checkpoint (``*_model_states.pt``)."""
+    deepspeed = sys.modules.get("deepspeed")
+    origin = getattr(deepspeed, "__file__", None)
+    if origin is None or glob.glob(os.path.join(glob.escape(save_dir), "*",
+                                                "*_model_states.pt")):
+        return []
+    replaced = []
+    for script in RECOVERY_SCRIPTS:
+        path = os.path.join(save_dir, script)
+        try:
+            with open(os.path.join(os.path.dirname(origin), "utils", script), "rb") as f:
+                theirs = f.read()
+            with open(path, "rb") as f:
+                if f.read() != theirs:
+                    continue
+        except OSError:
+            continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(RECOVERY_STUB.format(script=script))
+        replaced.append(path)
+    return replaced
 
 
 class UCPCheckpointEngine:
@@ -41,6 +97,25 @@ class UCPCheckpointEngine:
         self.save_options = {"overwrite": True, **save_options}
         self.client_state: dict[str, Any] = {}
         self.last_result: Any = None
+        self._guard_load_checkpoint(engine)
+
+    def _guard_load_checkpoint(self, engine: Any) -> None:
+        """``engine.load_checkpoint`` fails in DeepSpeed's own code before it reaches
+        :meth:`load` (``SDLoaderBase.check_ckpt_list``: a bare ``AssertionError``, as a UCP
+        checkpoint has no ``mp_rank_*_model_states.pt``): while this plug-in is the
+        engine's checkpoint engine, the engine's ``load_checkpoint`` refuses at once with
+        the error of :meth:`load`, which names :func:`ucpformat.deepspeed.load`."""
+        original = getattr(engine, "load_checkpoint", None)
+        if original is None or getattr(original, "_ucp_guarded", False):
+            return
+
+        def load_checkpoint(load_dir: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(engine, "checkpoint_engine", None) is self:
+                return self.load(os.fspath(load_dir))
+            return original(load_dir, *args, **kwargs)
+
+        load_checkpoint._ucp_guarded = True  # type: ignore[attr-defined]
+        engine.load_checkpoint = load_checkpoint
 
     # -- what DeepSpeed calls while saving -------------------------------------------------
 
@@ -64,6 +139,8 @@ class UCPCheckpointEngine:
 
         self.last_result = save(self.engine, info.save_dir, tag=str(info.tag),
                                 client_state=self.client_state, **self.save_options)
+        if getattr(self.engine, "global_rank", 0) == 0:  # the rank DeepSpeed copied them on
+            replace_recovery_scripts(str(info.save_dir))
         return True
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
@@ -89,7 +166,8 @@ class UCPCheckpointEngine:
     def load(self, path: str, map_location: Any = None) -> Any:
         raise UnsupportedFeatureError(
             "DeepSpeed's load_checkpoint reads per-rank files that a UCP checkpoint does not "
-            "have; resume with ucpformat.deepspeed.load(engine, path)", path=path)
+            "have; resume with ucpformat.deepspeed.load(engine, path) (the same for every "
+            "ZeRO stage and world size), nothing was loaded", path=path)
 
 
-__all__ = ["UCPCheckpointEngine"]
+__all__ = ["RECOVERY_SCRIPTS", "RECOVERY_STUB", "UCPCheckpointEngine", "replace_recovery_scripts"]

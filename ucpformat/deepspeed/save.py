@@ -451,6 +451,10 @@ def save(
     global _background
     from ucpformat.layout.rules import RuleSet
 
+    # first: a refused setting raises before any collective and before staging buffers
+    # are taken
+    options = SaveOptions(compression=compression, hash_algorithm=hash_algorithm,
+                          overwrite=overwrite, workers=workers, durable=durable)
     comm = communicator()
     location = checkpoint_location(path, tag)
     error: BaseException | None = None
@@ -471,8 +475,6 @@ def save(
             groups.setdefault("optimizer", {})["values"] = _optimizer_values(
                 engine, h, param_groups, hyper)
         meta = {"source": _source(engine, h, rules, rule_params), **dict(metadata or {})}
-    options = SaveOptions(compression=compression, hash_algorithm=hash_algorithm,
-                          overwrite=overwrite, workers=workers, durable=durable)
     kwargs: dict[str, Any] = dict(
         specs=list(collected.specs.values()), group_attributes=groups, metadata=meta,
         options=options,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ucpformat.distributed.exchange import FragmentList, FragmentSource
 from ucpformat.distributed.fragments import (
     DEFAULT_MIN_SHARD_BYTES,
     DistributedSaveResult,
@@ -39,6 +40,10 @@ def __getattr__(name: str) -> Any:
             "ucpformat.distributed.save_distributed is now ucpformat.distributed.save_fragments "
             "(the old name goes away in the next release)", DeprecationWarning, stacklevel=2)
         return save_fragments
+    if name == "PlanOptions":  # the plan's options before 0.2: the save's options now
+        from ucpformat.checkpoint.options import SaveOptions
+
+        return SaveOptions
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -46,6 +51,8 @@ __all__ = [
     "DEFAULT_MIN_SHARD_BYTES",
     "DistributedSaveResult",
     "Fragment",
+    "FragmentList",
+    "FragmentSource",
     "MeshPosition",
     "MeshTensor",
     "TensorSpec",

@@ -34,7 +34,6 @@ from ucpformat.errors import (
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains
 
 #: The cells received in the exchange: (tensor path, cell) -> values shaped like the cell.
-#: The cells received in the exchange: (tensor path, cell) -> values shaped like the cell.
 Inbox = dict[tuple[str, Box], np.ndarray[Any, Any]]
 
 

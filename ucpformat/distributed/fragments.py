@@ -15,6 +15,7 @@ touches only the inner chunks that overlap them.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -136,6 +137,9 @@ def read_locals(
     outs: list[np.ndarray[Any, Any]] = []
     regions: list[Region] = []
     flat: list[tuple[np.ndarray[Any, Any], int, int, int]] = []  # (out, a, b, region index)
+    ckpt.check_new_arrays([
+        (path, math.prod(local.local_shape) * ckpt[path].dtype.itemsize)
+        for path, local, out in items if out is None])
     for path, local, out in items:
         tensor = ckpt[path]
         if out is None:

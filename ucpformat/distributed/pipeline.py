@@ -105,7 +105,6 @@ from ucpformat.checkpoint.commit import (
     explain_failure,
     mark_destination,
 )
-from ucpformat.checkpoint.commit import abandon as abandon_save
 from ucpformat.checkpoint.commit import commit_checkpoint as commit_root
 from ucpformat.checkpoint.metadata import ArrayMeta, GroupMeta, build_root_ucp
 from ucpformat.checkpoint.options import SaveOptions
@@ -172,7 +171,7 @@ def mark(store: Store, *, overwrite: bool) -> WriteClaim:
 @contextlib.contextmanager
 def given_up(store: Store, claim: WriteClaim | None) -> Iterator[None]:
     """The coordinator (``claim``: its hold on the location; None elsewhere): a failure
-    inside abandons the save (:func:`ucpformat.checkpoint.writer.explain_failure`: the marker
+    inside abandons the save (:func:`ucpformat.checkpoint.commit.explain_failure`: the marker
     withdrawn before the un-commit, everything the save wrote removed after it) and the
     error says what the location holds now. Only around steps that end in an
     agreement: no rank writes any more when it fails."""
@@ -301,14 +300,14 @@ def write(
     Every object is created, never replacing one that is there (UCP-1.0-R059): one that
     is there was written by another writer during this save, which fails, unless this
     is the coordinator (``claim``) still holding the location (then that writer was
-    displaced and its object is replaced, :func:`ucpformat.checkpoint.writer.create_owned`).
+    displaced and its object is replaced, :func:`ucpformat.checkpoint.commit.create_owned`).
 
     A prefetching source (:class:`ucpformat.checkpoint.deferred.Prefetching`) learns the order
     in which tensors are needed first, and is stopped at the end, whatever happens.
 
     Every rank makes its objects durable before it returns, but the coordinator
-    (``claim``): its commit (:func:`ucpformat.checkpoint.writer.commit`, through the same ``store``)
-    flushes them with the metadata, before the root is written."""
+    (``claim``): its commit (:func:`ucpformat.checkpoint.commit.commit_checkpoint`, through the
+    same ``store``) flushes them with the metadata, before the root is written."""
     try:
         return _write(store, tasks, source, inbox, workers=workers,
                       hash_algorithm=hash_algorithm, progress=progress, claim=claim)
@@ -329,7 +328,11 @@ def _write(
 ) -> list[StoredObject]:
     feeds.schedule(source, list(dict.fromkeys(o.path for o in tasks.objects)))
     resolved = _Resolved(source, tasks.objects)
-    objects = write_objects(
+    # every rank but the coordinator makes its objects durable before it reports them
+    # written, through the descriptor its writes used; the coordinator's are made durable
+    # by the commit's flush, which covers every file this store wrote, before the root
+    # (one flush of them, not two)
+    return write_objects(
         store, tasks.objects,
         target=lambda obj: (tasks.arrays[obj.path], obj.coords),
         values=lambda obj: assemble(tasks.arrays[obj.path], obj, resolved.get(obj.path), inbox),
@@ -338,15 +341,8 @@ def _write(
         claim=claim, hash_algorithm=hash_algorithm, workers=workers, progress=progress,
         total_bytes=sum(box_size(o.region) * tasks.arrays[o.path].dtype.itemsize
                         for o in tasks.objects),
-        label=f"rank {tasks.rank} saving",
+        label=f"rank {tasks.rank} saving", flush=claim is None, name_every_os_error=True,
     )
-    if claim is None:
-        # the coordinator's objects are made durable by the commit's flush, which covers
-        # every file this store wrote, before the root (one flush of them, not two);
-        # every other rank's before it reports them written
-        with store.batch():
-            store.flush()
-    return objects
 
 
 # -- step 7: the commit ----------------------------------------------------------------------
@@ -538,11 +534,14 @@ class DistributedSave:
     """
 
     def __init__(self, path: str | os.PathLike[str] | Store, comm: Communicator,
-                 options: SaveOptions | None = None) -> None:
+                 options: SaveOptions | None = None, *, coordinator: bool | None = None
+                 ) -> None:
         self.options = options or SaveOptions()
         self.comm = comm
         self.store = open_store(path, durable=self.options.durable)
-        self.coordinator = comm.rank == 0
+        #: The rank that claims and commits: rank 0 of ``comm`` unless the framework names
+        #: its own (DCP's coordinator rank); :meth:`plan` needs it to be rank 0.
+        self.coordinator = comm.rank == 0 if coordinator is None else coordinator
         self._step = "created"
         self._plan: Plan | None = None
         self._claim: WriteClaim | None = None
@@ -590,6 +589,9 @@ class DistributedSave:
         exchange's agreement (no rank waits for a peer that failed); a rank that failed to
         describe itself makes every rank raise here."""
         self._advance(("created",), "plan")
+        if self.coordinator != (self.comm.rank == 0):
+            raise WriteError("plan() gathers on rank 0: its coordinator is rank 0",
+                             path=self.store.location)
         error: BaseException | None = None
         description: dict[str, Any] = {}
         try:
@@ -694,7 +696,7 @@ class DistributedSave:
         if self._claim is None:
             raise WriteError("only the coordinator that claimed the location commits",
                              path=self.store.location)
-        self._step = "commit"
+        self._advance(("write",), "commit")
         claim = self._claim
         with explain_failure(self.store, claim):
             planned = expected if expected is not None else (
@@ -703,12 +705,6 @@ class DistributedSave:
             commit_root(self.store, arrays=arrays, groups=groups, objects=objects,
                         root_ucp=root_ucp, hash_algorithm=self.options.hash_algorithm,
                         claim=claim)
-
-    def abandon(self) -> str:
-        """Give up the save on the coordinator (a framework's failure outside these steps):
-        what it wrote is removed as after any failure; what became of the location, in
-        words."""
-        return abandon_save(self.store, self._claim) if self._claim is not None else ""
 
     # -- all steps -----------------------------------------------------------------------------
 
@@ -761,14 +757,25 @@ def save(
     ``metadata`` are its. Tensors laid out on device meshes (``on_mesh``; this rank's
     place in each mesh: ``meshes``) are described by their layout, not their fragments'
     boxes: the coordinator plans each class of alike tensors once. Raises on every rank
-    if any rank fails; then nothing is committed. The settings given as keywords
-    (``hash_algorithm`` to ``progress``) replace those fields of ``options``."""
-    given = {k: v for k, v in dict(hash_algorithm=hash_algorithm, overwrite=overwrite,
-                                   workers=workers, durable=durable, progress=progress).items()
-             if v != getattr(SaveOptions(), k)}
-    return DistributedSave(path, comm, (options or SaveOptions()).replace(**given)).run(
+    if any rank fails; then nothing is committed. The settings are ``options`` or the
+    keywords (``hash_algorithm`` to ``progress``), not both
+    (:meth:`~ucpformat.checkpoint.options.SaveOptions.merged`)."""
+    saving = SaveOptions.merged(options, hash_algorithm=hash_algorithm, overwrite=overwrite,
+                                workers=workers, durable=durable, progress=progress)
+    return DistributedSave(path, comm, saving).run(
         specs, source, group_attributes=group_attributes, meshes=meshes, on_mesh=on_mesh,
         root_values=root_values, metadata=metadata)
+
+
+
+def __getattr__(name: str) -> Any:
+    if name == "commit":  # the collective commit step's name before 0.2
+        import warnings
+
+        warnings.warn("ucpformat.distributed.pipeline.commit is now commit_collective (the old "
+                      "name goes away in the next release)", DeprecationWarning, stacklevel=2)
+        return commit_collective
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

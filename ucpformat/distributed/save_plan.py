@@ -51,7 +51,7 @@ from ucpformat.distributed.rank_description import (
     TensorSpec,
     dumps,
 )
-from ucpformat.distributed.shard_grid import check_coverage, choose_grid
+from ucpformat.distributed.shard_grid import check_coverage, choose_grid, chunk_alignment
 from ucpformat.engine import chunking
 from ucpformat.engine.chunking import DEFAULT_MIN_SHARD_BYTES
 from ucpformat.engine.compression import Compression
@@ -548,7 +548,8 @@ def _plan(
     """:func:`make_plan` from each tensor's distinct boxes (in the order they first
     appear) and their holders, and from the ``classes`` of tensors on meshes."""
     owners = _Owners(world_size)
-    options = PlanOptions(compression, chunk_bytes, shard_bytes, min_shard_bytes)
+    options = SaveOptions(compression=compression, chunk_bytes=chunk_bytes,
+                          shard_bytes=shard_bytes, min_shard_bytes=min_shard_bytes)
     plan = Plan({}, {}, world_size)
     on_mesh = {p for c in classes for p in c.paths}
     for path in sorted(specs):
@@ -749,6 +750,7 @@ __all__ = [
     "array_meta",
     "check_coverage",
     "choose_grid",
+    "chunk_alignment",
     "class_key",
     "class_members",
     "make_plan",

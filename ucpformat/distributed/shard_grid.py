@@ -14,18 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ucpformat.checkpoint.options import SaveOptions
-from ucpformat.distributed.rank_description import (
-    TensorSpec,
-)
+from ucpformat.distributed.rank_description import TensorSpec
 from ucpformat.engine import chunking
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, contains, full_box
-
-#: How a plan chooses its grids: the ``compression``, ``chunk_bytes``, ``shard_bytes`` and
-#: ``min_shard_bytes`` of the save's options (one :class:`SaveOptions` passed through).
-PlanOptions = SaveOptions
-
 
 
 def _boundaries(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:

@@ -19,3 +19,11 @@ files). :mod:`ucpformat.checkpoint.metadata` builds on the codec modules (an arr
 part of its metadata); ``grid``, ``write`` and ``read`` take that metadata
 (:class:`~ucpformat.checkpoint.metadata.ArrayMeta`) but import it for type checking only.
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    from ucpformat.compat import moved_attribute  # the modules that moved in 0.2
+
+    return moved_attribute(__name__, name)

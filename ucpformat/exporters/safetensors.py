@@ -2,9 +2,12 @@
 
 The file is laid out as the safetensors library lays it out (tensors ordered by data
 type, widest first, then by name; compact JSON header padded with spaces to 8 bytes),
-so a file imported from the safetensors library exports back byte for byte. Bits are
-kept: ``bfloat16`` -> ``BF16``, ``float8_e4m3fn`` -> ``F8_E4M3``. The header is written
-first (every offset is known from the metadata), then each tensor as it is read.
+and each file's ``__metadata__`` comes back as the import kept it: the keys in the
+file's order, or no ``__metadata__`` where the file had none (see :func:`file_metadata`).
+So one file the safetensors library wrote, imported and exported to one file, comes back
+byte for byte. Bits are kept: ``bfloat16`` -> ``BF16``, ``float8_e4m3fn`` -> ``F8_E4M3``.
+The header is written first (every offset is known from the metadata), then each tensor
+as it is read.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ def canonical_order(items: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tens
 
 
 def header_bytes(items: Sequence[tuple[str, Tensor]], metadata: Mapping[str, str] | None) -> bytes:
+    """The header of a file of ``items`` (in that order); ``metadata`` in its own order
+    (None: no ``__metadata__``; the safetensors library writes its keys in any order)."""
     doc: dict[str, Any] = {}
-    if metadata:
-        doc["__metadata__"] = dict(sorted(metadata.items()))
+    if metadata is not None:
+        doc["__metadata__"] = dict(metadata)
     offset = 0
     for name, t in items:
         doc[name] = {"dtype": _code(t, name), "shape": list(t.shape),
@@ -86,17 +91,53 @@ def _write_file(
     return sum(t.nbytes for _, t in items)
 
 
-def _file_metadata(ckpt: Checkpoint, file_name: str | None) -> dict[str, str] | None:
+#: The ``__metadata__`` of a file exported from a checkpoint that was not imported from
+#: safetensors (what Hugging Face's ``save_pretrained`` writes).
+DEFAULT_METADATA: Final = {"format": "pt"}
+
+
+def file_metadata(ckpt: Checkpoint, file_name: str) -> tuple[dict[str, str] | None, str | None]:
+    """The ``__metadata__`` of exported file ``file_name`` (None: none), and a note where
+    it is not the source's own.
+
+    A checkpoint imported from safetensors recorded each source file's metadata
+    (``metadata.source.file_metadata``; a file not listed there had none). The exported
+    file gets the metadata of the source file of its name; else the metadata all source
+    files shared (none where none had any); else, where the files differed,
+    :data:`DEFAULT_METADATA` with a note. Other checkpoints: :data:`DEFAULT_METADATA`.
+    """
     source = ckpt.metadata.get("source", {})
-    per_file = source.get("file_metadata", {}) if isinstance(source, Mapping) else {}
-    if not isinstance(per_file, Mapping) or not per_file:
-        return {"format": "pt"}
-    if file_name in per_file:
-        return dict(per_file[file_name])
-    distinct = {json.dumps(v, sort_keys=True) for v in per_file.values()}
-    if len(distinct) == 1:
-        return dict(next(iter(per_file.values())))
-    return {"format": "pt"}
+    if not isinstance(source, Mapping) or source.get("format") != FORMAT:
+        return dict(DEFAULT_METADATA), None
+    per_file = source.get("file_metadata", {})
+    per_file = per_file if isinstance(per_file, Mapping) else {}
+    files = source.get("files")
+    files = [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
+    files = files or list(per_file)
+
+    def of(name: str) -> dict[str, str] | None:
+        meta = per_file.get(name)
+        return dict(meta) if isinstance(meta, Mapping) else None
+
+    if file_name in files:
+        return of(file_name), None
+    distinct = {json.dumps(of(f), sort_keys=True) for f in files}
+    if len(distinct) <= 1:
+        return (of(files[0]) if files else None), None
+    return dict(DEFAULT_METADATA), (
+        f"{file_name}: the source files' __metadata__ differ and none is named "
+        f"{file_name}: wrote {json.dumps(DEFAULT_METADATA)} (pass metadata= to choose)")
+
+
+def index_metadata(ckpt: Checkpoint, total: int) -> dict[str, Any]:
+    """The ``metadata`` of an exported ``model.safetensors.index.json``: the source index's
+    (as imported; Hugging Face keeps the user's metadata there), ``total_size`` updated."""
+    source = ckpt.metadata.get("source", {})
+    kept = source.get("index_metadata") if isinstance(source, Mapping) else None
+    if isinstance(source, Mapping) and source.get("format") == FORMAT and isinstance(
+            kept, Mapping):
+        return {**kept, "total_size": total}
+    return {"total_size": total}
 
 
 def shard(items: Sequence[tuple[str, Tensor]], max_bytes: int) -> list[list[tuple[str, Tensor]]]:
@@ -133,7 +174,8 @@ def export(
     ``model.safetensors``, or shards of at most ``max_shard_size`` (``"5GB"``) and
     ``model.safetensors.index.json``, plus ``config.json`` if the checkpoint kept one
     (``write_config``). Tied tensors are left out, as Hugging Face does, unless
-    ``include_aliases``. ``metadata`` replaces the header's ``__metadata__``.
+    ``include_aliases``. ``metadata`` replaces every file's ``__metadata__`` (else
+    :func:`file_metadata`: the source's own, as the import kept it).
     """
     dest = Path(destination)
     items = model_tensors(ckpt, include_aliases=include_aliases)
@@ -143,6 +185,16 @@ def export(
         raise InvalidValueError("safetensors metadata maps strings to strings")
     kw: dict[str, Any] = {"workers": workers, "memory_limit": memory_limit,
                           "progress": progress}
+    notes: list[str] = []
+
+    def meta_of(name: str) -> Mapping[str, str] | None:
+        if metadata is not None:
+            return metadata
+        meta, note = file_metadata(ckpt, name)
+        if note:
+            notes.append(note)
+        return meta
+
     total = sum(t.nbytes for _, t in items)
     if dest.suffix == ".safetensors":
         if max_shard_size is not None and total > parse_size(max_shard_size):
@@ -151,26 +203,24 @@ def export(
                 "export to a directory to shard", path=str(dest),
             )
         with atomic_file(dest, overwrite=overwrite) as tmp:
-            _write_file(tmp, items, metadata if metadata is not None
-                        else _file_metadata(ckpt, dest.name), **kw)
-        return ExportResult(ckpt.location, str(dest), FORMAT, len(items), total, (dest.name,))
+            _write_file(tmp, items, meta_of(dest.name), **kw)
+        return ExportResult(ckpt.location, str(dest), FORMAT, len(items), total, (dest.name,),
+                            notes=tuple(notes))
     shards = [items] if max_shard_size is None else shard(items, parse_size(max_shard_size))
     files: list[str] = []
     with atomic_dir(dest, overwrite=overwrite) as tmp:
         if len(shards) == 1:
             name = "model.safetensors"
-            _write_file(tmp / name, shards[0], metadata if metadata is not None
-                        else _file_metadata(ckpt, name), **kw)
+            _write_file(tmp / name, shards[0], meta_of(name), **kw)
             files.append(name)
         else:
             weight_map: dict[str, str] = {}
             for i, part in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_file(tmp / name, part, metadata if metadata is not None
-                            else {"format": "pt"}, **kw)
+                _write_file(tmp / name, part, meta_of(name), **kw)
                 files.append(name)
                 weight_map.update({n: name for n, _ in part})
-            index = {"metadata": {"total_size": total},
+            index = {"metadata": index_metadata(ckpt, total),
                      "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps(index, indent=2) + "\n", encoding="utf-8")
@@ -180,7 +230,9 @@ def export(
             (tmp / "config.json").write_text(json.dumps(hf["config"], indent=2) + "\n",
                                              encoding="utf-8")
             files.append("config.json")
-    return ExportResult(ckpt.location, str(dest), FORMAT, len(items), total, tuple(files))
+    return ExportResult(ckpt.location, str(dest), FORMAT, len(items), total, tuple(files),
+                        notes=tuple(notes))
 
 
-__all__ = ["FORMAT", "export", "header_bytes", "shard"]
+__all__ = ["DEFAULT_METADATA", "FORMAT", "export", "file_metadata", "header_bytes",
+           "index_metadata", "shard"]

@@ -3,7 +3,7 @@
 An importer first *scans* its source: it reads metadata only (names, shapes, data
 types, how each tensor is spread over files) and returns a :class:`Scan` whose tensors
 carry a ``read`` callable. The engine then declares every array with
-:class:`ucpformat.checkpoint.writer.StreamingWriter`, reads and writes the tensors on a pool of
+:class:`ucpformat.checkpoint.streaming.StreamingWriter`, reads and writes the tensors on a pool of
 threads, and commits. At most ``memory_limit`` bytes of tensor data are in flight at
 once (a tensor larger than the limit runs alone), so the peak memory of a conversion
 is about ``memory_limit`` plus the encoding buffers, whatever the checkpoint's size,

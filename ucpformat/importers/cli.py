@@ -105,6 +105,10 @@ def add_convert(
                       "parameters: 'model-order' (the model's tensors in order, checked shape "
                       "by shape), the names in the optimizer's order separated by commas, or "
                       "@FILE with one name a line")
+    conv.add_argument("--weights-only", action="store_true", default=None,
+                      help="safetensors: convert the weights of a training checkpoint "
+                      "(Hugging Face Trainer's) alone, leaving its training state behind (the "
+                      "result's notes name those files)")
     conv.add_argument("--compression", default=None, help="zstd, gzip, blosc or none")
     _common(conv)
     conv.set_defaults(run=run_convert, invalid_status=ERROR)
@@ -171,6 +175,7 @@ def run_convert(args: argparse.Namespace) -> int:
         "rule_params": dict(args.rule_param) if args.rule_param else None,
         "tag": args.tag,
         "param_names": args.param_names,
+        "weights_only": args.weights_only,
     }
     options = _options(importers.module(fmt).scan, given, fmt)
     compression = None if args.compression in (None, "none") else args.compression

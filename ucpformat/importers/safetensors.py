@@ -6,15 +6,26 @@ against the file before anything is allocated) and reads each tensor's byte rang
 Every data type keeps its bits: ``BF16`` becomes ``bfloat16``, ``F8_E4M3`` becomes
 ``float8_e4m3fn`` (PyTorch's, no infinities), ``F8_E5M2`` ``float8_e5m2``.
 
-Tensors go to ``model/<name>``; the file's ``__metadata__`` and a ``config.json``
-beside it are kept in the root metadata (``metadata.safetensors``,
-``metadata.huggingface.config``), so that an export gives them back. Layout semantics
+Tensors go to ``model/<name>``; each file's ``__metadata__`` (keys in the file's
+order), the index's ``metadata`` of a sharded directory and a ``config.json`` beside
+them are kept in the root metadata (``metadata.source.file_metadata``,
+``metadata.source.index_metadata``, ``metadata.huggingface.config``), so that an
+export gives them back. Layout semantics
 come from a rule file (``rules=``), or are inferred from ``config.json`` for the
 model families ucpformat ships rules for (Llama-style and Mixtral-style models).
+
+A Hugging Face ``Trainer`` checkpoint directory (``checkpoint-<step>/``) holds the
+training state beside the weights (:data:`TRAINING_STATE`: ``optimizer.pt``,
+``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``, ...). This importer reads
+safetensors only, and the optimizer's state is keyed by numbers that the weights alone
+cannot name, so such a directory is refused, naming the files that would be left
+behind; ``weights_only=True`` converts the weights alone, and the result's notes name
+those files.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -33,6 +44,13 @@ from ucpformat.interchange import SAFETENSORS_TO_UCP, UCP_TO_SAFETENSORS
 from ucpformat.layout.rules import RuleSet
 
 FORMAT: Final = "safetensors"
+#: File names (fnmatch patterns) of a training run's state beside the weights: Hugging
+#: Face Trainer's and Accelerate's.
+TRAINING_STATE: Final = (
+    "trainer_state.json", "training_args.bin", "optimizer.pt", "optimizer.bin",
+    "optimizer_*.bin", "scheduler.pt", "scheduler.bin", "scaler.pt", "rng_state.pth",
+    "rng_state_*.pth", "random_states_*.pkl",
+)
 MAX_HEADER_BYTES: Final = 100 * 1000 * 1000  # the safetensors library's own limit
 
 #: safetensors dtype code -> zarr data-type name (the closed list of format 1.0), and back.
@@ -126,10 +144,11 @@ class Header:
         return read
 
 
-def _files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of a checkpoint and, for a sharded one, its weight map."""
+def _files(path: Path) -> tuple[list[Path], dict[str, str] | None, dict[str, Any] | None]:
+    """The safetensors files of a checkpoint and, for a sharded one, its weight map and the
+    index's ``metadata``."""
     if path.is_file():
-        return [path], None
+        return [path], None, None
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise _fail(f"several index files: {[p.name for p in indexes]}; give one", path)
@@ -138,10 +157,10 @@ def _files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise _fail("no .safetensors file here", path)
-    return files, None
+    return files, None, None
 
 
-def _from_index(index: Path) -> tuple[list[Path], dict[str, str]]:
+def _from_index(index: Path) -> tuple[list[Path], dict[str, str], dict[str, Any] | None]:
     try:
         doc = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -158,7 +177,15 @@ def _from_index(index: Path) -> tuple[list[Path], dict[str, str]]:
         if f.parent != base or not f.name.endswith(".safetensors"):
             raise _fail(f"weight_map names {fname!r}, not a .safetensors file beside it", index)
         files.append(f)
-    return files, weight_map
+    meta = doc.get("metadata")
+    return files, weight_map, meta if isinstance(meta, dict) else None
+
+
+def training_state_files(directory: Path) -> list[str]:
+    """The names of the files in ``directory`` that hold a training run's state
+    (:data:`TRAINING_STATE`), sorted."""
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and any(
+        fnmatch.fnmatchcase(p.name, pattern) for pattern in TRAINING_STATE))
 
 
 def detect(path: Path) -> bool:
@@ -204,13 +231,30 @@ def scan(
     rules: str | os.PathLike[str] | RuleSet | None = None,
     rule_params: Mapping[str, Any] | None = None,
     config: str | os.PathLike[str] | None = None,
+    weights_only: bool = False,
 ) -> Scan:
     """The tensors of a safetensors file or sharded directory, and their layout semantics.
 
-    ``config``: a ``config.json`` to keep (default: the one beside the weights).
+    ``config``: a ``config.json`` to keep (default: the one beside the weights). A
+    directory that also holds a training run's state (:func:`training_state_files`) is
+    refused unless ``weights_only``, which converts the weights alone and notes the files
+    left behind.
     """
-    files, weight_map = _files(path)
+    left = training_state_files(path) if path.is_dir() else []
+    if left and not weights_only:
+        raise FormatError(
+            "a training checkpoint (Hugging Face Trainer): converting its safetensors "
+            f"weights would leave its training state behind: {', '.join(left)}. This "
+            "importer converts weights only (the optimizer's state is keyed by numbers "
+            "that only the live model can name, and reading these pickles runs code). Pass "
+            "weights_only=True to convert the weights alone, or save the whole state from "
+            "the live model and optimizer with ucpformat.torch.save",
+            path=str(path))
+    files, weight_map, index_meta = _files(path)
     out = Scan(FORMAT, str(path))
+    if left:
+        out.notes.append(f"weights only: the training state was not converted: "
+                         f"{', '.join(left)}")
     base = path if path.is_dir() else path.parent
     cfg_path = Path(config) if config is not None else base / "config.json"
     hf_config: dict[str, Any] | None = None
@@ -271,10 +315,13 @@ def scan(
     source: dict[str, Any] = {"format": FORMAT, "files": [f.name for f in files]}
     if file_meta:
         source["file_metadata"] = file_meta
+    if index_meta is not None:
+        source["index_metadata"] = index_meta
     out.metadata["source"] = source
     if hf_config is not None:
         out.metadata["huggingface"] = {"config": hf_config}
     return out
 
 
-__all__ = ["FORMAT", "FROM_UCP", "TO_UCP", "Header", "detect", "scan"]
+__all__ = ["FORMAT", "FROM_UCP", "TO_UCP", "TRAINING_STATE", "Header", "detect", "scan",
+           "training_state_files"]

@@ -73,13 +73,19 @@ def register(
     backend: str = BACKEND,
     version: int = VERSION,
     allow_opaque: bool = False,
+    unpickle_opaque: bool = False,
     **save_options: Any,
 ) -> None:
     """Register the strategies as megatron-core's defaults for ``(backend, version)``, so
     that ``sharded_strategy=("ucp", 1)`` saves with them and ``dist_checkpointing.load``
     finds them from the checkpoint's ``metadata.json``. Without ``rule_params`` only the
     load strategy is registered (loading needs no model description). ``save_options``
-    go to :class:`~ucpformat.megatron.strategies.UCPSaveStrategy`."""
+    go to :class:`~ucpformat.megatron.strategies.UCPSaveStrategy`.
+
+    Two opt-ins, apart: ``allow_opaque`` lets saves store ShardedObjects that are not JSON
+    values and tensors as ``torch.save`` bytes; ``unpickle_opaque`` lets loads unpickle
+    such bytes (which runs code from the checkpoint). A process that opted in to store
+    them does not thereby unpickle what it loads."""
     from megatron.core.dist_checkpointing.strategies.base import (
         StrategyAction,
         register_default_strategy,
@@ -89,7 +95,7 @@ def register(
 
     register_default_strategy(
         StrategyAction.LOAD_SHARDED, backend, version,
-        UCPLoadStrategy(backend=backend, version=version, allow_opaque=allow_opaque),
+        UCPLoadStrategy(backend=backend, version=version, allow_opaque=unpickle_opaque),
     )
     if rule_params is not None:
         register_default_strategy(
@@ -104,7 +110,9 @@ def __getattr__(name: str) -> Any:
         from ucpformat.megatron import strategies
 
         return getattr(strategies, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ucpformat.compat import moved_attribute  # store: moved in 0.2
+
+    return moved_attribute(__name__, name)
 
 
 __all__ = ["BACKEND", "VERSION", "UCPLoadStrategy", "UCPSaveStrategy", "register",

@@ -102,6 +102,28 @@ def encode(unique_key: str, data: Any, *, allow_opaque: bool) -> EncodedObject:
     return out
 
 
+def json_kind(value: Any) -> str | None:
+    """The kind of a live value as JSON stores it ("object", "array", "string", "number",
+    "boolean", "tensor"), or None for None and what JSON does not hold (no check)."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return "tensor"
+    if isinstance(value, bool | np.bool_):
+        return "boolean"
+    if isinstance(value, int | float | np.integer | np.floating):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, list | tuple):
+        return "array"
+    return None
+
+
+def _stored_kind(node: Any, is_tensor: bool) -> str | None:
+    return "tensor" if is_tensor else json_kind(node)
+
+
 def decode(
     unique_key: str,
     value: Any,
@@ -109,10 +131,20 @@ def decode(
     template: Any,
 ) -> Any:
     """A ShardedObject's value from its (decoded) JSON value and its tensors (pointer ->
-    (array, kind)), shaped like ``template`` (the live value, or None)."""
+    (array, kind)), shaped like ``template`` (the live value, or None). A stored value of
+    another JSON kind than the live one (a dict stored as a list, a number as a string, a
+    tensor as a value) is refused, naming the object and the place in it, as for tensors
+    (None on either side says nothing and is not checked)."""
     used: set[str] = set()
 
     def build(node: Any, pointer: str, like: Any) -> Any:
+        want, got = json_kind(like), _stored_kind(node, pointer in tensors)
+        if want is not None and got is not None and want != got:
+            raise LoadError(
+                f"ShardedObject {unique_key!r} at {pointer or '/'!r}: the checkpoint holds "
+                f"a{'n' if got[0] in 'aeiou' else ''} {got} where the object loaded into "
+                f"has a{'n' if want[0] in 'aeiou' else ''} {want}: refused, nothing was "
+                "loaded", path=unique_key, tensor=unique_key + pointer)
         if pointer in tensors:
             used.add(pointer)
             array, kind = tensors[pointer]
@@ -168,6 +200,7 @@ __all__ = [
     "decode",
     "encode",
     "escape_pointer",
+    "json_kind",
     "load_opaque",
     "opaque_array",
 ]

@@ -45,7 +45,9 @@ from ucpformat.errors import (
     InvalidValueError,
     LayoutError,
     TensorNotFoundError,
+    UCPError,
     UnsupportedFeatureError,
+    restated,
 )
 from ucpformat.format import dtypes, names
 from ucpformat.layout.boxes import Box, LocalMap
@@ -168,7 +170,10 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
         self.params = dict(rule_params)
         self.allow_opaque = allow_opaque
         self.overwrite = overwrite
-        self.compression = compression
+        #: The grid and codec of every save (``compression``, ``chunk_bytes``, ...); the
+        #: other settings are the attributes below, read when a save starts.
+        self.options = SaveOptions(compression=compression, hash_algorithm=hash_algorithm,
+                                   overwrite=overwrite, workers=workers, durable=durable)
         self.hash_algorithm = hash_algorithm
         self.workers = workers
         self.durable = durable
@@ -195,9 +200,9 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
             source=_Source(described, error),
             group_attributes=described.group_attributes(),
             metadata={**self.metadata, ATTRIBUTE: self.root_metadata()},
-            options=SaveOptions(compression=self.compression,
-                                hash_algorithm=self.hash_algorithm, overwrite=self.overwrite,
-                                workers=self.workers, durable=self.durable),
+            options=self.options.replace(hash_algorithm=self.hash_algorithm,
+                                         overwrite=self.overwrite, workers=self.workers,
+                                         durable=self.durable),
         )
 
     def root_metadata(self) -> dict[str, Any]:
@@ -301,6 +306,12 @@ class UCPSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]
 
 # -- loading ---------------------------------------------------------------------------------
 
+#: What a failed load adds to its error: the caller's state is as it was.
+UNCHANGED: Final = (
+    "; nothing was changed: the model and the optimizer are as they were, and so is the "
+    "sharded state dict (this strategy reads into tensors of its own, which Megatron "
+    "copies in only after a load that succeeded)")
+
 
 class UCPLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]
     """Loads a UCP checkpoint into any Megatron sharded state dict (TP, PP, EP degree,
@@ -342,6 +353,16 @@ class UCPLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]
         return open_checkpoint(checkpoint_dir, workers=self.workers)
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        """New tensors for every ShardedTensor, objects for every ShardedObject, put in
+        ``sharded_state_dict`` in their place. Nothing of the model or the optimizer is
+        written: Megatron copies the result in after the load. A failure raises before
+        ``sharded_state_dict`` is changed, its message saying so (:data:`UNCHANGED`)."""
+        try:
+            return self._load(sharded_state_dict, checkpoint_dir)
+        except UCPError as exc:
+            raise restated(exc, exc.message + UNCHANGED) from exc
+
+    def _load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         ckpt = self._open(checkpoint_dir)
         stored = _StoredKeys(ckpt)
         reads: list[TensorRead] = []
@@ -355,7 +376,7 @@ class UCPLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]
                 loaded[id(item)] = stored.object(item.unique_key, item.data,
                                                  allow_opaque=self.allow_opaque)
         # the tensors are new (Megatron copies them into the model): read straight in
-        read_tensors(ckpt, reads, in_place=True)
+        read_tensors(ckpt, reads, in_place=True, own_targets=True)
 
         def swap(x: Any) -> Any:
             return loaded.get(id(x), x)

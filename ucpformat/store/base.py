@@ -29,7 +29,6 @@ _KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
 
 
 def is_safe_key_part(part: str) -> bool:
-    """Whether one ``/``-separated part of a key is a safe name (UCP-1.0-R091)."""
     """One component of a key that :func:`check_key` accepts."""
     return part not in (".", "..") and len(part) <= 255 and _KEY_PART.match(part) is not None
 

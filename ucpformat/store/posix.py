@@ -113,7 +113,6 @@ def pread_all(fd: int, length: int, offset: int) -> bytes:
 
 
 def advance_views(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes from ``views`` (a partial vectored read or write)."""
     """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
     while n and views:
         if n >= len(views[0]):

@@ -27,6 +27,15 @@ prints its figures; the test suite runs each in a quick mode, ``make stress`` in
 one. The library itself never imports this package.
 """
 
+from typing import Any
+
 from ucpformat.testing.common import same_state, small_state
+
+
+def __getattr__(name: str) -> Any:
+    from ucpformat.compat import moved_attribute  # the modules that moved in 0.2
+
+    return moved_attribute(__name__, name)
+
 
 __all__ = ["same_state", "small_state"]

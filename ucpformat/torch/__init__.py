@@ -77,7 +77,9 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"{__name__}.{name}")
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'ucpformat.torch' has no attribute {name!r}")
+        from ucpformat.compat import moved_attribute  # planner, convert: moved in 0.2
+
+        return moved_attribute(__name__, name)
     return getattr(importlib.import_module(module), name)
 
 

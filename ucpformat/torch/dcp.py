@@ -232,6 +232,7 @@ class UCPWriter(StorageWriter):
         self._is_coordinator = False
         self._state: _SavePlanState | None = None
         self._store: Store | None = None
+        self._save_options = SaveOptions()
         #: This save's id, as FileSystemWriter's: new at every reset, stored in the
         #: checkpoint (``saved_by.save_id``) and given back by UCPReader's StorageMeta.
         self.save_id = uuid.uuid4().hex
@@ -271,6 +272,9 @@ class UCPWriter(StorageWriter):
                 path=os.fspath(self.path),
             )
         self._is_coordinator = is_coordinator
+        # built here, on every rank (DCP gathers a failure here): never in write_data,
+        # where a rank that failed before the exchange would leave its peers waiting
+        self._save_options = self._options()
         self._store = open_store(self.path, durable=self.durable)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -373,14 +377,15 @@ class UCPWriter(StorageWriter):
         plan = make_plan(
             specs, with_boxes, world,
             compression=self.compression, chunk_bytes=self.chunk_bytes,
-            shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
+            shard_bytes=self.shard_bytes, min_shard_bytes=self.min_shard_bytes,
         )
         shares = plan.all_tasks()
         self._check_group(world, any(t.sends for t in shares))
         # Claim the destination now; write_data un-commits a checkpoint it replaces only
         # after the exchange, so that a rank failing until then leaves it intact.
         _refuse_existing(store, overwrite=self.overwrite)
-        save = DistributedSave(store, self._communicator(), self._options())
+        save = DistributedSave(store, self._communicator(), self._save_options,
+                               coordinator=True)
         save.claim(plan)
         self._state = _SavePlanState(
             world, {p: tp.meta for p, tp in plan.tensors.items()}, plan.object_keys(),
@@ -426,7 +431,7 @@ class UCPWriter(StorageWriter):
                                 tasks.arrays if tasks is not None else {}, self.staging)
         # the coordinator's save holds the destination from prepare_global_plan (claim) on
         save = self._state.save if self._is_coordinator and self._state else DistributedSave(
-            store, self._communicator(), self._options())
+            store, self._communicator(), self._save_options, coordinator=False)
         save.take(tasks, error)
         save.exchange(source)
         # A failure from here on is DCP's to gather: the coordinator's writer removes what
@@ -544,7 +549,7 @@ class UCPWriter(StorageWriter):
     def _options(self) -> SaveOptions:
         return SaveOptions(
             compression=self.compression, chunk_bytes=self.chunk_bytes,
-            shard_bytes=self.shard_bytes, min_shard_bytes=max(1, self.min_shard_bytes),
+            shard_bytes=self.shard_bytes, min_shard_bytes=self.min_shard_bytes,
             hash_algorithm=self.hash_algorithm, overwrite=self.overwrite, workers=self.workers,
             durable=self.durable)
 

@@ -30,6 +30,7 @@ outcome, before any tensor is modified.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -528,6 +529,7 @@ def _new_state_tensor(
     parameter if it has the parameter's shape, else whole on every rank."""
     meta = ckpt.arrays[path]
     dtype = torch_dtype(meta.dtype.name, tensor=path)
+    ckpt.check_new_arrays([(path, math.prod(meta.shape) * meta.dtype.itemsize)])
     if (
         isinstance(param, DTensor)
         and tuple(int(n) for n in param.shape) == meta.shape

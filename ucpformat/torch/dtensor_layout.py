@@ -148,7 +148,6 @@ def whole_map(shape: tuple[int, ...]) -> LocalMap:
 
 
 def saved_with(dt: DTensor) -> dict[str, Any]:
-    """The layout a DTensor was saved with (its mesh and placements), as JSON."""
     """Informative: the mesh and placements a DTensor was saved with."""
     mesh = dt.device_mesh
     doc: dict[str, Any] = {

@@ -250,6 +250,7 @@ def read_tensors(
     batch_bytes: int = STAGED_BATCH_BYTES,
     in_place: bool = False,
     staging: DeviceStaging | None = None,
+    own_targets: bool = False,
 ) -> StagedReads:
     """Read every request as one batch (where memory allows).
 
@@ -257,13 +258,25 @@ def read_tensors(
     damaged or missing chunk, a refused region) raises here with every target as it was.
     ``in_place``: targets are filled by the read itself (:meth:`StagedReads.apply` has
     nothing left to do); a failure raises the error restated by :func:`partly_changed`
-    when a target was written.
+    when a target was written, unless ``own_targets``: the targets are tensors the caller
+    allocated for this read alone (no model's or optimizer's state), and a failure is
+    raised as it is, for the caller to say what it means for its state.
 
     New tensors for a device (and, in place, contiguous device targets of the stored
     type) go through pinned host buffers, their copies to the device overlapped with the
     next reads (``staging``, see :class:`DeviceStaging`).
     """
     how = staging if staging is not None else DeviceStaging()
+    # new tensors are refused before any exists: each over max_read_bytes, and those in host
+    # memory together (a device's memory is not the host's: there, each alone)
+    new = [(r, (r.path, math.prod(r.local.local_shape if r.local is not None
+                                  else ckpt[r.path].shape) * ckpt[r.path].dtype.itemsize))
+           for r in reads if r.target is None]
+    ckpt.check_new_arrays([size for r, size in new
+                           if r.device is None or torch.device(r.device).type == "cpu"])
+    for r, size in new:
+        if r.device is not None and torch.device(r.device).type != "cpu":
+            ckpt.check_new_arrays([size])
     tensors: list[torch.Tensor | None] = [None] * len(reads)
     result = StagedReads([], device=how)
     to_device = [i for i, r in enumerate(reads) if (
@@ -273,7 +286,7 @@ def read_tensors(
         try:
             moved = _read_to_device(ckpt, [reads[i] for i in to_device], how, result.written)
         except BaseException as exc:
-            if result.written:
+            if result.written and not own_targets:
                 raise partly_changed(exc, result.written) from exc
             raise
         for i, tensor in zip(to_device, moved, strict=True):
@@ -309,7 +322,7 @@ def read_tensors(
             flush()
         except BaseException as exc:
             written = result.written + direct
-            if written:
+            if written and not own_targets:
                 raise partly_changed(exc, written) from exc
             raise
         result.written.extend(direct)

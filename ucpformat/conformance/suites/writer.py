@@ -36,7 +36,7 @@ from ucpformat.conformance.suites.core import (
     timed,
     types_of,
 )
-from ucpformat.conformance.watch import WriteCounter
+from ucpformat.conformance.watch import WriteCounter, available, wait_for_change
 from ucpformat.errors import UCPError
 from ucpformat.format.jsonvalues import json_equal
 
@@ -159,6 +159,7 @@ def _run_scenario(report: SuiteReport, adapter: Adapter, scenario: Scenario,
         result.error("UCP-1.0-R233", "the writer reported success but committed nothing "
                                      "(no root zarr.json)")
         return None
+    _judge_success_output(result, run)
     _judge_output(report, result, scenario.name, out, expected)
     _judge_writes(report, scenario.name, counter, out)
     if "layout" in scenario.features or "dtensor" in scenario.features:
@@ -166,6 +167,20 @@ def _run_scenario(report: SuiteReport, adapter: Adapter, scenario: Scenario,
         _judge_loading(report.add(Result(check, scenario.name, requirements_of(check))), out,
                        expected)
     return out
+
+
+def _judge_success_output(result: Result, run: Run) -> None:
+    """On success a writer prints nothing, or one JSON object without ``error`` (UCP-1.0-R233)."""
+    text = run.stdout.strip()
+    if not text:
+        return
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or "error" in doc:
+        result.error("UCP-1.0-R233", f"on success the writer printed {text[:80]!r}: nothing, or "
+                                     "one JSON object without the member error, is allowed")
 
 
 def _judge_refusal(result: Result, run: Run, out: Path, scenario: Scenario) -> None:
@@ -200,10 +215,40 @@ def _judge_output(report: SuiteReport, result: Result, name: str, out: Path,
         result.error(issue.rule, f"{issue.path}: {issue.message}")
     for issue in validation.warnings:
         result.warn(issue.rule, f"{issue.path}: {issue.message}")
+    if not validation.errors:
+        _judge_fill_values(result, out)
     contents_result = report.add(Result("writer.contents", name,
                                         requirements_of("writer.contents")))
     with timed(contents_result):
         judge_contents(contents_result, out, expected)
+
+
+#: The fill value UCP-1.0-R033 asks writers to write, spelled out, by data type.
+_ZERO_FILL: dict[str, Any] = {
+    "bool": False, "float32": 0.0, "float64": 0.0, "complex64": [0.0, 0.0],
+    "complex128": [0.0, 0.0], "float16": "0x0000", "bfloat16": "0x0000",
+    **{t: 0 for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                      "uint64")},
+    **{t: "0x00" for t in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                           "float8_e5m2fnuz", "float8_e8m0fnu")},
+}
+
+
+def _judge_fill_values(result: Result, out: Path) -> None:
+    """A warning (SHOULD) for each array whose fill value is not the zero bits spelled as
+    UCP-1.0-R033 spells them ("0x0000" for float16, "0x00" for every 1-byte float type)."""
+    try:
+        root = json.loads((out / "zarr.json").read_bytes())
+        nodes = root["consolidated_metadata"]["metadata"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for path, doc in sorted(nodes.items()):
+        if not isinstance(doc, dict) or doc.get("node_type") != "array":
+            continue
+        want = _ZERO_FILL.get(str(doc.get("data_type")))
+        if want is not None and not json_equal(doc.get("fill_value"), want):
+            result.warn("UCP-1.0-R033", f"{path}: fill value {doc.get('fill_value')!r}; writers "
+                                        f"write {json.dumps(want)} for {doc['data_type']}")
 
 
 def judge_contents(result: Result, location: Path, expected: Mapping[str, Any]) -> None:
@@ -409,9 +454,9 @@ def _fault_checks(report: SuiteReport, adapter: Adapter, scenarios: Sequence[Sce
                                       requirements_of("writer.stray"))),
                     adapter, base, by_name["many-tensors"], supported, work / "stray",
                     "UCP-1.0-R049", stray="notes (1).txt")
-    _concurrent(report.add(Result("writer.concurrent", "basic | many-tensors",
+    _concurrent(report.add(Result("writer.concurrent", "many-tensors | basic",
                                   requirements_of("writer.concurrent"))),
-                adapter, [by_name["basic"], by_name["many-tensors"]], supported,
+                adapter, [by_name["many-tensors"], by_name["basic"]], supported,
                 work / "concurrent")
 
 
@@ -440,6 +485,10 @@ def _onto_committed(result: Result, adapter: Adapter, base: Path, scenario: Scen
         else:
             result.note(None, "the writer refused and left the committed checkpoint as it was")
         return
+    if stray is not None and (dest / stray).exists():
+        result.error("UCP-1.0-R066", f"the writer replaced the committed checkpoint but left "
+                                     f"{stray!r} beside it: refuse, or remove it with the "
+                                     "checkpoint")
     from ucpformat.checkpoint.validation import validate
 
     validation = validate(dest, deep=True)
@@ -448,7 +497,7 @@ def _onto_committed(result: Result, adapter: Adapter, base: Path, scenario: Scen
                            f"{issue.path}: {issue.message}")
     judge_contents(result, dest, expected)
     for finding in list(result.errors):
-        if finding.rule != rule:
+        if finding.rule not in (rule, "UCP-1.0-R066"):
             result.findings.remove(finding)
             result.error(rule, f"the replaced checkpoint is not the new one alone: "
                                f"{finding.message}")
@@ -458,15 +507,91 @@ def _onto_committed(result: Result, adapter: Adapter, base: Path, scenario: Scen
 
 def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
                 supported: set[str], work: Path) -> None:
-    """Two writes of different scenarios started at the same moment into one new
-    location: at most one may report success, and the location must then hold exactly
-    its checkpoint (UCP-1.0-R059); never a mix of both."""
+    """Two writes of different scenarios into one new location whose runs overlap: at
+    most one may report success, and the location must then hold exactly its checkpoint
+    (UCP-1.0-R059, UCP-1.0-R064, UCP-1.0-R065); never a mix of both.
+
+    The overlap is made, not hoped for: the first writer's process group is stopped
+    (SIGSTOP) as soon as anything appears in the location (its claim, by UCP-1.0-R065), the
+    second runs to its end meanwhile, then the first goes on (SIGCONT). A first writer that
+    ended before it could be stopped did not overlap: tried again in a new location, three
+    times at most, then the check is skipped, never passed. An in-process adapter cannot be
+    stopped: its two writes start at one moment, and may not overlap.
+    """
+    prepared = [_prepare(s, supported, work / f"in-{i}") for i, s in enumerate(scenarios)]
+    names = [s.name for s in scenarios]
+    if not available() or isinstance(adapter, CallableAdapter):
+        _concurrent_at_once(result, adapter, prepared, names, work / "out")
+        return
+    for attempt in range(1, OVERLAP_TRIES + 1):
+        dest = work / f"out-{attempt}"
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)  # OUT_DIR is an empty folder (UCP-1.0-R233)
+        with timed(result):
+            made = overlapping_writes(adapter, [str(p[0]) for p in prepared], dest)
+        if made is None:
+            continue
+        runs, waited = made
+        result.extra["overlap"] = True
+        result.extra["attempts"] = attempt
+        if waited:
+            result.note(None, f"{names[1]} waited for {names[0]} instead of refusing; both "
+                              f"went on together after {_SECOND_WAIT:.0f} s")
+        _judge_concurrent(result, list(runs), dest, prepared, names)
+        return
+    result.extra["overlap"] = False
+    result.skip(f"the writer of {names[0]} ended each of {OVERLAP_TRIES} times before it "
+                "could be stopped: the two writes could not be made to overlap")
+
+
+#: Locations the concurrency check tries before it gives up making two writes overlap.
+OVERLAP_TRIES = 3
+#: How long the second writer may run while the first is stopped (seconds).
+_SECOND_WAIT = 60.0
+
+
+def overlapping_writes(adapter: Adapter, scenario_files: Sequence[str], dest: Path
+                 ) -> tuple[tuple[Run, Run], bool] | None:
+    """Run two writes into ``dest``, the second wholly while the first is stopped after its
+    first change there: ((first run, second run), whether the second had to be let go on
+    with the first); None if the first ended before it was stopped (no overlap)."""
+    import signal
+
+    first = adapter.start("write", scenario_files[0], str(dest))
+    if first is None:
+        return None
+    changed = wait_for_change(dest, given_up=lambda: not first.running(),
+                              timeout=adapter.timeout)
+    first.signal(signal.SIGSTOP)
+    if not changed or not first.running() or (dest / "zarr.json").exists():
+        first.signal(signal.SIGCONT)  # it ended, or committed, before it was stopped
+        if first.finish(adapter.timeout) is None:
+            first.kill()
+        return None
+    second = adapter.start("write", scenario_files[1], str(dest))
+    if second is None:
+        first.signal(signal.SIGCONT)
+        first.finish(adapter.timeout) or first.kill()
+        return None
+    waited = False
+    run2 = second.finish(min(_SECOND_WAIT, adapter.timeout))
+    first.signal(signal.SIGCONT)
+    if run2 is None:
+        waited = True
+        run2 = second.finish(adapter.timeout) or second.kill()
+    run1 = first.finish(adapter.timeout) or first.kill()
+    return (run1, run2), waited
+
+
+def _concurrent_at_once(result: Result, adapter: Adapter,
+                        prepared: Sequence[tuple[Path, dict[str, Any], list[str]]],
+                        names: Sequence[str], dest: Path) -> None:
+    """Two writes started at one moment (an adapter whose process cannot be stopped)."""
     import threading
 
-    dest = work / "out"
     if dest.exists():
         shutil.rmtree(dest)
-    prepared = [_prepare(s, supported, work / f"in-{i}") for i, s in enumerate(scenarios)]
     runs: list[Run | None] = [None] * len(prepared)
     start = threading.Barrier(len(prepared))
 
@@ -480,10 +605,20 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
             t.start()
         for t in threads:
             t.join()
+    result.extra["overlap"] = None  # started at once; whether they overlapped is unknown
+    result.note(None, "the two writes were started at one moment, not made to overlap (an "
+                      "in-process adapter cannot be stopped); two writes that did not "
+                      "overlap may both succeed (UCP-1.0-R065)")
+    _judge_concurrent(result, runs, dest, prepared, names, overlapped=False)
+
+
+def _judge_concurrent(result: Result, runs: Sequence[Run | None], dest: Path,
+                      prepared: Sequence[tuple[Path, dict[str, Any], list[str]]],
+                      names: Sequence[str], *, overlapped: bool = True) -> None:
     succeeded = [i for i, run in enumerate(runs) if run is not None and run.returncode == 0]
-    names = [s.name for s in scenarios]
-    if len(succeeded) > 1:
-        result.error("UCP-1.0-R059", "both writers reported success into one location")
+    if len(succeeded) > 1 and overlapped:
+        result.error("UCP-1.0-R059", "both writers reported success into one location, the "
+                                     "second while the first was stopped in it")
     if not (dest / "zarr.json").exists():
         if succeeded:
             result.error("UCP-1.0-R233", f"{names[succeeded[0]]} reported success, nothing is "
@@ -505,11 +640,16 @@ def _concurrent(result: Result, adapter: Adapter, scenarios: Sequence[Scenario],
             matches.append(i)
     if not matches:
         result.error("UCP-1.0-R059", "the location holds neither writer's checkpoint (a mix)")
-    elif succeeded and matches != succeeded[:1]:
+    elif not succeeded:
+        result.error("UCP-1.0-R233", f"the location holds {names[matches[0]]}'s checkpoint, "
+                                     "but neither writer reported success")
+    elif matches[0] not in succeeded or (overlapped and matches != succeeded[:1]):
         result.error("UCP-1.0-R059", f"{names[succeeded[0]]} reported success, the location "
                                      f"holds {names[matches[0]]}")
     if not result.errors:
-        result.note(None, f"{names[matches[0]]} committed; the other writer was refused")
+        other = 1 - matches[0]
+        result.note(None, f"{names[matches[0]]} committed; the writer of {names[other]} "
+                          f"{'was refused' if other not in succeeded else 'also succeeded'}")
 
 
 def _fault_run(result: Result, adapter: Adapter, scenario: Scenario, supported: set[str],

@@ -1,0 +1,1 @@
+"""The rendered specification: ``make docs`` (spec/site/build.py)."""

@@ -1,0 +1,77 @@
+"""What the trainer integrations share (ucpformat.trainers.common), in one process."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ucpformat  # noqa: E402
+from ucpformat.errors import InvalidValueError, StorageError  # noqa: E402
+from ucpformat.trainers.common import (  # noqa: E402
+    decode_state,
+    encode_state,
+    gathered_rng,
+    remove,
+    restore_rng,
+)
+
+pytestmark = [pytest.mark.torch]
+
+
+def test_trainer_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    import ucpformat.torch as ucpt
+
+    state = {"epoch": 3, "score": torch.tensor(0.25), "kth": torch.tensor(float("inf")),
+             "pair": (1, "a"), "by_id": {0: "x", 7: [1.5, float("-inf")]},
+             "nested": {"path/with/slashes.ckpt": torch.tensor([1.0, 2.0],
+                                                               dtype=torch.bfloat16)},
+             "none": None}
+    ucpt.save(tmp_path / "c", extra={"t": encode_state(state, where="training/t")})
+    assert not ucpformat.validate(tmp_path / "c", deep=True).issues
+    with ucpformat.open(tmp_path / "c") as ckpt:
+        back = decode_state(ckpt.to_dict("training")["t"], where="t")
+    assert list(back) == list(state)
+    assert back["pair"] == (1, "a") and back["by_id"] == {0: "x", 7: [1.5, float("-inf")]}
+    assert torch.equal(back["score"], state["score"]) and back["kth"].item() == float("inf")
+    kept = back["nested"]["path/with/slashes.ckpt"]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, state["nested"][
+        "path/with/slashes.ckpt"])
+
+
+def test_an_object_json_cannot_hold_is_refused_by_name() -> None:
+    with pytest.raises(InvalidValueError, match=r"training/x\.hparams\.model.*Linear"):
+        encode_state({"hparams": {"model": torch.nn.Linear(1, 1)}}, where="training/x")
+
+
+def test_rank_generators_restore_the_draws() -> None:
+    saved = gathered_rng()
+    want = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    restore_rng({"rank_rng": saved}, rank=0, world=1)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert want[:2] == got[:2] and torch.equal(want[2], got[2])
+    with pytest.warns(UserWarning, match="no generator state for rank 1"):
+        restore_rng({"rank_rng": saved}, rank=1, world=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restore_rng({"rank_rng": saved}, rank=0, world=1)
+
+
+def test_remove_deletes_checkpoints_only(tmp_path: Path) -> None:
+    import ucpformat.torch as ucpt
+
+    ucpt.save(tmp_path / "c", extra={"a": 1})
+    remove(tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "f.ckpt").write_text("not a checkpoint")
+    with pytest.raises(StorageError, match=r"f\.ckpt"):
+        remove(tmp_path / "f.ckpt")
+    assert (tmp_path / "f.ckpt").exists()
