@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[dev,torch,import,bench,docs,trainers]"
+	$(BIN)/python -m pip install -q -e ".[dev,torch,import,bench,docs,trainers,jax]"
 	# Real frameworks for the importer tests; flags pip extras cannot carry: no CUDA ops
 	# built, and the pinned torch kept (no build isolation).
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_PIN)"

@@ -37,6 +37,8 @@ ROOT_MODULES = {"", "errors", "_version", "compat", "optional", "progress", "int
 TORCH_LAYER = "torch"
 FRAMEWORKS = ("torch", "deepspeed", "megatron", "transformers", "lightning", "accelerate",
               "torchtitan")
+#: Framework-layer packages that never import torch (nor ucpformat.torch), not even lazily.
+TORCH_FREE = ("jax",)
 
 
 def layer_of(module: str) -> int:
@@ -110,6 +112,11 @@ def violations(source: str, module: str) -> list[str]:
         package = package.rpartition(".")[0]
     found = []
     for line, name in runtime_imports(ast.parse(source), package=package):
+        if module.split(".")[0] in TORCH_FREE and (
+                name.split(".")[0] == "torch" or name.startswith("ucpformat.torch")):
+            found.append(f"ucpformat.{module}:{line} imports {name} (ucpformat."
+                         f"{module.split('.')[0]} never imports torch)")
+            continue
         if name.split(".")[0] in FRAMEWORKS and mine < layer_of_name(TORCH_LAYER):
             found.append(f"ucpformat.{module}:{line} imports {name} (the core never "
                          f"imports {name.split('.')[0]})")
@@ -152,6 +159,8 @@ def test_no_module_imports_a_higher_layer_and_the_core_never_imports_torch() -> 
     ("checkpoint.reader", "from ucpformat.torch.load_plan import check_device\n"),
     ("torch.state", "from ucpformat.importers import convert\n"),
     ("engine.grid", "from ..metadata import ArrayMeta\n"),
+    ("jax.save", "def f():\n    import torch\n"),
+    ("jax.load", "from ucpformat.torch.convert import to_numpy\n"),
 ])
 def test_the_checker_finds_what_it_forbids(module: str, source: str) -> None:
     assert violations(source, module), source

@@ -6,6 +6,8 @@ curves with the uninterrupted run (table, CSV and PNG plot in ``--out``). The wo
 :mod:`ucpformat.torch.demo`; torch is imported only when the command runs.
 ``--framework deepspeed`` runs the same experiment with DeepSpeed engines (ZeRO-2 on 4
 processes, ZeRO-3 on 2, no ZeRO on 1; :mod:`ucpformat.deepspeed.demo`).
+``--framework jax`` trains the same GPT in JAX on a (2, 4) mesh of 8 virtual CPU devices
+and resumes it on (4, 2) and (1, 8) (:mod:`ucpformat.jax.demo`; torch is not needed).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "and on 1 with other layouts, and compare the loss curves with the uninterrupted run.",
     )
     p.add_argument("--out", default="demo-out", help="output directory (default: demo-out)")
-    p.add_argument("--framework", choices=["torch", "deepspeed"], default="torch",
-                   help="torch (FSDP2 and tensor parallelism, the default) or deepspeed "
-                        "(ZeRO-2 -> ZeRO-3 and no ZeRO)")
+    p.add_argument("--framework", choices=["torch", "deepspeed", "jax"], default="torch",
+                   help="torch (FSDP2 and tensor parallelism, the default), deepspeed "
+                        "(ZeRO-2 -> ZeRO-3 and no ZeRO) or jax (a (2, 4) mesh -> (4, 2) "
+                        "and (1, 8))")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps (default 150; 12 with --quick); saved half-way")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
@@ -38,6 +41,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.framework == "jax":
+        try:
+            from ucpformat.jax import demo as jax_demo
+        except ImportError as exc:  # JAX is an optional dependency
+            print(f"ucp: error: the JAX demo needs jax (pip install 'ucpformat[jax]'): {exc}")
+            return ERROR
+        if args.rtol is None:
+            args.rtol = jax_demo.DEFAULT_RTOL
+        return jax_demo.run(args)
     try:
         from ucpformat.torch.demo import DEFAULT_RTOL
         from ucpformat.torch.demo import run as resume

@@ -13,7 +13,8 @@ read later, by the engine, with bounded memory)::
 Formats: ``safetensors`` (file or sharded directory), ``torch`` (``torch.save`` files,
 loaded with ``weights_only=True``), ``dcp`` (PyTorch Distributed Checkpoint; its
 ``.metadata`` is a pickle, read only with ``allow_pickle=True``), ``deepspeed`` (ZeRO
-stage 0-3 checkpoints) and ``megatron`` (Megatron-LM legacy per-rank checkpoints).
+stage 0-3 checkpoints), ``megatron`` (Megatron-LM legacy per-rank checkpoints) and
+``orbax`` (Orbax PyTree checkpoints, read through TensorStore; needs the ``jax`` extra).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ucpformat.importers._engine import ImportResult, Scan, TensorSource, write_
 #: Format name -> module, in the order detection tries them.
 FORMATS: dict[str, str] = {
     "safetensors": "ucpformat.importers.safetensors",
+    "orbax": "ucpformat.importers.orbax",
     "dcp": "ucpformat.importers.dcp",
     "deepspeed": "ucpformat.importers.deepspeed",
     "megatron": "ucpformat.importers.megatron",

@@ -134,7 +134,7 @@ def read_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
 # -- writer -------------------------------------------------------------------------------------
 
 
-def _tensor_values(entry: Mapping[str, Any], base: Path) -> list[tuple[int, Any, Any]]:
+def tensor_values(entry: Mapping[str, Any], base: Path) -> list[tuple[int, Any, Any]]:
     """(rank, box, values) fragments of one scenario tensor."""
     dt = dtypes.by_name(entry["dtype"])
     shape = tuple(int(s) for s in entry["shape"])
@@ -176,7 +176,7 @@ def write(scenario_path: str | Path, out_dir: str | Path) -> None:
         ucp = dict(entry.get("ucp", {}))
         specs.append(TensorSpec(path, tuple(entry["shape"]), entry["dtype"],
                                 {"ucp": ucp} if ucp else {}))
-        for rank, box, values in _tensor_values(entry, base):
+        for rank, box, values in tensor_values(entry, base):
             fragments.setdefault(rank, []).append(Fragment(path, box, values))
     group_attributes: dict[str, dict[str, Any]] = {}
     root_values: dict[str, Any] = {}
