@@ -71,7 +71,10 @@ class _Audit:
 
 _LIBRARY_ROOTS = tuple(
     os.path.realpath(p)
-    for p in {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(ucpformat.__file__))}
+    for p in {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(ucpformat.__file__)),
+              # the process's own memory limits (reader.physical_memory bounds allocations
+              # by them): read, never written, and named by no checkpoint
+              "/sys/fs/cgroup", "/proc/self"}
 )
 
 

@@ -8,7 +8,7 @@ every arm sees the same machine load, and counts the runs in which a rank aborte
 
 * ``plain``: no ucpformat at all; a few ``all_reduce`` (a training step's gradient
   averaging), then ``destroy_process_group()`` and a normal interpreter exit;
-* ``ucp``: ``ucpformat.torch.load_distributed`` of a small model and its optimizer, then
+* ``ucp``: ``load_distributed`` (ucpformat.torch) of a small model and its optimizer, then
   the same end;
 * ``plain+barrier`` and ``ucp+barrier``: the same with ``dist.barrier()`` before
   ``destroy_process_group()`` (the recipe of docs/torch-distributed.md).
