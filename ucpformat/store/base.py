@@ -1,13 +1,8 @@
 """The Store interface: the key rules, the claim on a location, the calls backends answer.
 
 Keys are ``/``-separated paths relative to the checkpoint root (``model/fc.weight/c/0/0``).
-Every key is checked before use (UCP-1.0-R091). On a file system, nothing under the
-location is ever reached through a symbolic link (UCP-1.0-R089): every directory and file
-is opened relative to the location's descriptor without following links (Linux's
-``openat2`` with ``RESOLVE_NO_SYMLINKS``, else one component at a time with
-``O_NOFOLLOW``), and a file read is checked on its descriptor (``fstat``), not on its
-path, so that a link planted between a check and an open is never followed. Writes create new files
-(a file already there is replaced, never written through: it may be a hard link).
+Every key is checked before use (:func:`check_key`, UCP-1.0-R091); how a backend keeps
+links out of reach is its own (:mod:`ucpformat.store.local`, UCP-1.0-R089).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ location is ever reached through a symbolic link (UCP-1.0-R089): every directory
 is opened relative to the location's descriptor without following links (Linux's
 ``openat2`` with ``RESOLVE_NO_SYMLINKS``, else one component at a time with
 ``O_NOFOLLOW``), and a file read is checked on its descriptor (``fstat``), not on its
-path, so that a link planted between a check and an open is never followed. Writes create new files
-(a file already there is replaced, never written through: it may be a hard link).
+path, so that a link planted between a check and an open is never followed. Writes
+create new files (a file already there is replaced, never written through: it may be a
+hard link). The system calls themselves are in :mod:`ucpformat.store.posix`.
 """
 
 from __future__ import annotations
