@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 
 import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
+from tests.helpers import launch_ranks  # noqa: E402
 from ucpformat.errors import (  # noqa: E402
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -519,35 +516,10 @@ def test_values_go_to_the_deepest_group() -> None:
 # -- several processes ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(scenario: str, root: Path, world: int, timeout: float = 240) -> None:
     """Run ``world`` ranks of the worker; their output goes to files (a full pipe blocks)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    logs = [root / f"{scenario}-rank{r}.log" for r in range(world)]
-    procs = []
-    for r, log in enumerate(logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.torch.dcp_worker", scenario, str(root)],
-                env=dict(env, RANK=str(r)), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r} (exit {procs[r].returncode}):\n"
-                                  f"{logs[r].read_text()[-4000:]}" for r in failed)
+    launch_ranks("tests.torch.dcp_worker", [scenario, str(root)], root, world, scenario,
+                 timeout=timeout)
 
 
 @pytest.fixture(scope="module")

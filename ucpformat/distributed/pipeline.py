@@ -691,8 +691,9 @@ class DistributedSave:
     ) -> None:
         """Step 7 on the coordinator alone, for a framework that gathered what every rank
         wrote itself (DCP's ``finish``): check that every planned object (``expected``:
-        default, the plan's) was written, then commit ``arrays`` and ``groups`` (the
-        plan's, with what the framework added). A failure abandons the save."""
+        default, the plan's; empty: the framework checked) was written, then commit ``arrays``
+        and ``groups`` (the plan's, with what the framework added). A failure abandons the
+        save."""
         if self._claim is None:
             raise WriteError("only the coordinator that claimed the location commits",
                              path=self.store.location)

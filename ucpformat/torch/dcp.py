@@ -542,7 +542,9 @@ class UCPWriter(StorageWriter):
             },
         )
         state.save.commit_objects(objects, arrays=final_metas, groups=group_metas,
-                                  root_ucp=root_ucp, expected=state.expected)
+                                  # checked at the start of this commit, before the
+                                  # byte arrays were written: not again
+                                  root_ucp=root_ucp, expected=())
 
     # -- helpers ----------------------------------------------------------------------------
 
