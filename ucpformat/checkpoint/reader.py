@@ -36,7 +36,7 @@ from ucpformat.checkpoint.metadata import (
     parse_version,
 )
 from ucpformat.engine.grid import objects_overlapping
-from ucpformat.engine.read import ArrayReader, group_runs
+from ucpformat.engine.read import ArrayReader, ChunkRead, group_runs
 from ucpformat.errors import (
     CheckpointNotFoundError,
     FormatError,
@@ -258,13 +258,16 @@ class Checkpoint:
                 (reader, coords, lo, hi, out)
                 for coords in objects_overlapping(tensor.meta, lo, hi)
             )
-        planned = self._map(lambda j: j[0].plan_object(j[1], j[2], j[3], j[4]), jobs)
-        runs = [
-            (job[0], run, job[2], job[3], job[4])
-            for job, reads in zip(jobs, planned, strict=True)
-            for run in group_runs(reads, self.RUN_BYTES)
-        ]
-        self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs)
+        # one batch of the store: what it opens once (a LocalStore: the location's
+        # directory) serves every read of every thread, instead of being opened per read
+        with self.store.batch():
+            planned = self._map(_plan, jobs)
+            runs = [
+                (job[0], run, job[2], job[3], job[4])
+                for job, reads in zip(jobs, planned, strict=True)
+                for run in group_runs(reads, self.RUN_BYTES)
+            ]
+            self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs)
         return outs
 
     def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
@@ -323,6 +326,17 @@ class Checkpoint:
             f"<ucpformat.Checkpoint {self.location!r} version={self.version} "
             f"tensors={len(self)}>"
         )
+
+
+def _plan(job: tuple[ArrayReader, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                     np.ndarray[Any, Any]]) -> list[ChunkRead]:
+    """The chunk reads of one stored object of a batch; a small object wanted whole is
+    read at once instead (one request), leaving nothing to read."""
+    reader, coords, lo, hi, out = job
+    bound = reader.whole_object_bound(coords, lo, hi)
+    if bound is not None:
+        return reader.read_whole_object(coords, lo, hi, out, bound)
+    return reader.plan_object(coords, lo, hi, out)
 
 
 def _nest(out: dict[str, Any], rel_path: str) -> dict[str, Any]:
