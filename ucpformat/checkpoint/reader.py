@@ -109,6 +109,10 @@ class Checkpoint:
     #: Inner chunks that lie back to back in a shard are read with one request of up to
     #: this many bytes (then checked one by one); runs are read in parallel.
     RUN_BYTES = 16 << 20
+    #: A batch of reads of at most this many bytes in all is read by the calling thread
+    #: alone: starting the pool's threads cost more than such reads (a fifth of a 1 MiB
+    #: load of 19 tensors).
+    SERIAL_BYTES = 4 << 20
 
     def __init__(
         self,
@@ -260,18 +264,19 @@ class Checkpoint:
             )
         # one batch of the store: what it opens once (a LocalStore: the location's
         # directory) serves every read of every thread, instead of being opened per read
+        serial = sum(out.nbytes for out in outs) <= self.SERIAL_BYTES
         with self.store.batch():
-            planned = self._map(_plan, jobs)
+            planned = self._map(_plan, jobs, serial=serial)
             runs = [
                 (job[0], run, job[2], job[3], job[4])
                 for job, reads in zip(jobs, planned, strict=True)
                 for run in group_runs(reads, self.RUN_BYTES)
             ]
-            self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs)
+            self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs, serial=serial)
         return outs
 
-    def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
-        if len(items) <= 1:
+    def _map(self, fn: Any, items: Sequence[Any], *, serial: bool = False) -> list[Any]:
+        if len(items) <= 1 or serial:
             return [fn(item) for item in items]
         with self._pool_lock:
             if self._pool is None:
