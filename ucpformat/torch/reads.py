@@ -41,12 +41,6 @@ from ucpformat.distributed import read_locals
 from ucpformat.errors import LoadError, UCPError, restated
 from ucpformat.layout.boxes import LocalMap, Piece, full_box
 from ucpformat.torch.numpy_bridge import from_numpy, to_numpy, torch_dtype
-from ucpformat.torch.page_moves import (
-    MOVE_MIN_BYTES,
-    anonymous_ranges,
-    move_into,
-    staging_array,
-)
 from ucpformat.torch.staging import (
     Copier,
     DeviceUploads,
@@ -149,16 +143,9 @@ class StagedReads:
         if to_device:
             assert how is not None
             upload_staged(to_device, how)
-        ranges: list[tuple[int, int]] | None = None  # read once, if a move is tried
         for target, data in self.staged:
-            if id(target) in chosen:
-                continue
-            if target.device.type == "cpu" and data.numel() * data.element_size() \
-                    >= MOVE_MIN_BYTES:
-                ranges = anonymous_ranges() if ranges is None else ranges
-                if move_into(target, data, ranges):
-                    continue
-            copy_into(target, data)
+            if id(target) not in chosen:
+                copy_into(target, data)
         self.staged.clear()
 
 
@@ -285,13 +272,8 @@ def read_tensors(
     new = [(r, (r.path, math.prod(r.local.local_shape if r.local is not None
                                   else ckpt[r.path].shape) * ckpt[r.path].dtype.itemsize))
            for r in reads if r.target is None]
-    # (staged, the targets' host copies are new arrays too, held together until apply)
-    staged_sizes = [] if in_place else [
-        (r.path, math.prod(r.target.shape) * ckpt[r.path].dtype.itemsize)
-        for r in reads if r.target is not None]
     ckpt.check_new_arrays([size for r, size in new
-                           if r.device is None or torch.device(r.device).type == "cpu"]
-                          + staged_sizes)
+                           if r.device is None or torch.device(r.device).type == "cpu"])
     for r, size in new:
         if r.device is not None and torch.device(r.device).type != "cpu":
             ckpt.check_new_arrays([size])
@@ -311,20 +293,18 @@ def read_tensors(
             tensors[i] = tensor
     chosen = set(to_device)
     rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
-    # (index, read, local map, the array read into: a new one if None, direct: it is the
-    # target's own memory)
-    pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None, bool]] = []
+    pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None]] = []
     held = 0  # host bytes of this batch that are not their final tensors' own memory
 
     def flush() -> None:
         nonlocal held
-        values = read_locals(ckpt, [(r.path, lm, out) for _, r, lm, out, _ in pending])
-        for (i, r, _, _, direct), value in zip(pending, values, strict=True):
+        values = read_locals(ckpt, [(r.path, lm, out) for _, r, lm, out in pending])
+        for (i, r, _, out), value in zip(pending, values, strict=True):
             if r.target is None:
                 tensors[i] = from_numpy(value, name=r.path, device=r.device)
                 continue
             tensors[i] = r.target
-            if direct:  # read into the target itself
+            if out is not None:  # read into the target itself
                 continue
             data = from_numpy(value, name=r.path)
             if in_place:
@@ -337,7 +317,7 @@ def read_tensors(
 
     def flush_or_explain() -> None:
         # in place, the targets of this batch read into directly may be partly written
-        direct = [r.path for _, r, _, _, d in pending if d]
+        direct = [r.path for _, r, _, out in pending if out is not None]
         try:
             flush()
         except BaseException as exc:
@@ -356,12 +336,9 @@ def read_tensors(
             if in_place:
                 out = _direct_view(ckpt, read.path, read.target)
                 held += 0 if out is not None else nbytes
-            elif read.target.dtype == torch_dtype(meta.dtype.name, tensor=read.path):
-                # staging whose pages apply() can move into the target (None: a new array)
-                out = staging_array(read.target, meta.dtype.numpy, tuple(lm.local_shape))
         elif read.device is not None and torch.device(read.device).type != "cpu":
             held += nbytes
-        pending.append((i, read, lm, out, in_place and out is not None))
+        pending.append((i, read, lm, out))
         # staged, only new tensors are held per batch: every target waits for apply()
         if held >= batch_bytes:
             flush_or_explain()
