@@ -56,6 +56,9 @@ class ChunkRead:
     nbytes: int | None
     lo: tuple[int, ...]  # global coordinates of the chunk's first element
     chunk: tuple[int, ...]  # global chunk coordinates (for messages)
+    #: The plan checked the range against its object's size (UCP-1.0-R094): a read of it
+    #: need not ask for the size again before allocating for it.
+    within: bool = False
 
 
 def group_runs(reads: Sequence[ChunkRead], limit: int) -> list[list[ChunkRead]]:
@@ -254,7 +257,8 @@ class ArrayReader:
                     rule="UCP-1.0-R094" if beyond else "UCP-1.0-R048",
                     tensor=self.path,
                 )
-            reads.append(ChunkRead(key, offset, nbytes, glo, gchunk))
+            reads.append(ChunkRead(key, offset, nbytes, glo, gchunk,
+                                   within=shard_size is not None))
         return reads
 
     def _read_chunk(
@@ -424,7 +428,7 @@ class ArrayReader:
         key = run[0].key
         end = run[-1].offset + (run[-1].nbytes or 0)
         scratch_bytes = sum((r.nbytes or 0) for r in run)  # at most this much is not ``out``
-        if scratch_bytes > UNCHECKED_SCRATCH_BYTES:
+        if scratch_bytes > UNCHECKED_SCRATCH_BYTES and not all(r.within for r in run):
             # the shard's index gave these ranges: allocate for them only once the shard is
             # known to hold them (UCP-1.0-R094)
             size = self.store.size(key)
