@@ -56,7 +56,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    out: np.ndarray[Any, Any] = raw[start : start + nbytes].view(dtype).reshape(shape)
+    return out
 
 
 def _is_aligned(data: np.ndarray[Any, Any]) -> bool:
