@@ -73,7 +73,7 @@ from ucpformat.torch.load_plan import (
 from ucpformat.torch.numpy_bridge import to_numpy
 from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
 from ucpformat.torch.rng import from_layout as rng_from_layout
-from ucpformat.torch.rng import rng_state, set_rng_state
+from ucpformat.torch.rng import rng_state, rng_step
 from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.torch.staging import Staging, deferred_of
 
@@ -120,6 +120,15 @@ class LoadResult:
     #: checkpoint has nothing for them: non-persistent buffers, missing keys with
     #: ``strict=False``); a warning names them too.
     on_meta: list[str] = field(default_factory=list)
+    #: This rank's own stored state, ``training/ranks/<rank>`` (spec UCP-1.0-R086), as
+    #: tensors and values, or None where the checkpoint holds none for it (a distributed
+    #: load; ``load_distributed(rng=..., rank_state=...)`` restored what was asked).
+    rank_state: dict[str, Any] | None = None
+    #: The number of processes whose per-rank state the checkpoint holds, or None.
+    saved_world_size: int | None = None
+    #: What a load of per-rank state could not restore exactly (each also a
+    #: ``RankStateWarning``): no state for this rank, another world size (UCP-1.0-R087).
+    rank_notes: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, ckpt: Checkpoint, training: dict[str, Any], model_plan: Any,
@@ -633,7 +642,7 @@ def load(
         if scheduler is not None and load_scheduler:
             steps.append(scheduler_step(scheduler, scheduler_state))
         if rng and stored_rng is not None:
-            steps.append(_rng_step(stored_rng, strict=strict))
+            steps.append(rng_step(stored_rng, strict=strict))
         if model is not None and model_plan is not None:
             if assign:
                 state = assigned_state(groups, read.tensors[:len(groups)])
@@ -676,14 +685,6 @@ def _stored_rng(training: Mapping[str, Any], *, required: bool) -> dict[str, Any
         if required:
             raise
         return None
-
-
-def _rng_step(state: Mapping[str, Any], *, strict: bool) -> Step:
-    """Restoring the generators; undone by restoring the ones they had."""
-    current = rng_state()
-    return Step("the random-number generators", "training/rng",
-                lambda: set_rng_state(state, strict=strict),
-                lambda: set_rng_state(current, strict=False))
 
 
 def non_persistent_buffers(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> set[str]:
