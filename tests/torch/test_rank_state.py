@@ -113,3 +113,23 @@ def test_rank_state_names_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ucpformat.UCPError, match="pass them as rng="):
         ucpt.save_distributed(tmp_path / "x", model=w.model(), rank_state={"rng": w.Loader()})
     assert not (tmp_path / "x").exists()
+
+
+def test_extra_takes_groups_and_numpy_arrays_as_save_does(tmp_path: Path) -> None:
+    """``extra`` of ``save_distributed`` stores a ``Group`` as a group and numpy arrays as
+    arrays, as ``ucpformat.save`` does (the trainers hand every rank's generators, in the
+    form of R085, through it)."""
+    import numpy as np
+
+    from ucpformat.checkpoint.tree import Group
+
+    ucpt.save_distributed(tmp_path / "c", model=w.model(), extra={
+        "python_like": Group({"kind": "python", "version": 3}),
+        "key": np.arange(5, dtype=np.uint32),
+        "nested": {"ids": np.arange(2, dtype=np.int64), "n": 1}})
+    ckpt = ucpformat.open(tmp_path / "c")
+    assert "training/python_like" in ckpt.groups
+    assert ckpt.values("training/python_like") == {"kind": "python", "version": 3}
+    assert ckpt["training/key"].read().dtype == np.uint32
+    assert ckpt["training/nested/ids"].read().tolist() == [0, 1]
+    assert ckpt.values("training/nested") == {"n": 1}

@@ -55,6 +55,7 @@ from ucpformat.checkpoint.rank_state import RankState, RankStateWarning, check_r
 from ucpformat.checkpoint.rank_state import group_values as rank_group_values
 from ucpformat.checkpoint.rank_state import read as read_rank_state
 from ucpformat.checkpoint.reader import Checkpoint
+from ucpformat.checkpoint.tree import Group
 from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec, save_fragments
 from ucpformat.distributed.comm import Communicator, gather_failures
 from ucpformat.distributed.pipeline import FragmentSource
@@ -298,14 +299,16 @@ def collect_rank_state(
 
 def _collect_layout(state: _State, where: tuple[str, ...], tree: Mapping[str, Any],
                     *, owner: int) -> None:
-    """A tree of numpy arrays, JSON values and mappings (a ``Group`` for every group, as
-    ``ucpformat.save`` takes it) into ``state``: every mapping a group."""
+    """A tree of arrays (numpy or plain tensors), JSON values and mappings (a ``Group``
+    for every group, as ``ucpformat.save`` takes it) into ``state``: every mapping a
+    group."""
     state.groups.setdefault(_path(*where), {})
     for key, value in tree.items():
         at = (*where, str(key))
         if isinstance(value, np.ndarray):
-            state.items.append(_Item(_path(*at), torch.from_numpy(np.ascontiguousarray(value)),
-                                     "training_state", only_rank=owner))
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if isinstance(value, torch.Tensor):
+            state.items.append(_Item(_path(*at), value, "training_state", only_rank=owner))
         elif isinstance(value, Mapping):
             _collect_layout(state, at, value, owner=owner)
         else:
@@ -314,7 +317,14 @@ def _collect_layout(state: _State, where: tuple[str, ...], tree: Mapping[str, An
 
 def _collect_extra(state: _State, where: tuple[str, ...], value: Any, *, owner: int = 0
                    ) -> None:
-    """An ``extra`` entry (``owner``: the rank whose plain tensors are stored)."""
+    """An ``extra`` entry (``owner``: the rank whose plain tensors are stored): tensors and
+    numpy arrays are arrays, a :class:`~ucpformat.checkpoint.tree.Group` is always a
+    group (as ``ucpformat.save`` takes it), other mappings only where they hold an array."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, Group):
+        _collect_layout(state, where, value, owner=owner)
+        return
     if isinstance(value, torch.Tensor):
         if isinstance(value, DTensor):
             state.items.append(_Item(_path(*where), value, "training_state"))
@@ -322,7 +332,7 @@ def _collect_extra(state: _State, where: tuple[str, ...], value: Any, *, owner: 
             state.items.append(_Item(_path(*where), value, "training_state", only_rank=owner))
         return
     if isinstance(value, Mapping) and any(
-        isinstance(v, torch.Tensor | Mapping) for v in value.values()
+        isinstance(v, torch.Tensor | np.ndarray | Mapping) for v in value.values()
     ):
         state.groups.setdefault(_path(*where), {})
         for k, v in value.items():
