@@ -133,3 +133,17 @@ def test_extra_takes_groups_and_numpy_arrays_as_save_does(tmp_path: Path) -> Non
     assert ckpt["training/key"].read().dtype == np.uint32
     assert ckpt["training/nested/ids"].read().tolist() == [0, 1]
     assert ckpt.values("training/nested") == {"n": 1}
+
+
+def test_single_process_extra_takes_groups_and_numpy_arrays(tmp_path: Path) -> None:
+    """The same for ``ucpformat.torch.save``'s ``extra``."""
+    import numpy as np
+
+    from ucpformat.checkpoint.tree import Group
+
+    ucpt.save(tmp_path / "c", model=w.model(), extra={
+        "python_like": Group({"kind": "python", "version": 3}),
+        "key": np.arange(5, dtype=np.uint32)})
+    ckpt = ucpformat.open(tmp_path / "c")
+    assert ckpt.values("training/python_like") == {"kind": "python", "version": 3}
+    assert ckpt["training/key"].read().tolist() == [0, 1, 2, 3, 4]

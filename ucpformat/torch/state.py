@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ucpformat.checkpoint.reader import Checkpoint
@@ -329,11 +330,18 @@ def numpy_of(tensor: torch.Tensor, where: str) -> ArrayValue:
 
 
 def _tree_to_numpy(value: Any, *, where: str, convert: ArrayOf = numpy_of) -> Any:
-    """Tensors -> numpy arrays (any depth of mappings); other values -> JSON-ready."""
+    """Tensors -> numpy arrays (any depth of mappings; numpy arrays stay arrays, a
+    ``Group`` stays a group, as ``ucpformat.save`` takes them); other values ->
+    JSON-ready."""
     if isinstance(value, torch.Tensor):
         return convert(value, where)
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, Group):
+        return Group({str(k): _tree_to_numpy(v, where=f"{where}/{k}", convert=convert)
+                      for k, v in value.items()}, ucp=value.ucp)
     if isinstance(value, Mapping):
-        if not any(isinstance(v, torch.Tensor | Mapping) for v in value.values()):
+        if not any(isinstance(v, torch.Tensor | np.ndarray | Mapping) for v in value.values()):
             return to_json(value, where=where)
         return {str(k): _tree_to_numpy(v, where=f"{where}/{k}", convert=convert)
                 for k, v in value.items()}
