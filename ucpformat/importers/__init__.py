@@ -16,7 +16,8 @@ are read only with ``allow_pickle=True``), ``safetensors`` (file or sharded
 directory), ``torch`` (``torch.save`` files, loaded with ``weights_only=True``),
 ``dcp`` (PyTorch Distributed Checkpoint; its ``.metadata`` is a pickle, read only with
 ``allow_pickle=True``), ``deepspeed`` (ZeRO stage 0-3 checkpoints), ``megatron``
-(Megatron-LM legacy per-rank checkpoints) and ``orbax`` (Orbax PyTree checkpoints, read through TensorStore; needs the ``jax`` extra).
+(Megatron-LM legacy per-rank checkpoints) and ``orbax`` (Orbax PyTree checkpoints, read
+through TensorStore; needs the ``jax`` extra).
 """
 
 from __future__ import annotations
