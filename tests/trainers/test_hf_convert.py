@@ -27,6 +27,7 @@ from tests.trainers.launch import launch
 from ucpformat import importers
 from ucpformat.cli import main
 from ucpformat.errors import FormatError
+from ucpformat.trainers.common import RANK_RNG
 
 pytestmark = [pytest.mark.torch]
 WORKER = "tests.trainers.hf_convert_worker"
@@ -81,7 +82,7 @@ def test_ucp_trainer_on_two_processes_resumes_bit_equal(runs: Path) -> None:
 def test_two_process_checkpoint_resumes_on_one(runs: Path) -> None:
     begin = result(runs, "one")["begin"]
     with ucpformat.open(runs / "ucp2" / "checkpoint-9") as ckpt:
-        assert sorted(ckpt.to_dict("training")["rank_rng"]) == ["0", "1"]
+        assert sorted(ckpt.to_dict("training")[RANK_RNG]) == ["0", "1"]
         aliases = ckpt.groups["model"].attributes["ucp"].get("aliases", {})
         for name, value in begin["params"].items():
             stored = ckpt.tensor("model", aliases.get(name, name)).read()
