@@ -1,6 +1,7 @@
-"""One run of the Trainer-checkpoint conversion tests: ``python -m
-tests.trainers.hf_convert_worker <scenario> <root> <name> [<checkpoint>]`` (run by
-tests/trainers/test_hf_convert.py on 1 or 2 gloo processes).
+"""Runs of the Trainer-checkpoint conversion tests: ``python -m
+tests.trainers.hf_convert_worker <scenario>:<name>[:<checkpoint>],... <root>`` (run by
+tests/trainers/test_hf_convert.py on 1 or 2 gloo processes; the runs one after the
+other in one process).
 
 A tiny GPT-2 (dropout on) trains on 32 shuffled sequences for 12 steps, saving every 3:
 ``stock`` with the stock ``transformers.Trainer`` into ``<root>/<name>``; ``resume``
@@ -100,18 +101,24 @@ def make(cls: type[Trainer], out: Path) -> Trainer:
     return trainer
 
 
+def run(scenario: str, root: Path, name: str, checkpoint: str | None) -> None:
+    trainer = make(Stock if scenario == "stock" else UCP, root / name)
+    if scenario == "stock":
+        trainer.train()
+    else:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    (root / f"{name}-{os.environ.get('RANK', '0')}.json").write_text(json.dumps({
+        "losses": trainer.losses, "step": trainer.state.global_step,
+        "begin": trainer.begin, **state(trainer)}))
+
+
 def main() -> None:
-    scenario, root, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    root = Path(sys.argv[2])
     code = 0
     try:
-        trainer = make(Stock if scenario == "stock" else UCP, root / name)
-        if scenario == "stock":
-            trainer.train()
-        else:
-            trainer.train(resume_from_checkpoint=sys.argv[4])
-        (root / f"{name}-{os.environ.get('RANK', '0')}.json").write_text(json.dumps({
-            "losses": trainer.losses, "step": trainer.state.global_step,
-            "begin": trainer.begin, **state(trainer)}))
+        for spec in sys.argv[1].split(","):
+            scenario, name, *checkpoint = spec.split(":")
+            run(scenario, root, name, checkpoint[0] if checkpoint else None)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -2,10 +2,11 @@
 ``UCPTrainer`` bit for bit; ``UCPTrainer`` on 2 gloo processes resumes bit for bit, and
 its checkpoint loads on 1 (ucpformat.importers.hf_trainer, ucpformat.trainers.transformers).
 
-Runs of tests/trainers/hf_convert_worker.py (a tiny GPT-2 with dropout, shuffled data,
-12 steps saving every 3): the stock Trainer on 1 and on 2 processes; ``UCPTrainer``
-resumed from the converted stock checkpoints (1 and 2 processes), from its own 2-process
-checkpoint (2 processes), and on 1 process from that 2-process checkpoint.
+Five launches of tests/trainers/hf_convert_worker.py (a tiny GPT-2 with dropout,
+shuffled data, 12 steps saving every 3): the stock Trainer on 1 and on 2 processes;
+``UCPTrainer`` resumed in new processes from the converted stock checkpoints (1 and 2
+processes), from its own 2-process checkpoint (2 processes), and on 1 process from that
+2-process checkpoint.
 """
 
 from __future__ import annotations
@@ -48,16 +49,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("hfconv")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        launch(WORKER, ["stock", str(root), "stock1"], root, 1, "stock1")
+        launch(WORKER, ["stock:stock1", str(root)], root, 1, "stock1")
+        launch(WORKER, ["stock:stock2", str(root)], root, 2, "stock2")
         importers.convert(root / "stock1" / "checkpoint-9", root / "conv1-9", allow_pickle=True)
-        launch(WORKER, ["resume", str(root), "ucp1", str(root / "conv1-9")], root, 1, "ucp1")
-        launch(WORKER, ["stock", str(root), "stock2"], root, 2, "stock2")
         importers.convert(root / "stock2" / "checkpoint-6", root / "conv2-6", allow_pickle=True)
-        launch(WORKER, ["resume", str(root), "ucp2", str(root / "conv2-6")], root, 2, "ucp2")
-        launch(WORKER, ["resume", str(root), "again2", str(root / "ucp2" / "checkpoint-9")],
-               root, 2, "again2")
-        launch(WORKER, ["resume", str(root), "one", str(root / "ucp2" / "checkpoint-9")],
-               root, 1, "one")
+        launch(WORKER, [f"resume:ucp2:{root / 'conv2-6'}", str(root)], root, 2, "ucp2")
+        launch(WORKER, [f"resume:again2:{root / 'ucp2' / 'checkpoint-9'}", str(root)], root, 2,
+               "again2")
+        launch(WORKER, [f"resume:ucp1:{root / 'conv1-9'},"
+                        f"resume:one:{root / 'ucp2' / 'checkpoint-9'}", str(root)], root, 1, "one")
     yield root
 
 
@@ -77,6 +77,13 @@ def test_ucp_trainer_on_two_processes_resumes_bit_equal(runs: Path) -> None:
         for run in (from_converted, from_own):
             assert run["params"] == stock["params"] and run["exp_avg"] == stock["exp_avg"]
     assert result(runs, "stock2", 0)["losses"] != result(runs, "stock2", 1)["losses"]
+    written = sorted(p for run in ("ucp1", "ucp2", "again2", "one")
+                     for p in (runs / run).iterdir())
+    assert len(written) == 5  # checkpoint-12 of each, and checkpoint-9 of ucp2
+    for path in written:  # UCP alone: no pickle beside it, no foreign file in it
+        assert sorted(p.name for p in path.iterdir()) == [
+            "manifest.ucp.json", "model", "optimizer", "training", "zarr.json"]
+        assert not ucpformat.validate(path, deep=True).issues, path
 
 
 def test_two_process_checkpoint_resumes_on_one(runs: Path) -> None:

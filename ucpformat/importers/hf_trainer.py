@@ -215,7 +215,6 @@ def _check_model(out: Scan, model: Any, path: Path) -> None:
 def _training(out: Scan, path: Path, files: dict[str, Path], rng: dict[int, Path]) -> None:
     """``training/``: the step, the scheduler, the trainer state and each rank's generators,
     through the same collection as a save of UCPTrainer."""
-    import torch
     from transformers import TrainerState
 
     from ucpformat.torch.distributed import collect_state
@@ -240,10 +239,13 @@ def _training(out: Scan, path: Path, files: dict[str, Path], rng: dict[int, Path
         other = sorted(set(loaded) - {"python", "numpy", "cpu", "cuda"})
         if other:
             raise _fail(f"generator states of {other}, which UCPTrainer does not store", file)
+        missing = sorted({"python", "numpy", "cpu"} - set(loaded))
+        if missing:
+            raise _fail(f"no generator state of {missing}", file)
         cuda = loaded.get("cuda", [])
         cuda = [cuda] if is_tensor(cuda) else list(cuda)
-        ranks[str(rank)] = rng_state(loaded.get("python"), loaded.get("numpy"),
-                                     loaded.get("cpu", torch.empty(0)), cuda, where=str(file))
+        ranks[str(rank)] = rng_state(loaded["python"], loaded["numpy"], loaded["cpu"], cuda,
+                                     where=str(file))
     if ranks:
         extra.update(rank_rng_extra(ranks))
     collected = collect_state(scheduler=scheduler, step=int(state.global_step), extra=extra)
