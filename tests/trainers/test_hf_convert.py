@@ -5,8 +5,8 @@ its checkpoint loads on 1 (ucpformat.importers.hf_trainer, ucpformat.trainers.tr
 Five launches of tests/trainers/hf_convert_worker.py (a tiny GPT-2 with dropout,
 shuffled data, 12 steps saving every 3): the stock Trainer on 1 and on 2 processes;
 ``UCPTrainer`` resumed in new processes from the converted stock checkpoints (1 and 2
-processes), from its own 2-process checkpoint (2 processes), and on 1 process from that
-2-process checkpoint.
+processes), from its own 2-process checkpoint (2 processes), on 1 process from that
+2-process checkpoint and on 2 from the converted 1-process one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from ucpformat.cli import main
 from ucpformat.errors import FormatError
 from ucpformat.trainers.common import RANK_RNG
 
-pytestmark = [pytest.mark.torch]
+pytestmark = [pytest.mark.torch, pytest.mark.distributed]
 WORKER = "tests.trainers.hf_convert_worker"
 
 
@@ -44,9 +43,12 @@ def convert(source: Path, destination: Path, capsys: pytest.CaptureFixture[str])
     return capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("hfconv")
+def test_stock_checkpoints_convert_and_resume_bit_equal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One test (the launches are the cost; pytest-xdist could split a module's tests
+    between workers and run a module fixture twice)."""
+    root = tmp_path / "runs"
+    root.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         launch(WORKER, ["stock:stock1", str(root)], root, 1, "stock1")
@@ -54,21 +56,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         importers.convert(root / "stock1" / "checkpoint-9", root / "conv1-9", allow_pickle=True)
         importers.convert(root / "stock2" / "checkpoint-6", root / "conv2-6", allow_pickle=True)
         launch(WORKER, [f"resume:ucp2:{root / 'conv2-6'}", str(root)], root, 2, "ucp2")
-        launch(WORKER, [f"resume:again2:{root / 'ucp2' / 'checkpoint-9'}", str(root)], root, 2,
-               "again2")
+        launch(WORKER, [f"resume:again2:{root / 'ucp2' / 'checkpoint-9'},"
+                        f"resume:two:{root / 'conv1-9'}", str(root)], root, 2, "again2")
         launch(WORKER, [f"resume:ucp1:{root / 'conv1-9'},"
                         f"resume:one:{root / 'ucp2' / 'checkpoint-9'}", str(root)], root, 1, "one")
-    yield root
+    check_converted_stock_checkpoint_resumes_bit_equal(root)
+    check_ucp_trainer_on_two_processes_resumes_bit_equal(root)
+    check_universal_resume_two_processes_to_one_and_back(root)
+    for stock, ours in [("stock1/checkpoint-12", "ucp1/checkpoint-12"),
+                        ("stock2/checkpoint-12", "ucp2/checkpoint-12")]:
+        check_conversion_is_what_ucp_trainer_writes(root, tmp_path / stock.replace("/", "-"),
+                                                    stock, ours, capsys)
+    check_refusals_name_the_file_and_why(root, tmp_path / "refusals", capsys)
 
 
-def test_converted_stock_checkpoint_resumes_bit_equal(runs: Path) -> None:
+def check_converted_stock_checkpoint_resumes_bit_equal(runs: Path) -> None:
     stock, resumed = result(runs, "stock1"), result(runs, "ucp1")
     assert len(stock["losses"]) == 12 and resumed["step"] == 12
     assert resumed["losses"] == stock["losses"][9:]  # mid-epoch: order and dropout restored
     assert resumed["params"] == stock["params"] and resumed["exp_avg"] == stock["exp_avg"]
 
 
-def test_ucp_trainer_on_two_processes_resumes_bit_equal(runs: Path) -> None:
+def check_ucp_trainer_on_two_processes_resumes_bit_equal(runs: Path) -> None:
     for rank in (0, 1):
         stock = result(runs, "stock2", rank)
         from_converted, from_own = result(runs, "ucp2", rank), result(runs, "again2", rank)
@@ -77,36 +86,45 @@ def test_ucp_trainer_on_two_processes_resumes_bit_equal(runs: Path) -> None:
         for run in (from_converted, from_own):
             assert run["params"] == stock["params"] and run["exp_avg"] == stock["exp_avg"]
     assert result(runs, "stock2", 0)["losses"] != result(runs, "stock2", 1)["losses"]
-    written = sorted(p for run in ("ucp1", "ucp2", "again2", "one")
+    written = sorted(p for run in ("ucp1", "ucp2", "again2", "one", "two")
                      for p in (runs / run).iterdir())
-    assert len(written) == 5  # checkpoint-12 of each, and checkpoint-9 of ucp2
+    assert len(written) == 6  # checkpoint-12 of each, and checkpoint-9 of ucp2
     for path in written:  # UCP alone: no pickle beside it, no foreign file in it
         assert sorted(p.name for p in path.iterdir()) == [
             "manifest.ucp.json", "model", "optimizer", "training", "zarr.json"]
         assert not ucpformat.validate(path, deep=True).issues, path
 
 
-def test_two_process_checkpoint_resumes_on_one(runs: Path) -> None:
-    begin = result(runs, "one")["begin"]
-    with ucpformat.open(runs / "ucp2" / "checkpoint-9") as ckpt:
-        assert sorted(ckpt.to_dict("training")[RANK_RNG]) == ["0", "1"]
+def assert_holds(begin: Any, checkpoint: Path) -> None:
+    """The state a run started from (model, optimizer) is the one stored at ``checkpoint``."""
+    with ucpformat.open(checkpoint) as ckpt:
         aliases = ckpt.groups["model"].attributes["ucp"].get("aliases", {})
         for name, value in begin["params"].items():
             stored = ckpt.tensor("model", aliases.get(name, name)).read()
             assert np.array_equal(np.asarray(value, dtype=stored.dtype), stored), name
+        assert len(begin["exp_avg"]) == 16
         for name, value in begin["exp_avg"].items():
             stored = ckpt.tensor("optimizer", "state", name, "exp_avg").read()
             assert np.array_equal(np.asarray(value, dtype=stored.dtype), stored), name
+
+
+def check_universal_resume_two_processes_to_one_and_back(runs: Path) -> None:
+    """Saved on 2, resumed on 1, and the reverse: the state loaded is the one stored."""
+    with ucpformat.open(runs / "ucp2" / "checkpoint-9") as ckpt:
+        assert sorted(ckpt.to_dict("training")[RANK_RNG]) == ["0", "1"]
+    assert_holds(result(runs, "one")["begin"], runs / "ucp2" / "checkpoint-9")
     assert result(runs, "one")["step"] == 12
+    for rank in (0, 1):
+        assert_holds(result(runs, "two", rank)["begin"], runs / "conv1-9")
+        assert result(runs, "two", rank)["step"] == 12
 
 
-@pytest.mark.parametrize("stock, ours", [("stock1/checkpoint-12", "ucp1/checkpoint-12"),
-                                         ("stock2/checkpoint-12", "ucp2/checkpoint-12")])
-def test_conversion_is_what_ucp_trainer_writes(runs: Path, tmp_path: Path, stock: str,
-                                               ours: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def check_conversion_is_what_ucp_trainer_writes(runs: Path, tmp_path: Path, stock: str,
+                                                ours: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Same state, same names: the converted stock checkpoint and UCPTrainer's own save
     of the same step hold the same arrays, bit for bit, and the same values."""
+    tmp_path.mkdir()
     out = convert(runs / stock, tmp_path / "conv", capsys)
     assert "note: not converted: training_args.bin" in out
     for path in (tmp_path / "conv", runs / ours):
@@ -128,8 +146,8 @@ def test_conversion_is_what_ucp_trainer_writes(runs: Path, tmp_path: Path, stock
         assert a.groups["model"].attributes == b.groups["model"].attributes
 
 
-def test_refusals_name_the_file_and_why(runs: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def check_refusals_name_the_file_and_why(runs: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "checkpoint-9"
     shutil.copytree(runs / "stock1" / "checkpoint-9", source)
     assert main(["convert", str(source), str(tmp_path / "out")]) == 2
