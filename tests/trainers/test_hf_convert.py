@@ -190,3 +190,13 @@ def check_refusals_name_the_file_and_why(runs: Path, tmp_path: Path,
     shutil.copy(runs / "stock1" / "checkpoint-9" / "optimizer.pt", source / "optimizer.pt")
     (source / "scheduler.pt").unlink()
     refused(r"scheduler\.pt missing")
+    # save_only_model: the weights and the trainer state, as UCPTrainer saves them then
+    (source / "optimizer.pt").unlink()
+    (source / "rng_state.pth").unlink()
+    importers.convert(source, tmp_path / "model-only")
+    with ucpformat.open(tmp_path / "model-only") as ckpt:
+        assert sorted(ckpt.groups) == ["model", "training"]
+        training = ckpt.to_dict("training")
+        assert sorted(training) == ["step", "trainer_state"] and training["step"] == 9
+        assert ckpt.groups["model"].attributes["ucp"]["aliases"] == {
+            "lm_head.weight": "transformer.wte.weight"}

@@ -192,8 +192,11 @@ def _check_model(out: Scan, model: Any, path: Path) -> None:
     for fqn, value in sd.items():
         where = node("model", fqn)
         source = found.pop(where, None)
-        if fqn in aliases:
-            continue  # tied: stored once, under its first name
+        if fqn in aliases:  # tied: stored once, under its first name
+            if source is not None:
+                out.notes.append(f"{fqn}: stored once, as an alias of {aliases[fqn]} (tied in "
+                                 "the model; the weights file holds both)")
+            continue
         if source is None:
             raise _fail("the model config.json describes has this tensor; the weights do not",
                         path, where)
