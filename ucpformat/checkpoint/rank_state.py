@@ -127,16 +127,20 @@ class RankState:
             out.append(
                 f"rank {self.rank} finds no state of its own in the checkpoint "
                 f"({rank_path(self.rank)}"
-                + (f"; it was written by {self.world_size} processes" if self.world_size
+                + (f"; it was written by {_processes(self.world_size)}" if self.world_size
                    else "; it holds no per-rank state")
                 + f"): this rank keeps its own generators and data position ({LOAD_RULE})")
         if self.world_size is not None and self.world_size != world_size:
             out.append(
-                f"the checkpoint's per-rank state is that of {self.world_size} processes and "
-                f"this run has {world_size}: each rank that finds its own takes it, but the "
+                f"the checkpoint's per-rank state is that of {_processes(self.world_size)} "
+                f"and this run has {world_size}: each rank that finds its own takes it, but the "
                 f"data order and random draws differ from a run that did not stop "
                 f"({LOAD_RULE})")
         return out
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 def read(ckpt: Checkpoint, rank: int) -> RankState:
