@@ -252,6 +252,8 @@ class AsyncSaver:
                 group_attributes=state.groups, meshes=meshes, on_mesh=on_mesh,
                 metadata=metadata, **save_kwargs)
         finally:
+            if isinstance(frags, list):
+                frags.clear()  # views of the buffers: not kept by an error's traceback
             self._release(snap)  # the buffers serve the next snapshot
 
     def _release(self, snap: Snapshot) -> None:
