@@ -175,3 +175,15 @@ def test_the_manager_tracks_saves_of_the_writer_process(tmp_path: Path) -> None:
                                                       writer="process"))
     assert manager.all_steps() == [1]
     wait_async()
+
+
+@pytest.mark.distributed
+def test_two_ranks_write_through_their_writer_processes(tmp_path: Path) -> None:
+    from ucpformat.torch.launch import spawn
+
+    out = spawn(w.async_process_two, 2, str(tmp_path), timeout=240)
+    assert out[0]["writer_pid"] != out[1]["writer_pid"]
+    for rank in range(2):
+        assert out[rank]["tensors"] > 0 and out[rank]["second"] > 0
+        assert "CheckpointExistsError" in out[rank]["failure"], out[rank]  # on every rank
+        assert out[rank]["writer_gone"]
