@@ -12,12 +12,15 @@ between two steps, and steps until it is committed. Per method:
   baseline step time of the same repetition (1.00: training did not notice);
 * **save**: call to commit.
 
-Methods: ``ucpformat.torch.AsyncSaver.save``; DCP ``async_save`` with its
+Methods: ``ucpformat.torch.AsyncSaver.save`` with its writer in a thread, in a
+process of its own (``writer="process"``) and in one that yields the CPU to training
+(``writer_nice=10``); DCP ``async_save`` with its
 ``FileSystemWriter`` in thread and process modes (``AsyncCheckpointerType``); DCP
 ``async_save`` with the UCP plugin (:class:`ucpformat.torch.dcp.UCPWriter`) in both
 modes. The first repetition warms up (DCP's process mode starts its background process
-then) and is not counted. Every save writes a new directory, not fsynced by DCP's
-writer: ucpformat's savers are asked for the same (``durable=False``).
+then) and is not counted. Every save writes a new directory, none fsynced
+(``FileSystemWriter(sync_files=False)``, ``durable=False``): on a machine shared by
+other work, fsync times are the disk's, not the savers'.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from typing import Any
 
 from benchmarks import Table
 
-METHODS = ("ucpformat AsyncSaver", "DCP thread", "DCP process", "UCP plugin, DCP thread",
-           "UCP plugin, DCP process")
+METHODS = ("ucpformat AsyncSaver, thread", "ucpformat AsyncSaver, process",
+           "ucpformat AsyncSaver, process nice", "DCP thread", "DCP process",
+           "UCP plugin, DCP thread", "UCP plugin, DCP process")
 
 
 def _free_port() -> int:
@@ -79,20 +83,23 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict[str, Any]
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(t.numel() * t.element_size() for s in opt.state.values()
                   for t in s.values() if isinstance(t, torch.Tensor))
-    saver = AsyncSaver()
+    savers = {"thread": AsyncSaver(), "process": AsyncSaver(writer="process"),
+              "nice": AsyncSaver(writer="process", writer_nice=10)}
     process, thread = AsyncCheckpointerType.PROCESS, AsyncCheckpointerType.THREAD
 
     def start(method: str, path: str) -> Any:
-        if method == "ucpformat AsyncSaver":
+        if method.startswith("ucpformat AsyncSaver"):
+            saver = savers[method.rsplit(" ", 1)[1]]
             return saver.save(path, model=model, optimizer=opt, durable=False)
         msd, osd = get_state_dict(model, opt)  # optimizer state keyed by FQN
         state = {"model": msd, "optim": osd}
         kind = process if method.endswith("process") else thread
         writer = (UCPWriter(path, durable=False) if method.startswith("UCP")
-                  else dcp.FileSystemWriter(path))
+                  else dcp.FileSystemWriter(path, sync_files=False))
         return dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
 
     base_steps = 5
+    load_before = os.getloadavg()
     rows: dict[str, dict[str, list[float]]] = {
         m: {"blocked": [], "slowdown": [], "save": [], "steps": []} for m in METHODS}
     for r in range(repeats + 1):
@@ -115,9 +122,10 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict[str, Any]
                 data["steps"].append(len(during))
                 if during:
                     data["slowdown"].append(statistics.median(during) / baseline)
-            saver.wait()
-    saver.close()
+    for saver in savers.values():
+        saver.close()
     return {"nbytes": nbytes, "repeats": repeats, "width": width, "layers": layers,
+            "load": [load_before, os.getloadavg()],
             "rows": rows, "threads": torch.get_num_threads(),
             "step_s": statistics.median(step() for _ in range(base_steps))}
 
@@ -188,7 +196,8 @@ def table(m: dict[str, Any]) -> Table:
         "median step time while the save is in flight over the median of the 5 steps "
         "before it (same repetition); the last column over the better of DCP's two modes "
         "(at most 1.00: the target)",
-        f"load average (1/5/15 min) at the end: {os.getloadavg()}",
+        "load average (1/5/15 min) at the start and the end: "
+        + " and ".join("/".join(f"{x:.1f}" for x in avg) for avg in m["load"]),
     ]
     t.data = {"training": {k: slow[k] for k in METHODS}}
     return t

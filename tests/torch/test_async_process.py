@@ -140,10 +140,12 @@ def test_close_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     memfds = len(_memfds())  # earlier tests' savers: closed (their mappings too, unless
     model = w.build("plain")  # an error's traceback kept a view)
-    saver = AsyncSaver(writer="process")
-    saver.save(tmp_path / "a", model=model, durable=False)
+    saver = AsyncSaver(writer="process", writer_nice=3)
+    saver.save(tmp_path / "a", model=model, durable=False).result()
     pid = saver.writer_pid
     assert pid is not None and len(_memfds()) > memfds and not _gone(pid)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 3)  # yields the CPU
     saver.close()
     assert _gone(pid)  # stopped and reaped
     assert len(_memfds()) == memfds
@@ -153,6 +155,8 @@ def test_close_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
         saver.save(tmp_path / "b", model=model)
     with pytest.raises(ValueError, match="pool"):
         AsyncSaver(writer="process", pool=ucpt.staging.HostBufferPool(None))
+    with pytest.raises(ValueError, match="writer_nice"):
+        AsyncSaver(writer_nice=3)
 
 
 def test_the_manager_tracks_saves_of_the_writer_process(tmp_path: Path) -> None:

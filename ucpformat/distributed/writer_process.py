@@ -179,10 +179,12 @@ class WriterProcess:
     """A child process that writes saves from a :class:`SharedArena` (one at a time).
 
     ``connector``: makes the child's communicator (several ranks); None: one process.
-    :meth:`save` blocks until the child reports (call it from a background thread).
+    ``nice``: added to the child's niceness (``os.nice``): a positive value lets the
+    training process have the CPU first where both want it. :meth:`save` blocks until
+    the child reports (call it from a background thread).
     """
 
-    def __init__(self, connector: Connector | None = None) -> None:
+    def __init__(self, connector: Connector | None = None, *, nice: int = 0) -> None:
         parent, child = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the directory holding ucpformat
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -203,7 +205,7 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._ready = False
         self._generation = -1  # the arena generation the child has mapped
-        self._conn.send(("init", list(sys.path), connector))
+        self._conn.send(("init", list(sys.path), connector, nice))
 
     @property
     def pid(self) -> int:
@@ -353,8 +355,10 @@ def serve(fd: int) -> None:
     conn = Connection(fd)
     arena: mmap.mmap | None = None
     try:
-        _, sys_path, connector = conn.recv()
+        _, sys_path, connector, nice = conn.recv()
         sys.path.extend(p for p in sys_path if p not in sys.path)
+        if nice:
+            os.nice(nice)
         try:
             comm: Communicator = connector.connect() if connector is not None \
                 else SingleProcess()

@@ -105,18 +105,24 @@ class AsyncSaver:
         copier: Copier | None = None,
         recorder: Recorder | None = None,
         writer: Writer = "thread",
+        writer_nice: int = 0,
     ) -> None:
         """``pool``: the snapshot's host buffers (default: unbounded, pinned when CUDA is
         available); a bounded pool that cannot hold a snapshot makes ``save`` raise
         :class:`~ucpformat.errors.ResourceLimitError` before anything is copied.
         ``writer``: ``"thread"`` or ``"process"`` (the module docstring; the process
-        writer stages into shared memory of its own: no ``pool``).
+        writer stages into shared memory of its own: no ``pool``); ``writer_nice``: the
+        writer process's added niceness (a positive value yields the CPU to training
+        where both want it; saves then take longer on busy cores).
         ``copier`` and ``recorder``: see :mod:`ucpformat.torch.staging` (tests)."""
         if writer not in ("thread", "process"):
             raise ValueError(f"writer is 'thread' or 'process', not {writer!r}")
         if writer == "process" and pool is not None:
             raise ValueError("pool= is for writer='thread': the process writer stages into "
                              "shared memory of its own")
+        if writer_nice and writer != "process":
+            raise ValueError("writer_nice is for writer='process'")
+        self._nice = writer_nice
         self.writer: Writer = writer
         self._group = group if group is not None else checkpoint_group()
         self._comm: Communicator = communicator(self._group)
@@ -157,7 +163,7 @@ class AsyncSaver:
     def _start_process(self) -> WriterProcess:
         """Collective with several ranks (the children's rendezvous)."""
         connector = writer_connector(self._comm) if self._comm.world_size > 1 else None
-        return WriterProcess(connector)
+        return WriterProcess(connector, nice=self._nice)
 
     def _check_process(self) -> None:
         """A writer process that died between saves: a new one (one rank), else raise."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -586,7 +587,7 @@ class SharedBuffers:
     all given back at once by :meth:`reset`. :meth:`reserve` first, with the snapshot's
     size (:meth:`HostBufferPool.buffer_bytes` of each tensor). ``pin`` (default: whether
     CUDA is available) page-locks the arena (``cudaHostRegister``), so that copies from a
-    GPU run asynchronously and at full speed."""
+    GPU run asynchronously and at full speed (a warning if it cannot be)."""
 
     def __init__(self, arena: SharedArena, *, pin: bool | None = None) -> None:
         self.arena = arena
@@ -608,10 +609,11 @@ class SharedBuffers:
             ptr = self._whole.data_ptr()
             err = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
                 ptr, self.arena.size, 0)
-            if int(err) != 0:
-                raise WriteError(f"page-locking {self.arena.size} bytes of shared staging "
-                                 f"memory failed (CUDA error {int(err)})")
-            self._pinned = ptr
+            if int(err) == 0:
+                self._pinned = ptr
+            else:  # correct unpinned too: the copies are then synchronous
+                warnings.warn(f"page-locking {self.arena.size} bytes of shared staging memory "
+                              f"failed (CUDA error {int(err)}); copying without", stacklevel=2)
 
     def _release_arena(self) -> None:
         if self._pinned:
