@@ -53,6 +53,8 @@ Where the write runs (``writer=``):
   (:func:`ucpformat.torch.comm.writer_connector`: a TCP rendezvous on rank 0's host);
   a child that dies there leaves the others waiting in a collective until the group's
   timeout, and the saver cannot save again (make a new one on every rank).
+  The child runs at a lower priority (``writer_nice``, default :data:`WRITER_NICE`):
+  on cores that training needs too, training goes first.
   :meth:`AsyncSaver.close` stops the child.
 """
 
@@ -92,6 +94,8 @@ from ucpformat.torch.state import Stateful
 
 #: Where an :class:`AsyncSaver` writes: a thread of this process, or a process of its own.
 Writer = Literal["thread", "process"]
+#: The writer process's added niceness by default: it yields the CPU to training.
+WRITER_NICE = 10
 
 
 class AsyncSaver:
@@ -105,24 +109,25 @@ class AsyncSaver:
         copier: Copier | None = None,
         recorder: Recorder | None = None,
         writer: Writer = "thread",
-        writer_nice: int = 0,
+        writer_nice: int | None = None,
     ) -> None:
         """``pool``: the snapshot's host buffers (default: unbounded, pinned when CUDA is
         available); a bounded pool that cannot hold a snapshot makes ``save`` raise
         :class:`~ucpformat.errors.ResourceLimitError` before anything is copied.
         ``writer``: ``"thread"`` or ``"process"`` (the module docstring; the process
         writer stages into shared memory of its own: no ``pool``); ``writer_nice``: the
-        writer process's added niceness (a positive value yields the CPU to training
-        where both want it; saves then take longer on busy cores).
+        writer process's added niceness (default :data:`WRITER_NICE`: where training and
+        the writer want the same cores, training goes first, and saves take longer; 0:
+        the writer competes as an equal).
         ``copier`` and ``recorder``: see :mod:`ucpformat.torch.staging` (tests)."""
         if writer not in ("thread", "process"):
             raise ValueError(f"writer is 'thread' or 'process', not {writer!r}")
         if writer == "process" and pool is not None:
             raise ValueError("pool= is for writer='thread': the process writer stages into "
                              "shared memory of its own")
-        if writer_nice and writer != "process":
+        if writer_nice is not None and writer != "process":
             raise ValueError("writer_nice is for writer='process'")
-        self._nice = writer_nice
+        self._nice = WRITER_NICE if writer_nice is None else writer_nice
         self.writer: Writer = writer
         self._group = group if group is not None else checkpoint_group()
         self._comm: Communicator = communicator(self._group)
