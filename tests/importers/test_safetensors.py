@@ -306,10 +306,16 @@ def trainer_dir(tmp_path: Path) -> Path:
 def test_trainer_checkpoint_is_refused_naming_what_would_be_left(tmp_path: Path,
                                                                   trainer_dir: Path) -> None:
     with pytest.raises(FormatError) as info:
-        importers.convert(trainer_dir, tmp_path / "ckpt", durable=False)
+        importers.convert(trainer_dir, tmp_path / "ckpt", durable=False, format="safetensors")
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
         assert name in str(info.value)
-    assert "weights_only=True" in str(info.value)
+    assert "weights_only=True" in str(info.value) and "'hf-trainer'" in str(info.value)
+    assert not (tmp_path / "ckpt").exists()
+    # detected as a Trainer checkpoint, whose pickles are read only when allowed
+    assert importers.detect(trainer_dir) == "hf-trainer"
+    with pytest.raises(FormatError, match=r"optimizer\.pt, scheduler\.pt, rng_state\.pth are "
+                       r"pickles .*allow_pickle=True \(ucp convert --allow-pickle\)"):
+        importers.convert(trainer_dir, tmp_path / "ckpt", durable=False)
     assert not (tmp_path / "ckpt").exists()
 
 

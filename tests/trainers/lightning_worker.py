@@ -6,7 +6,9 @@ A tiny model with dropout on shuffled data trains 4 epochs (Adam, StepLR), a
 every rank records its losses in ``<root>/<scenario>-<rank>.json``. Several scenarios
 (comma-separated) run one after the other in one process. ``*_resume``
 scenarios resume from the epoch-2 checkpoint; ``*_gather`` ones resume a checkpoint of
-the other kind with nothing left to train and write the full state they hold.
+the other kind (``*_gather<kind>``: of that kind) with nothing left to train and write the
+full state they hold. Kinds: ``single`` (one device), ``ddp`` (DDP, the ``CheckpointIO``),
+``mp`` (FSDP2 under ``UCPModelParallelStrategy``).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def run(scenario: str, root: Path, world: int) -> None:
     kind, _, step = scenario.partition("_")
     parallel = kind == "mp"
     strategy: Any = (UCPModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-                     if parallel else "auto")
+                     if parallel else "ddp" if kind == "ddp" else "auto")
     record = Record()
     callbacks: list[Callback] = [UCPCheckpointing(), record]
     ckpt_path = None
@@ -138,10 +140,10 @@ def run(scenario: str, root: Path, world: int) -> None:
             ModelCheckpoint(dirpath=root / kind / "every", save_top_k=-1, filename="{epoch}")]
     elif step == "resume":
         ckpt_path = root / kind / "every" / "epoch=1.ckpt"
-    elif step == "gather":  # a checkpoint of the other kind, nothing left to train
-        other = "single" if parallel else "mp"
+    elif step.startswith("gather"):  # another kind's checkpoint, nothing left to train
+        other = step.removeprefix("gather") or ("single" if parallel else "mp")
         ckpt_path = root / other / "every" / "epoch=1.ckpt"
-        callbacks.append(Gather(root, f"{kind}_gathered", at_epoch=None))
+        callbacks.append(Gather(root, f"{kind}_gathered_{other}", at_epoch=None))
         epochs = 2
     L.seed_everything(7, verbose=False)
     trainer = L.Trainer(

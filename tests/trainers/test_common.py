@@ -12,13 +12,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ucpformat  # noqa: E402
-from ucpformat.errors import InvalidValueError, StorageError  # noqa: E402
+from ucpformat.errors import FormatError, InvalidValueError, StorageError  # noqa: E402
 from ucpformat.trainers.common import (  # noqa: E402
     decode_state,
     encode_state,
     gathered_rng,
+    own_rng,
+    rank_rng_extra,
     remove,
     restore_rng,
+    rng_state,
 )
 
 pytestmark = [pytest.mark.torch]
@@ -63,6 +66,30 @@ def test_rank_generators_restore_the_draws() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         restore_rng({"rank_rng": saved}, rank=0, world=1)
+
+
+def test_another_trainers_generator_states_take_the_per_rank_form() -> None:
+    """What a stock Hugging Face Trainer pickles (NumPy's legacy tuple) gives what
+    own_rng() gives; what is not a generator state is refused, naming where it is."""
+    np.random.rand()  # a cached Gaussian or position other than the defaults
+    np.random.standard_normal()
+    cpu = torch.get_rng_state()
+    converted = rng_state(random.getstate(), np.random.get_state(), cpu)
+    own = own_rng()
+    assert sorted(converted) == sorted(own)
+    for key, value in own.items():
+        if isinstance(value, torch.Tensor):
+            assert converted[key].dtype == value.dtype and torch.equal(converted[key], value)
+        else:
+            assert converted[key] == value, key
+    want = (random.random(), np.random.standard_normal(), torch.rand(2))
+    restore_rng(rank_rng_extra({"0": converted}), rank=0, world=1)
+    got = (random.random(), np.random.standard_normal(), torch.rand(2))
+    assert want[:2] == got[:2] and torch.equal(want[2], got[2])
+    with pytest.raises(FormatError, match=r"rng_state_1\.pth.*Mersenne"):
+        rng_state((3, (1, 2), None), np.random.get_state(), cpu, where="rng_state_1.pth")
+    with pytest.raises(FormatError, match=r"rng_state_1\.pth: not the states"):
+        rng_state(None, np.random.get_state(), cpu, where="rng_state_1.pth")
 
 
 def test_remove_deletes_checkpoints_only(tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
 """Lightning saves and resumes UCP (ucpformat.trainers.lightning).
 
 Four launches of tests/trainers/lightning_worker.py: 4 epochs on one device and on 2 gloo
-processes (FSDP2 under UCPModelParallelStrategy), each saving every epoch; then each
-resumes its epoch-2 checkpoint in a new process (losses bit-equal to the run that did not
-stop) and resumes the other kind's (2 ranks -> 1 and 1 -> 2: the values it holds equal to
-the state gathered when that checkpoint was saved).
+processes (DDP with the CheckpointIO, and FSDP2 under UCPModelParallelStrategy), each
+saving every epoch; then each resumes its epoch-2 checkpoint in a new process (losses
+bit-equal to the run that did not stop) and resumes another kind's (2 ranks -> 1 and
+1 -> 2: the values it holds equal to the state gathered when that checkpoint was saved).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ WORKER = "tests.trainers.lightning_worker"
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("lightning")
     launch(WORKER, ["single_full", str(root)], root, 1, "single_full")
-    launch(WORKER, ["mp_full", str(root)], root, 2, "mp_full")
-    launch(WORKER, ["single_resume,single_gather", str(root)], root, 1, "single_resume")
-    launch(WORKER, ["mp_resume,mp_gather", str(root)], root, 2, "mp_resume")
+    launch(WORKER, ["mp_full,ddp_full", str(root)], root, 2, "mp_full")
+    launch(WORKER, ["single_resume,single_gather,single_gatherddp", str(root)], root, 1,
+           "single_resume")
+    launch(WORKER, ["mp_resume,mp_gather,ddp_resume", str(root)], root, 2, "mp_resume")
     yield root
 
 
@@ -42,7 +43,7 @@ def _losses(root: Path, name: str, rank: int = 0) -> list[float]:
     return list(json.loads((root / f"{name}-{rank}.json").read_text())["losses"])
 
 
-@pytest.mark.parametrize(("kind", "ranks"), [("single", 1), ("mp", 2)])
+@pytest.mark.parametrize(("kind", "ranks"), [("single", 1), ("ddp", 2), ("mp", 2)])
 def test_resume_is_bit_equal(runs: Path, kind: str, ranks: int) -> None:
     for rank in range(ranks):
         full = _losses(runs, f"{kind}_full", rank)
@@ -51,18 +52,19 @@ def test_resume_is_bit_equal(runs: Path, kind: str, ranks: int) -> None:
         assert resumed == full[len(full) // 2:]  # exact floats: dropout and order restored
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [("mp", "single"), ("single", "mp")])
+@pytest.mark.parametrize(("saved", "loaded"), [("mp", "single"), ("single", "mp"),
+                                               ("ddp", "single")])
 def test_universal_resume_holds_the_gathered_state(runs: Path, saved: str, loaded: str
                                                    ) -> None:
     with np.load(runs / f"{saved}_epoch2.npz") as want, \
-            np.load(runs / f"{loaded}_gathered.npz") as got:
+            np.load(runs / f"{loaded}_gathered_{saved}.npz") as got:
         assert sorted(want.files) == sorted(got.files)
         assert any(k.endswith("exp_avg") for k in want.files)
         for key in want.files:
             assert np.array_equal(want[key], got[key]), key
 
 
-@pytest.mark.parametrize("kind", ["single", "mp"])
+@pytest.mark.parametrize("kind", ["single", "ddp", "mp"])
 def test_top_k_last_and_removal(runs: Path, kind: str) -> None:
     best = runs / kind / "best"
     kept = sorted(p.name for p in best.iterdir())
@@ -78,7 +80,7 @@ def test_top_k_last_and_removal(runs: Path, kind: str) -> None:
 
 def test_every_checkpoint_validates_deep(runs: Path) -> None:
     paths = sorted(runs.glob("*/*/*.ckpt"))
-    assert len(paths) == 14
+    assert len(paths) == 21
     for path in paths:
         report = ucpformat.validate(path, deep=True)
         assert not report.issues, (path, report.issues)

@@ -10,11 +10,14 @@ read later, by the engine, with bounded memory)::
     importers.convert("hf-model/", "ckpt")         # format detected
     importers.convert("dcp-dir/", "ckpt", format="dcp", allow_pickle=True)
 
-Formats: ``safetensors`` (file or sharded directory), ``torch`` (``torch.save`` files,
-loaded with ``weights_only=True``), ``dcp`` (PyTorch Distributed Checkpoint; its
-``.metadata`` is a pickle, read only with ``allow_pickle=True``), ``deepspeed`` (ZeRO
-stage 0-3 checkpoints), ``megatron`` (Megatron-LM legacy per-rank checkpoints) and
-``orbax`` (Orbax PyTree checkpoints, read through TensorStore; needs the ``jax`` extra).
+Formats: ``hf-trainer`` (a Hugging Face ``Trainer`` checkpoint directory: weights,
+optimizer by parameter name, scheduler, trainer state and generators; its ``.pt`` files
+are read only with ``allow_pickle=True``), ``safetensors`` (file or sharded
+directory), ``torch`` (``torch.save`` files, loaded with ``weights_only=True``),
+``dcp`` (PyTorch Distributed Checkpoint; its ``.metadata`` is a pickle, read only with
+``allow_pickle=True``), ``deepspeed`` (ZeRO stage 0-3 checkpoints), ``megatron``
+(Megatron-LM legacy per-rank checkpoints) and ``orbax`` (Orbax PyTree checkpoints, read
+through TensorStore; needs the ``jax`` extra).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ucpformat.importers._engine import ImportResult, Scan, TensorSource, write_
 
 #: Format name -> module, in the order detection tries them.
 FORMATS: dict[str, str] = {
+    "hf-trainer": "ucpformat.importers.hf_trainer",
     "safetensors": "ucpformat.importers.safetensors",
     "orbax": "ucpformat.importers.orbax",
     "dcp": "ucpformat.importers.dcp",

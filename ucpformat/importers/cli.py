@@ -82,16 +82,18 @@ def add_convert(
     conv: argparse.ArgumentParser = subparsers.add_parser(
         "convert", parents=parents,
         help="convert another framework's checkpoint into a UCP checkpoint",
-        description="Convert a checkpoint (safetensors, torch.save, PyTorch DCP, DeepSpeed, "
-        "Megatron-LM) into a UCP checkpoint, streaming tensor by tensor.",
+        description="Convert a checkpoint (safetensors, a Hugging Face Trainer directory, "
+        "torch.save, PyTorch DCP, DeepSpeed, Megatron-LM) into a UCP checkpoint, streaming "
+        "tensor by tensor.",
     )
     conv.add_argument("source", help="the checkpoint to convert (file or directory)")
     conv.add_argument("destination", help="the UCP checkpoint to write")
     conv.add_argument("--from", dest="format", choices=sorted(IMPORTS), default=None,
                       help="source format (default: detected)")
     conv.add_argument("--allow-pickle", action="store_true", default=None,
-                      help="allow reading pickled metadata (PyTorch DCP's .metadata): only "
-                      "for checkpoints you trust")
+                      help="allow reading pickled metadata (PyTorch DCP's .metadata; a Hugging "
+                      "Face Trainer checkpoint's optimizer.pt, scheduler.pt, rng_state*.pth, "
+                      "read with torch.load(weights_only=True)): only for checkpoints you trust")
     conv.add_argument("--rules", default=None,
                       help="rule file (path, or a shipped one: "
                       f"{', '.join(builtin_rule_files())}) giving layout semantics the source "
@@ -106,7 +108,7 @@ def add_convert(
                       "by shape), the names in the optimizer's order separated by commas, or "
                       "@FILE with one name a line")
     conv.add_argument("--weights-only", action="store_true", default=None,
-                      help="safetensors: convert the weights of a training checkpoint "
+                      help="hf-trainer, safetensors: convert the weights of a training checkpoint "
                       "(Hugging Face Trainer's) alone, leaving its training state behind (the "
                       "result's notes name those files)")
     conv.add_argument("--compression", default=None, help="zstd, gzip, blosc or none")

@@ -19,8 +19,9 @@ training state beside the weights (:data:`TRAINING_STATE`: ``optimizer.pt``,
 ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``, ...). This importer reads
 safetensors only, and the optimizer's state is keyed by numbers that the weights alone
 cannot name, so such a directory is refused, naming the files that would be left
-behind; ``weights_only=True`` converts the weights alone, and the result's notes name
-those files.
+behind: the ``hf-trainer`` importer (:mod:`ucpformat.importers.hf_trainer`) converts the
+whole state; ``weights_only=True`` converts the weights alone, and the result's notes
+name those files.
 """
 
 from __future__ import annotations
@@ -246,9 +247,10 @@ def scan(
             "a training checkpoint (Hugging Face Trainer): converting its safetensors "
             f"weights would leave its training state behind: {', '.join(left)}. This "
             "importer converts weights only (the optimizer's state is keyed by numbers "
-            "that only the live model can name, and reading these pickles runs code). Pass "
-            "weights_only=True to convert the weights alone, or save the whole state from "
-            "the live model and optimizer with ucpformat.torch.save",
+            "that only the model can name, and these are pickles). Convert the whole state "
+            "as format 'hf-trainer' (detected where trainer_state.json is; its pickles need "
+            "allow_pickle=True, --allow-pickle), or pass weights_only=True (--weights-only) "
+            "to convert the weights alone",
             path=str(path))
     files, weight_map, index_meta = _files(path)
     out = Scan(FORMAT, str(path))

@@ -23,7 +23,7 @@ import math
 import os
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,23 +78,51 @@ def remove(path: str | os.PathLike[str]) -> None:
 
 def own_rng() -> dict[str, Any]:
     """This process's generators in the per-rank form (tensors and JSON values)."""
-    version, py_state, gauss_next = random.getstate()
-    np_state = np.random.get_state(legacy=False)
-    out: dict[str, Any] = {
-        "torch_cpu": torch.get_rng_state(),
-        "python_state": torch.from_numpy(np.asarray(py_state, dtype=np.uint32)),
-        "python_version": int(version),
-        "python_gauss_next": gauss_next,
-        "numpy_key": torch.from_numpy(np.asarray(np_state["state"]["key"], dtype=np.uint32)),
-        "numpy_bit_generator": str(np_state["bit_generator"]),
-        "numpy_pos": int(np_state["state"]["pos"]),
-        "numpy_has_gauss": int(np_state["has_gauss"]),
-        "numpy_gauss": float(np_state["gauss"]),
-    }
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"torch_cuda.{i}"] = state
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return rng_state(random.getstate(), np.random.get_state(legacy=False),
+                     torch.get_rng_state(), cuda)
+
+
+def rng_state(python: Any, numpy: Any, torch_cpu: torch.Tensor,
+              cuda: Sequence[torch.Tensor] = (), *, where: str = "generator state"
+              ) -> dict[str, Any]:
+    """One process's generators in the per-rank form, from the states as
+    ``random.getstate()``, ``np.random.get_state()`` (the legacy tuple or the dict),
+    ``torch.get_rng_state()`` and ``torch.cuda.get_rng_state_all()`` give them (a
+    checkpoint of another trainer holding them; ``where`` names it in errors)."""
+    try:
+        version, py_state, gauss_next = python
+        if isinstance(numpy, Mapping):
+            bit_generator, key = numpy["bit_generator"], numpy["state"]["key"]
+            pos, has_gauss, gauss = numpy["state"]["pos"], numpy["has_gauss"], numpy["gauss"]
+        else:
+            bit_generator, key, pos, has_gauss, gauss = numpy
+        out: dict[str, Any] = {
+            "torch_cpu": torch.as_tensor(torch_cpu).to(torch.uint8),
+            "python_state": torch.from_numpy(np.asarray(py_state, dtype=np.uint32)),
+            "python_version": int(version),
+            "python_gauss_next": None if gauss_next is None else float(gauss_next),
+            "numpy_key": torch.from_numpy(np.asarray(key, dtype=np.uint32)),
+            "numpy_bit_generator": str(bit_generator),
+            "numpy_pos": int(pos),
+            "numpy_has_gauss": int(has_gauss),
+            "numpy_gauss": float(gauss),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"not the states of Python's, NumPy's and torch's generators: {exc}",
+                          path=where) from None
+    if len(out["python_state"]) != 625 or len(out["numpy_key"]) != 624:
+        raise FormatError("not the states of Python's and NumPy's Mersenne twisters (625 "
+                          "and 624 integers)", path=where)
+    for i, state in enumerate(cuda):
+        out[f"torch_cuda.{i}"] = torch.as_tensor(state).to(torch.uint8)
     return out
+
+
+def rank_rng_extra(ranks: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``extra`` (``training/``) entries that store every rank's generators
+    (``{"<rank>": rng_state(...)}``, as :func:`gathered_rng` gives them)."""
+    return {RANK_RNG: {str(r): dict(state) for r, state in ranks.items()}}
 
 
 def gathered_rng() -> dict[str, Any]:
@@ -112,6 +140,17 @@ def gathered_rng() -> dict[str, Any]:
     return {str(r): {k: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"]))
                      if isinstance(v, dict) else v for k, v in state.items()}
             for r, state in enumerate(everyone)}
+
+
+def rank0_view(value: Any) -> Any:
+    """Rank 0's ``value`` (JSON) on every rank, where torch.distributed is initialised:
+    a trainer's own state as its stock checkpoint holds it (written by rank 0), stored
+    once for all ranks (whose views differ in ``is_world_process_zero`` and the like)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    from ucpformat.torch.comm import TorchCommunicator
+
+    return TorchCommunicator().allgather(value)[0]
 
 
 def restore_rng(training: Mapping[str, Any], rank: int, world: int) -> None:
@@ -228,4 +267,5 @@ def _hashable(key: Any) -> Any:
 
 
 __all__ = ["RANK_RNG", "UntestedVersionWarning", "check_version", "decode_state",
-           "encode_state", "gathered_rng", "own_rng", "remove", "restore_rng"]
+           "encode_state", "gathered_rng", "own_rng", "rank0_view", "rank_rng_extra", "remove",
+           "restore_rng", "rng_state"]

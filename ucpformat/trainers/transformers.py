@@ -9,8 +9,8 @@ Use :class:`UCPTrainer` where ``Trainer`` was; nothing else changes::
 Each ``checkpoint-<step>`` directory is one UCP checkpoint, written by every process
 together (:func:`ucpformat.torch.save_distributed`): ``model/<fqn>``, ``optimizer/`` by
 parameter name, ``training/scheduler``, ``training/step`` (the global step),
-``training/trainer_state`` (what the stock Trainer writes to ``trainer_state.json``:
-log history, best metric, stateful callbacks, as tagged JSON of
+``training/trainer_state`` (what the stock Trainer writes to ``trainer_state.json``,
+rank 0's view: log history, best metric, stateful callbacks, as tagged JSON of
 :mod:`ucpformat.trainers.common`; no ``trainer_state.json`` beside it) and
 ``training/rank_rng/<rank>`` (each process's generators). Nothing is pickled:
 ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` and ``training_args.bin`` are not
@@ -33,11 +33,12 @@ from typing import Any
 from ucpformat.errors import InvalidValueError, KeyMismatchError
 from ucpformat.optional import require
 from ucpformat.trainers.common import (
-    RANK_RNG,
     check_version,
     decode_state,
     encode_state,
     gathered_rng,
+    rank0_view,
+    rank_rng_extra,
     remove,
     restore_rng,
 )
@@ -103,11 +104,10 @@ class UCPTrainer(Trainer):  # type: ignore[misc]
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
         whole = not self.args.save_only_model
-        extra: dict[str, Any] = {
-            "trainer_state": encode_state(dataclasses.asdict(self.state),
-                                          where="training/trainer_state")}
+        extra: dict[str, Any] = {"trainer_state": rank0_view(encode_state(
+            dataclasses.asdict(self.state), where="training/trainer_state"))}
         if whole:
-            extra[RANK_RNG] = gathered_rng()
+            extra.update(rank_rng_extra(gathered_rng()))
         ucpt.save_distributed(
             output_dir, model=self.model,
             optimizer=_inner(self.optimizer, "optimizer") if whole else None,
