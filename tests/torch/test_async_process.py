@@ -23,7 +23,7 @@ from tests.torch.writer_stores import DiskFullStore, StallingStore  # noqa: E402
 from ucpformat.checkpoint.manager import CheckpointManager  # noqa: E402
 from ucpformat.distributed.writer_process import WriterProcessError  # noqa: E402
 from ucpformat.errors import UCPError, WriteError  # noqa: E402
-from ucpformat.torch.async_save import AsyncSaver, save_async, wait_async  # noqa: E402
+from ucpformat.torch.async_save import AsyncSaver, close_async, save_async  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -181,7 +181,7 @@ def test_the_manager_tracks_saves_of_the_writer_process(tmp_path: Path) -> None:
         manager.maybe_save(1, lambda path: save_async(path, model=model, step=1,
                                                       writer="process"))
     assert manager.all_steps() == [1]
-    wait_async()
+    close_async()  # its writer process stops
 
 
 @pytest.mark.distributed

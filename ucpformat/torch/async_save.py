@@ -311,8 +311,8 @@ def save_async(
     """:meth:`AsyncSaver.save` on a saver made at the first call (collective, then too).
 
     ``writer``: the saver's (``"thread"`` unless given at the first call; another one
-    later raises ``ValueError``). Call :func:`wait_async` before the process exits, so
-    that the last save completes (and a writer process stops).
+    later raises ``ValueError``). Call :func:`wait_async` (or :func:`close_async`)
+    before the process exits, so that the last save completes.
     """
     global _default
     if _default is None or _default._closed:
@@ -324,13 +324,15 @@ def save_async(
 
 
 def wait_async() -> DistributedSaveResult | None:
-    """Wait for the save in flight of :func:`save_async`, if any (raises its error); a
-    writer process of its saver stops (the next ``save_async`` starts another)."""
-    if _default is None:
-        return None
-    if _default.writer == "process":
-        return _default.close()
-    return _default.wait()
+    """Wait for the save in flight of :func:`save_async`, if any (raises its error)."""
+    return _default.wait() if _default is not None else None
 
 
-__all__ = ["AsyncSaver", "save_async", "wait_async"]
+def close_async() -> DistributedSaveResult | None:
+    """Wait for the last save of :func:`save_async` and close its saver (a writer
+    process stops; it would at the interpreter's exit too). The next ``save_async``
+    makes a new saver."""
+    return _default.close() if _default is not None else None
+
+
+__all__ = ["WRITER_NICE", "AsyncSaver", "Writer", "close_async", "save_async", "wait_async"]
