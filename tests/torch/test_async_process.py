@@ -71,13 +71,13 @@ def test_round_trip_is_bit_equal_and_the_state_is_the_one_at_call_time(tmp_path:
                            extra={"ema": ema}, durable=False)
         staged = saver.staging_bytes
         assert staged > 0
-        first.result()
-        mine = os.getpriority(os.PRIO_PROCESS, 0)  # the child yields the CPU by default
-        assert os.getpriority(os.PRIO_PROCESS, saver.writer_pid) == min(19, mine + 10)
         w.train(model, opt, 1)  # changes every parameter, maybe while the child writes
         second = saver.save(tmp_path / "b", model=model, optimizer=opt, step=2, durable=False)
         assert first.done() and saver.staging_bytes == staged  # the same shared memory
         after = {k: v.clone() for k, v in model.state_dict().items()}
+        second.result()
+        mine = os.getpriority(os.PRIO_PROCESS, 0)  # the child yields the CPU by default
+        assert os.getpriority(os.PRIO_PROCESS, saver.writer_pid) == min(19, mine + 10)
     assert second.result().tensors == first.result().tensors - 1  # no ema the second time
     assert _same_model(tmp_path / "a", before) and _same_model(tmp_path / "b", after)
     ck = ucpformat.open_checkpoint(tmp_path / "a")
