@@ -149,13 +149,22 @@ def test_close_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     assert pid is not None and len(_memfds()) > memfds and not _gone(pid)
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 3)  # yields the CPU
+    forked = os.fork()  # a forked copy of the trainer that ends leaves the writer alone
+    if forked == 0:
+        try:
+            saver._process._finalizer()  # what its exit would run
+        finally:
+            os._exit(0)
+    os.waitpid(forked, 0)
+    saver.save(tmp_path / "b", model=model, durable=False).result()
+    assert saver.writer_pid == pid and not _gone(pid)
     saver.close()
     assert _gone(pid)  # stopped and reaped
     assert len(_memfds()) == memfds
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) <= shm  # nothing named was ever made
     with pytest.raises(RuntimeError, match="closed"):
-        saver.save(tmp_path / "b", model=model)
+        saver.save(tmp_path / "c", model=model)
     with pytest.raises(ValueError, match="pool"):
         AsyncSaver(writer="process", pool=ucpt.staging.HostBufferPool(None))
     with pytest.raises(ValueError, match="writer_nice"):

@@ -160,8 +160,11 @@ def _how_it_ended(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _shutdown(proc: subprocess.Popen[bytes], conn: Connection) -> None:
-    """Ask the child to stop, wait, then terminate and kill it if need be."""
+def _shutdown(proc: subprocess.Popen[bytes], conn: Connection, owner: int) -> None:
+    """Ask the child to stop, wait, then kill it if need be (only in the process that
+    started it: a forked copy of the parent that exits leaves the child alone)."""
+    if os.getpid() != owner:
+        return
     try:
         if proc.poll() is None:
             with contextlib.suppress(OSError):
@@ -201,7 +204,8 @@ class WriterProcess:
         finally:
             child.close()
         self._conn = Connection(parent.detach())
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._conn)
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._conn,
+                                           os.getpid())
         self._lock = threading.Lock()
         self._ready = False
         self._generation = -1  # the arena generation the child has mapped
