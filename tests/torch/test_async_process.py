@@ -21,9 +21,9 @@ import ucpformat.torch as ucpt  # noqa: E402
 from tests.torch import dist_workers as w  # noqa: E402
 from tests.torch.writer_stores import DiskFullStore, StallingStore  # noqa: E402
 from ucpformat.checkpoint.manager import CheckpointManager  # noqa: E402
-from ucpformat.distributed.writer_process import WriterProcessError  # noqa: E402
 from ucpformat.errors import UCPError, WriteError  # noqa: E402
 from ucpformat.torch.async_save import AsyncSaver, close_async, save_async  # noqa: E402
+from ucpformat.torch.writer_process import WriterProcessError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

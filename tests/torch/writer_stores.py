@@ -1,5 +1,5 @@
 """Stores that travel to a writer process (pickled) and misbehave there: the tests of
-``AsyncSaver(writer="process")`` (no torch import: the child imports this module)."""
+``AsyncSaver(writer="process")`` (the child imports this module to unpickle them)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,6 @@
 - :mod:`~ucpformat.distributed.fragments`: numpy fragments saved (:func:`save_fragments`)
   and read back by box (:func:`read_local`, :func:`read_locals`, :func:`read_flat`);
 - :mod:`~ucpformat.distributed.framework`: a framework's per-rank state through a rule file.
-- :mod:`~ucpformat.distributed.writer_process`: a save written by a child process from
-  shared memory (asynchronous saves that keep the writer's CPU work out of training).
 """
 
 from __future__ import annotations

@@ -41,13 +41,13 @@ Where the write runs (``writer=``):
 * ``"thread"`` (default): in a thread of the training process, which then shares its
   CPU time and interpreter lock with the writer's hashing, compression and Python;
 * ``"process"``: in a long-lived writer process of the saver's own
-  (:mod:`ucpformat.distributed.writer_process`, started with the saver). The snapshot
+  (:mod:`ucpformat.torch.writer_process`, started with the saver). The snapshot
   copies into host memory shared with it (:class:`~ucpformat.torch.staging.SharedBuffers`,
   page-locked when CUDA is available; no file name, so nothing can leak), and the
   background thread only waits for the child, which writes and commits through the same
   pipeline. Its errors are raised by the future with their class and the child's
   traceback; a child that died is a
-  :class:`~ucpformat.distributed.writer_process.WriterProcessError` naming its exit
+  :class:`~ucpformat.torch.writer_process.WriterProcessError` naming its exit
   (the next save of a one-process saver starts a new child). With several ranks, each
   rank's child joins a gloo group of the children
   (:func:`ucpformat.torch.comm.writer_connector`: a TCP rendezvous on rank 0's host);
@@ -71,7 +71,6 @@ import torch
 
 from ucpformat.distributed import DistributedSaveResult
 from ucpformat.distributed.comm import Communicator
-from ucpformat.distributed.writer_process import SharedArena, WriterProcess, WriterProcessError
 from ucpformat.store import Store
 from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator, writer_connector
 from ucpformat.torch.distributed import (
@@ -91,6 +90,7 @@ from ucpformat.torch.staging import (
     Snapshot,
 )
 from ucpformat.torch.state import Stateful
+from ucpformat.torch.writer_process import SharedArena, WriterProcess, WriterProcessError
 
 #: Where an :class:`AsyncSaver` writes: a thread of this process, or a process of its own.
 Writer = Literal["thread", "process"]

@@ -182,7 +182,7 @@ def checkpoint_group(ranks: list[int] | None = None) -> ProcessGroup | None:
 @dataclass(frozen=True)
 class GlooConnector:
     """How the writer processes of one saver's ranks form a gloo group of their own
-    (:class:`ucpformat.distributed.writer_process.WriterProcess`): each joins as its
+    (:class:`ucpformat.torch.writer_process.WriterProcess`): each joins as its
     parent's rank in the saver's group, by a TCP rendezvous at ``address:port`` (on the
     group's rank 0; :func:`writer_connector`). ``timeout_s``: how long a child waits in
     a collective for the others (a peer that died)."""

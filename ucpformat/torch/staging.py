@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from ucpformat.checkpoint.deferred import Deferred
-from ucpformat.distributed.writer_process import SharedArena
 from ucpformat.errors import ResourceLimitError, UCPError, WriteError
 from ucpformat.torch.numpy_bridge import data_type, to_numpy
+from ucpformat.torch.writer_process import SharedArena
 
 #: Default bound of a synchronous save's staging pool (bytes of host buffers).
 DEFAULT_POOL_BYTES = 512 << 20
@@ -583,7 +583,7 @@ class Buffers(Protocol):
 
 class SharedBuffers:
     """A snapshot's buffers in host memory shared with a writer process: consecutive
-    slices of a :class:`~ucpformat.distributed.writer_process.SharedArena` (page-aligned),
+    slices of a :class:`~ucpformat.torch.writer_process.SharedArena` (page-aligned),
     all given back at once by :meth:`reset`. :meth:`reserve` first, with the snapshot's
     size (:meth:`HostBufferPool.buffer_bytes` of each tensor). ``pin`` (default: whether
     CUDA is available) page-locks the arena (``cudaHostRegister``), so that copies from a

@@ -31,6 +31,12 @@ happen there, and it commits.
 The child is started with ``sys.executable -c`` (no ``multiprocessing`` main-module
 import, so a training script needs no ``if __name__ == "__main__"`` guard) and the
 parent's ``sys.path``. Linux only (``os.memfd_create``).
+
+The two processes speak pickle over their private socket (the save's arguments, its
+result, an error): they are the same user's, and a store object or an error travels
+whole. That is why this module lives with the torch integration, outside the format
+core, which never unpickles (``tests/test_no_pickle.py``); it needs nothing of torch
+itself, but the child imports ``ucpformat.torch`` (and so torch) to reach it.
 """
 
 from __future__ import annotations
@@ -192,7 +198,7 @@ class WriterProcess:
         root = str(Path(__file__).resolve().parents[2])  # the directory holding ucpformat
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-        code = ("import sys; from ucpformat.distributed.writer_process import serve; "
+        code = ("import sys; from ucpformat.torch.writer_process import serve; "
                 "serve(int(sys.argv[1]))")
         try:
             self._proc = subprocess.Popen(
