@@ -13,9 +13,13 @@ process (a child started with ``XLA_FLAGS=--xla_force_host_platform_device_count
   checkpoint's pages dropped from the page cache first): ``ucpformat.jax.load`` vs
   ``StandardCheckpointer().restore`` vs ``ocp.v1.load``, and the bytes read then
   (``rchar`` of /proc/self/io: every byte the process read) over the pytree's bytes:
-  the read amplification.
+  the read amplification; and the restore's CPU time (user and system, every thread
+  of the process: what it costs a machine, and a figure that a busy machine disturbs
+  far less than the wall-clock time).
 
-Medians over repetitions after one warm-up.
+Medians over repetitions after one warm-up; the methods' order rotates from one
+repetition to the next (``repeats`` a multiple of 3 runs each method in each place
+equally often).
 """
 
 from __future__ import annotations
@@ -89,7 +93,9 @@ def _child(size_mib: int, repeats: int, root: str) -> dict[str, Any]:
         results[method].setdefault(what, []).append(value)
 
     for rep in range(repeats + 1):
-        for method in METHODS:
+        # the order rotates: a method that always ran right after another's save and
+        # clean-up was measured restoring 1.5x slower than the same method run elsewhere
+        for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
             path = f"{root}/{method}-{rep}"
             state = fresh(rep)  # fresh arrays: no host copy cached on them
             t0 = time.perf_counter()
@@ -120,6 +126,7 @@ def _child(size_mib: int, repeats: int, root: str) -> dict[str, Any]:
             target = abstract(state)
             common.evict(path)
             before = common.io_read_chars()
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             if method == "ucpformat":
                 restored = ucpj.load(path, target)
@@ -129,6 +136,7 @@ def _child(size_mib: int, repeats: int, root: str) -> dict[str, Any]:
                 restored = ocp.v1.load(path, target)
             jax.block_until_ready(restored)
             load_s = time.perf_counter() - t0
+            load_cpu_s = time.process_time() - cpu0
             read = common.io_read_chars() - before
             if rep == 0:  # the warm-up checks that every method restored the same values
                 want = np.asarray(state["params"]["w1"])
@@ -141,6 +149,7 @@ def _child(size_mib: int, repeats: int, root: str) -> dict[str, Any]:
             record(method, "blocked_s", blocked)
             record(method, "async_total_s", async_total)
             record(method, "load_s", load_s)
+            record(method, "load_cpu_s", load_cpu_s)
             record(method, "read_bytes", read)
             record(method, "disk_bytes", common.disk_bytes(path))
             common.remove(path)
@@ -149,7 +158,7 @@ def _child(size_mib: int, repeats: int, root: str) -> dict[str, Any]:
         m: {k: statistics.median(v) for k, v in r.items()} for m, r in results.items()}}
 
 
-def run(quick: bool = False, size_mib: int = 256, repeats: int = 3,
+def run(quick: bool = False, size_mib: int = 256, repeats: int = 6,
         directory: str | None = None) -> list[Table]:
     """Start the child with 8 virtual devices and tabulate what it measured."""
     size = 16 if quick else size_mib
@@ -167,14 +176,17 @@ def run(quick: bool = False, size_mib: int = 256, repeats: int = 3,
     table = Table(
         f"JAX: ucpformat.jax vs Orbax, {mib:.0f} MiB pytree on 8 virtual CPU devices",
         ["method", "save (MiB/s)", "blocked by async save (s)", "async save total (s)",
-         "restore onto (4, 2) (s)", "bytes read / pytree bytes", "on disk (MiB)"])
+         "restore onto (4, 2) (s)", "restore CPU (s)", "bytes read / pytree bytes",
+         "on disk (MiB)"])
     for method in METHODS:
         r = res[method]
         table.rows.append([method, f"{mib / r['save_s']:.0f}", f"{r['blocked_s']:.3f}",
                            f"{r['async_total_s']:.2f}", f"{r['load_s']:.2f}",
+                           f"{r['load_cpu_s']:.2f}",
                            f"{r['read_bytes'] / nbytes:.2f}",
                            f"{r['disk_bytes'] / (1 << 20):.0f}"])
-    table.notes.append(f"medians of {repeats} after a warm-up; saves from a (2, 4) mesh, "
+    table.notes.append(f"medians of {repeats} after a warm-up (the methods' order rotating); "
+                       "saves from a (2, 4) mesh, "
                        "restores cold onto a (4, 2) mesh with other PartitionSpecs; load "
                        f"average {common.load_average()}")
     table.data = found

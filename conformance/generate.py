@@ -1205,6 +1205,44 @@ def _rng_state(dest: Path) -> dict[str, Any]:
         arrays, groups, exercises=["UCP-1.0-R083", "UCP-1.0-R085"])
 
 
+#: Per-rank state (R086): a run of 3 processes whose ranks 0 and 2 kept state of their own
+#: (rank 1 none): each rank's generators in the form of R085, a data loader's position.
+def rank_state_arrays(first: int) -> list[Arr]:
+    out: list[Arr] = []
+    for i, rank in enumerate((0, 2)):
+        at = f"training/ranks/{rank}/"
+        out += [arr(at + "rng/torch_cpu", "uint8", (64,), first + 3 * i, ucp=RNG_TRAINING_STATE),
+                arr(at + "rng/numpy/state.key", "uint32", (624,), first + 3 * i + 1,
+                    ucp=RNG_TRAINING_STATE),
+                arr(at + "loader/order", "int64", (8,), first + 3 * i + 2,
+                    ucp=RNG_TRAINING_STATE)]
+    return out
+
+
+def rank_state_groups(world_size: int = 3) -> list[Group]:
+    out = [Group(("training",), {"step": 3}),
+           Group(("training", "ranks"), {"world_size": world_size})]
+    for rank in (0, 2):
+        at = ("training", "ranks", str(rank))
+        out += [Group(at), Group((*at, "rng")),
+                Group((*at, "rng", "numpy"), {"kind": "numpy", "bit_generator": "MT19937",
+                                              "state.pos": 624, "has_gauss": 0, "gauss": 0.0}),
+                Group((*at, "loader"), {"position": 17 + rank, "epoch": 1})]
+    return out
+
+
+@valid("rank-state")
+def _rank_state(dest: Path) -> dict[str, Any]:
+    arrays = [arr("model/w", "float32", (4, 3), 720), *rank_state_arrays(721)]
+    groups = rank_state_groups()
+    write_reference(dest, arrays, groups)
+    return valid_expected(
+        "Each process's own state in training/ranks (R086): a run of 3 processes whose "
+        "ranks 0 and 2 kept generators (the form of training/rng, R085) and a data "
+        "loader's position, and rank 1 none (it has no group).",
+        arrays, groups, exercises=["UCP-1.0-R086", "UCP-1.0-R085"])
+
+
 @valid("chunk-key-spellings")
 def _chunk_key_spellings(dest: Path) -> dict[str, Any]:
     spellings = [{"name": "default", "configuration": {"separator": "/"}},
@@ -2372,6 +2410,38 @@ def _(d: Damage) -> None:
          groups=_rng_case_groups)
 def _(d: Damage) -> None:
     return None  # the arrays given are the damage
+
+
+def _rank_case_arrays() -> list[Arr]:
+    return [a for a in base_arrays() if a.path != "training/rng"] + rank_state_arrays(721)
+
+
+def _rank_case_groups(world_size: int = 3) -> list[Group]:
+    return [g for g in base_groups() if g.name != ("training",)] + rank_state_groups(
+        world_size)
+
+
+@invalid("rank-beyond-world-size", "validate", ["086"],
+         "training/ranks/2 in a checkpoint whose training/ranks says the run had 2 processes "
+         "(ranks 0 and 1).", arrays=_rank_case_arrays,
+         groups=lambda: _rank_case_groups(world_size=2))
+def _(d: Damage) -> None:
+    return None  # the groups given are the damage
+
+
+@invalid("ranks-without-world-size", "validate", ["086"],
+         "training/ranks without world_size among its values.",
+         arrays=_rank_case_arrays, groups=_rank_case_groups)
+def _(d: Damage) -> None:
+    d.edit_ucp("training/ranks", _set(["values"], {}))
+
+
+@invalid("rank-rng-broken", "validate", ["085"],
+         "Rank 2's generators (training/ranks/2/rng, R086) with NumPy's state as a group of "
+         "kind python: a rank's rng has the form of training/rng.",
+         arrays=_rank_case_arrays, groups=_rank_case_groups)
+def _(d: Damage) -> None:
+    d.edit_ucp("training/ranks/2/rng/numpy", _set(["values", "kind"], "python"))
 
 
 @invalid("pickle-file", "validate", ["072"],

@@ -3,14 +3,20 @@ loaded onto other meshes and other specs: every leaf bit-equal, Optax state incl
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ucpformat
 import ucpformat.jax as ucpj
 from tests.jax.helpers import abstract, assert_bit_equal, jax, mesh, sharded_state
+from ucpformat.errors import MissingChunkError
+from ucpformat.jax.load import HOST_ALIGNMENT
 
 CASES = [("8", "2x4"), ("2x4", "1x8"), ("1x8", "8"), ("2x4", "4x2")]
 
@@ -107,3 +113,50 @@ def test_a_flax_train_state_round_trips(tmp_path: Path) -> None:
     assert type(got) is TrainState and int(got.step) == 1
     assert_bit_equal({"p": state.params, "o": state.opt_state},
                      {"p": got.params, "o": got.opt_state})
+
+
+def test_a_cpu_load_places_row_boxes_without_copying_them(tmp_path: Path) -> None:
+    """Boxes of whole rows land in aligned host buffers that the CPU devices use as they
+    are: the devices holding one replicated box share its memory; a box of columns is
+    copied once, still bit-equal."""
+    m = mesh("2x4")
+    values = np.arange(16 * 24, dtype=np.float32).reshape(16, 24)
+    specs = {"rows": P("a"), "whole": P(), "columns": P(None, "b")}
+    state = {"params": {k: jax.make_array_from_callback(
+        values.shape, NamedSharding(m, s), lambda i: values[i]) for k, s in specs.items()}}
+    ucpj.save(tmp_path / "c", state)
+    target = {"params": {k: jax.ShapeDtypeStruct(values.shape, np.float32,
+                                                 sharding=NamedSharding(m, s))
+                         for k, s in specs.items()}}
+    got = ucpj.load(tmp_path / "c", target)["params"]
+    for name in specs:
+        assert np.asarray(got[name]).tobytes() == values.tobytes(), name
+
+    def pointers(array: Any) -> dict[Any, set[int]]:
+        out: dict[Any, set[int]] = {}
+        for shard in array.addressable_shards:
+            out.setdefault(str(shard.index), set()).add(shard.data.unsafe_buffer_pointer())
+        return out
+
+    assert all(len(p) == 1 for p in pointers(got["rows"]).values())  # 4 devices, 1 buffer
+    assert len(pointers(got["whole"])[str((slice(None), slice(None)))]) == 1
+    assert all(p % HOST_ALIGNMENT == 0
+               for ps in pointers(got["columns"]).values() for p in ps)
+
+
+def test_a_load_in_many_batches_places_every_leaf(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each leaf its own batch (read, then placed in a thread while the next is read):
+    the same arrays; a read that fails in a later batch raises, whatever was placed."""
+    monkeypatch.setattr(sys.modules["ucpformat.jax.load"], "BATCH_BYTES", 1)
+    state = sharded_state(mesh("2x4"))
+    ucpj.save(tmp_path / "c", state, step=2, min_shard_bytes=0)
+    target = {**abstract(state, mesh("4x2"), rotate=3), "step": 0}
+    got = ucpj.load(tmp_path / "c", target)
+    assert got.pop("step") == 2
+    assert_bit_equal(state, got)
+    nu = tmp_path / "c" / "optimizer" / "state" / "embed" / "exp_avg_sq"
+    next(f for f in sorted(nu.rglob("*")) if f.is_file() and "c" in f.relative_to(nu).parts
+         ).unlink()  # a shard of a leaf read in a later batch than the first
+    with pytest.raises(MissingChunkError):
+        ucpj.load(tmp_path / "c", target)

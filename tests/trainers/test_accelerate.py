@@ -64,7 +64,7 @@ def test_checkpoint_validates_deep_and_holds_everything(runs: Path, layout: str,
     with ucpformat.open(path) as ckpt:
         training = ckpt.to_dict("training")
         assert training["step"] == 0  # no gradient accumulation
-        assert sorted(training["rank_rng"]) == [str(r) for r in range(ranks)]
+        assert sorted(training["ranks"]) == [*(str(r) for r in range(ranks)), "world_size"]
         # Accelerate steps a prepared scheduler once per process per call
         assert training["scheduler"]["last_epoch"] == 2 * ranks
         if ranks > 1:  # Accelerate shuffles with a generator of its own when distributed

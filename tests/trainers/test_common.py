@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ucpformat  # noqa: E402
+from ucpformat.checkpoint.rank_state import RankStateWarning  # noqa: E402
 from ucpformat.errors import FormatError, InvalidValueError, StorageError  # noqa: E402
 from ucpformat.trainers.common import (  # noqa: E402
     decode_state,
@@ -22,6 +23,7 @@ from ucpformat.trainers.common import (  # noqa: E402
     remove,
     restore_rng,
     rng_state,
+    set_own_rng,
 )
 
 pytestmark = [pytest.mark.torch]
@@ -58,14 +60,42 @@ def test_rank_generators_restore_the_draws() -> None:
     random.seed(1)
     np.random.seed(1)
     torch.manual_seed(1)
-    restore_rng({"rank_rng": saved}, rank=0, world=1)
+    restore_rng(rank_rng_extra(saved), rank=0, world=1)
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert want[:2] == got[:2] and torch.equal(want[2], got[2])
-    with pytest.warns(UserWarning, match="no generator state for rank 1"):
-        restore_rng({"rank_rng": saved}, rank=1, world=2)
+    with pytest.warns(RankStateWarning) as said:
+        restore_rng(rank_rng_extra(saved), rank=1, world=2)
+    assert ["rank 1 finds no state of its own" in str(w.message) for w in said] == [True, False]
+    assert "that of 1 process and this run has 2" in str(said[1].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        restore_rng({"rank_rng": saved}, rank=0, world=1)
+        restore_rng(rank_rng_extra(saved), rank=0, world=1)
+    random.seed(1)  # the flat form, as a Stateful of the user's own keeps it
+    set_own_rng(saved["0"])
+    assert random.random() == want[0]
+
+
+def test_rank_generators_are_stored_in_the_spec_per_rank_form(tmp_path: Path) -> None:
+    """training/ranks/<rank>/rng in the form of training/rng (UCP-1.0-R086), valid, read
+    back per rank from the checkpoint (only that rank's group)."""
+    import ucpformat.torch as ucpt
+
+    model = torch.nn.Linear(2, 2)  # (its initialisation draws from torch's generator)
+    saved = gathered_rng()
+    two = {"0": saved["0"], "1": saved["0"]}
+    want = (random.random(), torch.rand(2))
+    ucpt.save(tmp_path / "c", model=model, extra=rank_rng_extra(two))
+    ckpt = ucpformat.open(tmp_path / "c")
+    assert ckpt.values("training/ranks") == {"world_size": 2}
+    assert ckpt.values("training/ranks/1/rng/python")["kind"] == "python"
+    assert ckpt["training/ranks/1/rng/torch_cpu"].read().dtype == np.uint8
+    assert not ucpformat.validate(tmp_path / "c", deep=True).issues
+    random.seed(3)
+    torch.manual_seed(3)
+    with pytest.warns(RankStateWarning, match="2 processes and this run has 1"):
+        restore_rng(tmp_path / "c", rank=1, world=1)
+    got = (random.random(), torch.rand(2))
+    assert want[0] == got[0] and torch.equal(want[1], got[1])
 
 
 def test_another_trainers_generator_states_take_the_per_rank_form() -> None:

@@ -25,9 +25,9 @@ pytest.importorskip("transformers")
 import ucpformat
 from tests.trainers.launch import launch
 from ucpformat import importers
+from ucpformat.checkpoint.rank_state import GROUP as RANKS_GROUP
 from ucpformat.cli import main
 from ucpformat.errors import FormatError
-from ucpformat.trainers.common import RANK_RNG
 
 pytestmark = [pytest.mark.torch, pytest.mark.distributed]
 WORKER = "tests.trainers.hf_convert_worker"
@@ -111,7 +111,8 @@ def assert_holds(begin: Any, checkpoint: Path) -> None:
 def check_universal_resume_two_processes_to_one_and_back(runs: Path) -> None:
     """Saved on 2, resumed on 1, and the reverse: the state loaded is the one stored."""
     with ucpformat.open(runs / "ucp2" / "checkpoint-9") as ckpt:
-        assert sorted(ckpt.to_dict("training")[RANK_RNG]) == ["0", "1"]
+        assert ckpt.values(RANKS_GROUP) == {"world_size": 2}
+        assert sorted(ckpt.to_dict(RANKS_GROUP)) == ["0", "1", "world_size"]
     assert_holds(result(runs, "one")["begin"], runs / "ucp2" / "checkpoint-9")
     assert result(runs, "one")["step"] == 12
     for rank in (0, 1):

@@ -74,7 +74,8 @@ def test_top_k_last_and_removal(runs: Path, kind: str) -> None:
     with ucpformat.open(best / "last.ckpt") as ckpt:
         training = ckpt.to_dict("training")
         assert training["step"] == 16 // (1 if kind == "single" else 2)
-        assert sorted(training["rank_rng"]) == (["0"] if kind == "single" else ["0", "1"])
+        assert sorted(training["ranks"]) == (["0"] if kind == "single" else ["0", "1"]) + [
+            "world_size"]
         assert {"model", "optimizer", "training"} <= set(ckpt.groups)
 
 

@@ -52,7 +52,7 @@ def test_checkpoints_are_ucp_alone_and_rotated(runs: Path) -> None:
         assert training["step"] == 9 and "last_epoch" in training["scheduler"]
         state = dict(training["trainer_state"])
         assert state["global_step"] == 9 and len(state["log_history"]) == 9
-        assert sorted(training["rank_rng"]) == ["0"]
+        assert sorted(training["ranks"]) == ["0", "world_size"]
 
 
 def test_another_model_is_refused_before_anything_changes(runs: Path, tmp_path: Path) -> None:

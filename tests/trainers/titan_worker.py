@@ -48,13 +48,12 @@ class TrainState:
                 "data": {str(r): torch.from_numpy(s) for r, s in enumerate(everyone)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from ucpformat.trainers.common import restore_rng
+        from ucpformat.trainers.common import set_own_rng
 
         self.step = int(state["step"])
         self.data.set_state(torch.as_tensor(state["data"][str(dist.get_rank())]).to(torch.uint8))
-        world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        restore_rng(state, rank, world)
+        set_own_rng(state["rank_rng"][str(rank)])
 
 
 def run(scenario: str, root: Path, mode: str) -> None:

@@ -193,18 +193,24 @@ class Checkpoint:
 
     # -- whole-state access --------------------------------------------------------------
 
-    def to_dict(self, prefix: str = "") -> dict[str, Any]:
-        """Read a group (default: everything) back into a nested mapping of logical names."""
+    def to_dict(self, prefix: str = "", *, exclude: Sequence[str] = ()) -> dict[str, Any]:
+        """Read a group (default: everything) back into a nested mapping of logical names;
+        the nodes under the group paths ``exclude`` (and those groups) are left out."""
         if prefix and prefix not in self.groups:
             raise TensorNotFoundError(f"no group {prefix!r}", path=self.location)
         out: dict[str, Any] = dict(self.values(prefix))
         start = prefix + "/" if prefix else ""
+        left_out = tuple(e + "/" for e in exclude)
+
+        def wanted(path: str) -> bool:
+            return path.startswith(start) and not (path + "/").startswith(left_out)
+
         for path in sorted(self.groups):
-            if path.startswith(start):
+            if path != prefix and wanted(path):
                 node = _nest(out, path[len(start):])
                 node.update(self.values(path))
         for path in self.keys():
-            if path.startswith(start):
+            if wanted(path):
                 rel = path[len(start):]
                 parent, _, leaf = rel.rpartition("/")
                 _nest(out, parent)[names.unescape(leaf)] = self[path].read()

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ucpformat.checkpoint import rng
+from ucpformat.checkpoint import rank_state, rng
 from ucpformat.checkpoint.metadata import (
     FORMAT_MAJOR,
     IN_PROGRESS_KEY,
@@ -218,6 +218,7 @@ def _validate(
     _check_values(groups, ucp, report)
     _check_optimizer(arrays, groups, report)
     _check_rng(arrays, groups, report)
+    _check_ranks(arrays, groups, report)
     _check_layouts(arrays, groups, report)
     _check_model_group(arrays, groups, report)
     manifest, damaged, listed = _check_manifest(store, ucp, arrays, report, limit=limit)
@@ -490,18 +491,51 @@ def _check_optimizer(
                        "optimizer state arrays live at optimizer/state/<parameter>/<state>")
 
 
-def _check_rng(
+def _children(arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], parent: str
+              ) -> dict[str, str]:
+    """The children of node ``parent``: node name (unescaped) -> node path."""
+    start = parent + "/"
+    return {names.unescape(p[len(start):]): p for p in [*arrays, *groups]
+            if p.startswith(start) and "/" not in p[len(start):]}
+
+
+def _check_ranks(
     arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report
 ) -> None:
-    """UCP-1.0-R085: the generators of ``training/rng`` (when it is a group), each in its form."""
-    base = "training/rng"
+    """UCP-1.0-R086: ``training/ranks`` (when present): its values, its children named by
+    ranks below its world size, and each rank's ``rng`` in the form of UCP-1.0-R085."""
+    base = rank_state.GROUP
+    if base in arrays:
+        report.add(rank_state.RULE, base, "per-rank state is a group, not an array")
+        return
+    if base not in groups:
+        return
+    values = groups[base].values
+    for v in schemas.violations("ranks", dict(values)):
+        report.add(v.rule, base, f"values{v.pointer}: {v.message}")
+    children = _children(arrays, groups, base)
+    for path, problem in rank_state.problems(values, {n: p in groups
+                                                     for n, p in children.items()}):
+        report.add(rank_state.RULE, path, problem)
+    for path in children.values():
+        if path in groups:
+            _check_rng(arrays, groups, report, base=f"{path}/{rank_state.RNG}")
+
+
+def _check_rng(
+    arrays: Mapping[str, ArrayMeta], groups: Mapping[str, GroupMeta], report: Report,
+    *, base: str = "training/rng",
+) -> None:
+    """UCP-1.0-R085: the generators of ``base`` (when it is a group), each in its form:
+    ``training/rng``, and each rank's ``training/ranks/<r>/rng`` (UCP-1.0-R086)."""
+    if base in arrays and base != "training/rng":
+        report.add(rank_state.RULE, base, "a rank's generators are a group, not an array")
+        return
     if base not in groups:
         return
 
     def children(parent: str) -> dict[str, str]:
-        start = parent + "/"
-        return {names.unescape(p[len(start):]): p for p in [*arrays, *groups]
-                if p.startswith(start) and "/" not in p[len(start):]}
+        return _children(arrays, groups, parent)
 
     def check(path: str, kind: str | None) -> None:
         if path in arrays:

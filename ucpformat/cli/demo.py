@@ -8,6 +8,9 @@ curves with the uninterrupted run (table, CSV and PNG plot in ``--out``). The wo
 processes, ZeRO-3 on 2, no ZeRO on 1; :mod:`ucpformat.deepspeed.demo`).
 ``--framework jax`` trains the same GPT in JAX on a (2, 4) mesh of 8 virtual CPU devices
 and resumes it on (4, 2) and (1, 8) (:mod:`ucpformat.jax.demo`; torch is not needed).
+``--framework cross`` trains the GPT half-way in PyTorch (TP 2 x FSDP2 2 on 4 processes)
+and resumes it in JAX on a (2, 4) mesh, and the reverse (:mod:`ucpformat.cli.cross_demo`;
+needs torch and jax).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "and on 1 with other layouts, and compare the loss curves with the uninterrupted run.",
     )
     p.add_argument("--out", default="demo-out", help="output directory (default: demo-out)")
-    p.add_argument("--framework", choices=["torch", "deepspeed", "jax"], default="torch",
+    p.add_argument("--framework", choices=["torch", "deepspeed", "jax", "cross"],
+                   default="torch",
                    help="torch (FSDP2 and tensor parallelism, the default), deepspeed "
-                        "(ZeRO-2 -> ZeRO-3 and no ZeRO) or jax (a (2, 4) mesh -> (4, 2) "
-                        "and (1, 8))")
+                        "(ZeRO-2 -> ZeRO-3 and no ZeRO), jax (a (2, 4) mesh -> (4, 2) "
+                        "and (1, 8)) or cross (PyTorch TP x FSDP2 on 4 processes -> JAX on "
+                        "a (2, 4) mesh, and JAX -> PyTorch)")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps (default 150; 12 with --quick); saved half-way")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
@@ -41,6 +46,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.framework == "cross":
+        try:
+            import jax  # noqa: F401  (both frameworks are optional dependencies: say so now)
+            import torch  # noqa: F401
+        except ImportError as exc:
+            print("ucp: error: the demo across frameworks needs torch and jax (pip install "
+                  f"'ucpformat[torch,jax]'): {exc}")
+            return ERROR
+        from ucpformat.cli import cross_demo
+
+        return cross_demo.run(args)
     if args.framework == "jax":
         try:
             from ucpformat.jax import demo as jax_demo

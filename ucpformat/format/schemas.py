@@ -29,7 +29,8 @@ SCHEMA_VERSION = "1.0"
 BASE_URI = f"https://ucpformat.org/schemas/{SCHEMA_VERSION}/"
 #: Schema file stem for each kind of metadata object.
 KINDS = (
-    "root", "array", "group", "manifest", "optimizer", "rng", "layout", "rules", "defs",
+    "root", "array", "group", "manifest", "optimizer", "rng", "ranks", "layout", "rules",
+    "defs",
     # the conformance suite (spec/ucp-1.0-conformance.md)
     "conformance-capabilities", "conformance-request", "conformance-response",
     "conformance-validation", "conformance-scenario", "conformance-expected",

@@ -12,13 +12,19 @@ the control resumes the parameters without the optimizer state. Each resumed run
 losses must follow run A's within ``--rtol``; the control must not. A table, a CSV and a
 PNG plot (with matplotlib) go to ``--out``.
 
+:func:`cross` is JAX's half of the experiment across frameworks (``ucp demo --framework
+cross``, :mod:`ucpformat.cli.cross_demo`): it resumes a PyTorch run's checkpoint of the
+same GPT and saves one that PyTorch resumes.
+
 Needs 8 devices: the command restarts itself in a child process with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` unless JAX already has them.
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (:func:`child_env`) unless JAX
+already has them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -32,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ucpformat.errors import LoadError
 from ucpformat.optional import require
 
 #: Relative tolerance of a resumed run's losses against run A's (float32 sums in another
@@ -174,7 +181,10 @@ def optimizer() -> Any:
     return optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1))
 
 
+@functools.cache
 def trainer(cfg: Config) -> Callable[[Any, Any, Any, Any], Any]:
+    """The jitted training step of ``cfg`` (one per config: each run of a process on
+    the same layout reuses its compilation)."""
     jax = require("jax", extra="jax", purpose="the JAX demo")
     optax = require("optax", extra="jax", purpose="the JAX demo")
     tx = optimizer()
@@ -233,19 +243,39 @@ def train(cfg: Config, state: dict[str, Any], mesh: Any, start: int, stop: int,
     return losses
 
 
+def optimizer_state(params: Any, shardings: Any, mesh: Any) -> Any:
+    """A fresh optimizer state laid out as the parameters (the count replicated)."""
+    zero = optimizer().init(params)
+    return (zero[0]._replace(count=place(zero[0].count, replicated(mesh)),
+                             mu=place(zero[0].mu, shardings), nu=place(zero[0].nu, shardings)),
+            *zero[1:])
+
+
+def abstract_state(params: Any, shardings: Any, mesh: Any, *,
+                   with_optimizer: bool = True) -> dict[str, Any]:
+    """The target of a load on ``shardings``: ShapeDtypeStructs of the parameters and, with
+    ``with_optimizer``, of the Adam state and the step."""
+    jax = require("jax", extra="jax", purpose="the JAX demo")
+    abstract = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.float32, sharding=s),
+        params, shardings)
+    if not with_optimizer:
+        return {"params": abstract}
+    zero = optimizer().init(params)
+    count = jax.ShapeDtypeStruct((), np.int32, sharding=replicated(mesh))
+    return {"params": abstract,
+            "opt_state": (zero[0]._replace(count=count, mu=abstract, nu=abstract), *zero[1:]),
+            "step": 0}
+
+
 def experiment(cfg: Config, root: str) -> dict[str, Any]:
     """Run A, the resumes on (4, 2) and (1, 8), and the control; every loss curve."""
-    jax = require("jax", extra="jax", purpose="the JAX demo")
     import ucpformat.jax as ucpj
 
     params = init_params(cfg)
     shardings, mesh = layout_of(cfg, params, (2, 4), transpose=False)
-    opt_state = optimizer().init(params)
-    adam = opt_state[0]
     state = {"params": place(params, shardings),
-             "opt_state": (adam._replace(
-                 count=place(adam.count, replicated(mesh)), mu=place(adam.mu, shardings),
-                 nu=place(adam.nu, shardings)), *opt_state[1:])}
+             "opt_state": optimizer_state(params, shardings, mesh)}
     ckpt = f"{root}/step-{cfg.save_at}"
     pending: list[Any] = []
 
@@ -258,24 +288,57 @@ def experiment(cfg: Config, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"A (2, 4), uninterrupted": losses_a}
     for mesh_shape, transpose in (((4, 2), True), ((1, 8), False)):
         shard_b, mesh_b = layout_of(cfg, params, mesh_shape, transpose)
-        abstract = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.float32, sharding=s),
-            params, shard_b)
-        zero = optimizer().init(params)
-        count = jax.ShapeDtypeStruct((), np.int32, sharding=replicated(mesh_b))
-        target = {"params": abstract,
-                  "opt_state": (zero[0]._replace(count=count, mu=abstract, nu=abstract),
-                                *zero[1:]), "step": 0}
-        resumed = ucpj.load(ckpt, target)
+        resumed = ucpj.load(ckpt, abstract_state(params, shard_b, mesh_b))
         start = resumed.pop("step")
         out[f"B {mesh_shape}, resumed"] = train(cfg, resumed, mesh_b, start, cfg.steps)
-    params_only = ucpj.load(ckpt, {"params": abstract})
-    fresh = optimizer().init(params)
-    control = {"params": params_only["params"], "opt_state": (fresh[0]._replace(
-        count=place(fresh[0].count, replicated(mesh_b)), mu=place(fresh[0].mu, shard_b),
-        nu=place(fresh[0].nu, shard_b)), *fresh[1:])}
+    params_only = ucpj.load(ckpt, abstract_state(params, shard_b, mesh_b, with_optimizer=False))
+    control = {"params": params_only["params"],
+               "opt_state": optimizer_state(params, shard_b, mesh_b)}
     out["control: no optimizer state"] = train(cfg, control, mesh_b, cfg.save_at, cfg.steps)
     return out
+
+
+#: The mesh of JAX's half of the experiment across frameworks.
+CROSS_MESH = (2, 4)
+#: The optimizer a JAX checkpoint names for PyTorch: the demo's Optax chain is torch's AdamW.
+TORCH_ADAMW = "torch.optim.adamw.AdamW"
+
+
+def cross(cfg: Config, torch_ckpt: str, jax_ckpt: str) -> dict[str, list[float]]:
+    """JAX's half of the experiment across frameworks, on a (2, 4) mesh: resume the
+    PyTorch run's checkpoint ``torch_ckpt`` (its names through
+    :func:`ucpformat.jax.torch_keymap`) and train to the end (``torch_to_jax``); the same
+    without the optimizer state (``torch_to_jax_control``); then train from the start,
+    saving half-way into ``jax_ckpt`` as PyTorch names and lays it out (``jax``, the
+    curve PyTorch's resume of it must follow)."""
+    import ucpformat.jax as ucpj
+
+    params = init_params(cfg)
+    shardings, mesh = layout_of(cfg, params, CROSS_MESH, transpose=False)
+    keymap = ucpj.torch_keymap(params)
+    state = ucpj.load(torch_ckpt, abstract_state(params, shardings, mesh), keymap=keymap)
+    start = state.pop("step")
+    if start != cfg.save_at:
+        raise LoadError(f"{torch_ckpt} is of step {start}, not {cfg.save_at}",
+                        path=str(torch_ckpt))
+    resumed = train(cfg, state, mesh, start, cfg.steps)
+    only = ucpj.load(torch_ckpt, abstract_state(params, shardings, mesh, with_optimizer=False),
+                     keymap=keymap)
+    control = train(cfg, {"params": only["params"],
+                          "opt_state": optimizer_state(params, shardings, mesh)},
+                    mesh, start, cfg.steps)
+    state = {"params": place(params, shardings),
+             "opt_state": optimizer_state(params, shardings, mesh)}
+    pending: list[Any] = []
+
+    def maybe_save(done: int, st: dict[str, Any]) -> None:
+        if done == cfg.save_at:
+            pending.append(ucpj.save_async(jax_ckpt, st, step=done, keymap=keymap,
+                                           optimizer_type=TORCH_ADAMW))
+
+    reference = train(cfg, state, mesh, 0, cfg.steps, maybe_save)
+    pending[0].result()
+    return {"torch_to_jax": resumed, "torch_to_jax_control": control, "jax": reference}
 
 
 def report(cfg: Config, curves: dict[str, list[float]], rtol: float, out: Path) -> int:
@@ -325,31 +388,55 @@ def report(cfg: Config, curves: dict[str, list[float]], rtol: float, out: Path) 
     return 0 if ok else 1
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child process that runs JAX on 8 virtual CPU devices."""
+    return {**os.environ, "UCP_JAX_DEMO_CHILD": "1", "JAX_PLATFORMS": "cpu",
+            "TF_CPP_MIN_LOG_LEVEL": "2",  # XLA's partitioner warnings
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
 def run(args: argparse.Namespace) -> int:
     """The command: in a child with 8 devices unless this process has them."""
     cfg = QUICK if args.quick else Config()
     if args.steps is not None:
         cfg = Config(**{**asdict(cfg), "steps": args.steps, "save_at": args.steps // 2})
     if os.environ.get("UCP_JAX_DEMO_CHILD") != "1":
-        env = {**os.environ, "UCP_JAX_DEMO_CHILD": "1", "JAX_PLATFORMS": "cpu",
-               "TF_CPP_MIN_LOG_LEVEL": "2",  # XLA's partitioner warnings
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-        argv = [sys.executable, "-m", "ucpformat.jax.demo", json.dumps(asdict(cfg)),
+        argv = [sys.executable, "-m", "ucpformat.jax.demo", "meshes", json.dumps(asdict(cfg)),
                 str(args.rtol), str(args.out)]
-        return subprocess.run(argv, env=env).returncode
+        return subprocess.run(argv, env=child_env()).returncode
     return _child(cfg, args.rtol, Path(args.out))
 
 
-def _child(cfg: Config, rtol: float, out: Path) -> int:
+def _devices_missing() -> bool:
     jax = require("jax", extra="jax", purpose="the JAX demo")
     if len(jax.devices()) < 8:
         print(f"ucp: error: the JAX demo needs 8 devices, JAX has {len(jax.devices())}")
+        return True
+    return False
+
+
+def _child(cfg: Config, rtol: float, out: Path) -> int:
+    if _devices_missing():
         return 2
     with tempfile.TemporaryDirectory() as root:
         curves = experiment(cfg, root)
     return report(cfg, curves, rtol, out)
 
 
+def _cross_child(cfg: Config, torch_ckpt: str, jax_ckpt: str, result: Path) -> int:
+    if _devices_missing():
+        return 2
+    result.write_text(json.dumps(cross(cfg, torch_ckpt, jax_ckpt)))
+    return 0
+
+
 if __name__ == "__main__":
-    doc, rtol_arg, out_arg = sys.argv[1:4]
-    sys.exit(_child(Config(**json.loads(doc)), float(rtol_arg), Path(out_arg)))
+    # python -m ucpformat.jax.demo meshes CONFIG RTOL OUT
+    # python -m ucpformat.jax.demo cross CONFIG TORCH_CKPT JAX_CKPT RESULT_JSON
+    mode, doc = sys.argv[1:3]
+    if mode == "meshes":
+        sys.exit(_child(Config(**json.loads(doc)), float(sys.argv[3]), Path(sys.argv[4])))
+    if mode == "cross":
+        sys.exit(_cross_child(Config(**json.loads(doc)), sys.argv[3], sys.argv[4],
+                              Path(sys.argv[5])))
+    sys.exit(f"usage: python -m ucpformat.jax.demo meshes|cross CONFIG ...: not {mode!r}")

@@ -5,13 +5,21 @@ gives, or of arrays), every leaf is placed as :func:`ucpformat.jax.save.save` pl
 every name, shape and data type is checked against the checkpoint's metadata before
 anything is read, and then each process reads only the boxes its own devices need
 (``sharding.addressable_devices_indices_map``), each box once, in one batch, and builds
-the arrays (``jax.make_array_from_single_device_arrays``). No process talks to another.
+the arrays (``jax.make_array_from_single_device_arrays``), a batch of leaves placed on
+the devices while the next is read. No process talks to another.
+
+The reads land in host buffers aligned to :data:`HOST_ALIGNMENT` bytes, and each device
+is given a contiguous, aligned view of its box where the read holds one (a box of whole
+rows, or the whole array): JAX's CPU client then uses that memory as the device buffer
+instead of copying it, so a CPU load copies only the boxes that are not such views (one
+copy per distinct box, shared by the devices that hold it).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +39,34 @@ from ucpformat.jax.tree import (
     layout,
     rebuild,
 )
-from ucpformat.layout.boxes import Box, box_size
+from ucpformat.layout.boxes import Box, box_shape, box_size
 from ucpformat.optional import require
 from ucpformat.store import Store
+
+#: A load reads its boxes in batches of about this many bytes, and places each batch on
+#: the devices (a thread) while the next is read.
+BATCH_BYTES = 32 << 20
+#: The alignment, in bytes, of the host buffers a load reads into: XLA's CPU client
+#: takes a host buffer as a device buffer without a copy only when it is this aligned.
+HOST_ALIGNMENT = 64
 
 
 def _jax() -> Any:
     return require("jax", extra="jax", purpose="ucpformat.jax")
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+    """A new C-contiguous array whose data starts on a :data:`HOST_ALIGNMENT` boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGNMENT
+    out: np.ndarray[Any, Any] = raw[start : start + nbytes].view(dtype).reshape(shape)
+    return out
+
+
+def _is_aligned(data: np.ndarray[Any, Any]) -> bool:
+    return bool(data.flags.c_contiguous) and data.ctypes.data % HOST_ALIGNMENT == 0
 
 
 @dataclass
@@ -185,17 +214,21 @@ def load(
                 counts.append(leaf)
             else:
                 values[leaf.at] = _as_target(jax, _value_of(ckpt, leaf), leaf.value, leaf.where)
-        regions = [Region(p.leaf.path, [a for a, _ in sb], [b for _, b in sb])
-                   for p in planned for sb in (permuted(box, p.leaf.perm) for box in p.reads)]
-        regions += [Region(s, [], []) for leaf in counts for s in leaf.steps]
-        read = iter(ckpt.read_regions(regions))
-        for p in planned:
-            reads = [_unpermute(next(read), p.leaf.perm) for _ in p.reads]
-            boxes = {}
-            for box in p.boxes:
-                i, where = _within(box, p.reads)
-                boxes[box] = reads[i][where] if where else reads[i]
-            values[p.leaf.at] = _build(jax, p, boxes)
+        stored = [(p, permuted(box, p.leaf.perm)) for p in planned for box in p.reads]
+        ckpt.check_new_arrays([(p.leaf.path, box_size(sb) * np.dtype(p.dtype).itemsize)
+                               for p, sb in stored])
+        with ThreadPoolExecutor(1, thread_name_prefix="ucp-jax-place") as placer:
+            placed = []
+            for batch in _batches(planned):  # placed on the devices while the next is read
+                regions = [Region(p.leaf.path, [a for a, _ in sb], [b for _, b in sb],
+                                  aligned_empty(box_shape(sb), ckpt[p.leaf.path].dtype))
+                           for p in batch for sb in (permuted(box, p.leaf.perm)
+                                                     for box in p.reads)]
+                placed.append(placer.submit(_place, jax, batch, ckpt.read_regions(regions)))
+            for done in placed:
+                values.update(done.result())
+        read = iter(ckpt.read_regions([Region(s, [], []) for leaf in counts
+                                       for s in leaf.steps]))
         for leaf in counts:
             steps = {float(next(read)) for _ in leaf.steps}
             if len(steps) != 1 or not float(next(iter(steps))).is_integer():
@@ -208,10 +241,41 @@ def load(
             ckpt.close()
 
 
+def _batches(planned: list[_Planned]) -> list[list[_Planned]]:
+    """The leaves in order, in batches of at least :data:`BATCH_BYTES` (but the last)."""
+    out: list[list[_Planned]] = [[]]
+    size = 0
+    for p in planned:
+        if size >= BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += sum(box_size(b) for b in p.reads) * np.dtype(p.dtype).itemsize
+    return out
+
+
+def _place(jax: Any, batch: list[_Planned],
+           reads: list[np.ndarray[Any, Any]]) -> dict[tuple[str, ...], Any]:
+    """The arrays of a batch of leaves, from their reads (in the batch's order)."""
+    out = {}
+    it = iter(reads)
+    for p in batch:
+        mine = [_unpermute(next(it), p.leaf.perm) for _ in p.reads]
+        boxes = {}
+        for box in p.boxes:
+            i, where = _within(box, p.reads)
+            boxes[box] = mine[i][where] if where else mine[i]
+        out[p.leaf.at] = _build(jax, p, boxes)
+    return out
+
+
 def _unpermute(data: np.ndarray[Any, Any], perm: tuple[int, ...] | None) -> np.ndarray[Any, Any]:
     if perm is None:
         return data
-    return np.ascontiguousarray(np.transpose(data, tuple(int(i) for i in np.argsort(perm))))
+    view = np.transpose(data, tuple(int(i) for i in np.argsort(perm)))
+    out = aligned_empty(view.shape, view.dtype)
+    np.copyto(out, view)
+    return out
 
 
 def _build(jax: Any, p: _Planned, boxes: Mapping[Box, np.ndarray[Any, Any]]) -> Any:
@@ -224,8 +288,16 @@ def _build(jax: Any, p: _Planned, boxes: Mapping[Box, np.ndarray[Any, Any]]) -> 
     if p.sharding is None:
         (data,) = boxes.values()
         return data if isinstance(target, np.ndarray) else jax.numpy.asarray(data)
-    arrays = [jax.device_put(boxes[box_of(index, p.shape)], device)
-              for device, index in p.sharding.addressable_devices_indices_map(p.shape).items()]
+    hosts: dict[Box, np.ndarray[Any, Any]] = {}
+    for box, data in boxes.items():  # a view that is not contiguous and aligned is copied
+        if _is_aligned(data):
+            hosts[box] = data
+        else:
+            hosts[box] = aligned_empty(data.shape, data.dtype)
+            np.copyto(hosts[box], data)
+    devices = p.sharding.addressable_devices_indices_map(p.shape)
+    arrays = jax.device_put([hosts[box_of(index, p.shape)] for index in devices.values()],
+                            list(devices), may_alias=True)
     return jax.make_array_from_single_device_arrays(p.shape, p.sharding, arrays)
 
 

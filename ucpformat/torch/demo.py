@@ -216,9 +216,12 @@ def build(cfg: Config, layout: Layout) -> tuple[torch.nn.Module, int]:
 
 
 def make_optimizer(
-    cfg: Config, model: torch.nn.Module
+    cfg: Config, model: torch.nn.Module, start: int = 0
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW (weight decay 0.1) and its schedule, positioned after ``start`` steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    for group in opt.param_groups:  # what a scheduler resumed at ``start`` starts from
+        group["initial_lr"] = cfg.lr
 
     def schedule(step: int) -> float:
         if step < cfg.warmup:
@@ -226,7 +229,7 @@ def make_optimizer(
         progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule, last_epoch=start - 1)
 
 
 def train_steps(
@@ -315,6 +318,32 @@ def resume_without_optimizer(cfg: Config, ckpt: str) -> list[float]:
     opt, sched = make_optimizer(cfg, model)
     load_distributed(ckpt, model=model, scheduler=sched)
     return train_steps(cfg, LAYOUT_C, model, opt, sched, 0, cfg.save_at, cfg.steps)
+
+
+def resume_foreign(cfg: Config, layout: Layout, ckpt: str, *,
+                   with_optimizer: bool = True) -> list[float]:
+    """Resume, under ``layout``, a checkpoint of step ``save_at`` that another framework
+    wrote with the GPT's names and AdamW's state (a JAX run: :mod:`ucpformat.jax.demo`)
+    but no scheduler nor torch hyperparameters: those are the demo's own, the schedule
+    positioned at ``save_at``. Without ``with_optimizer``, the control: fresh AdamW
+    moments and steps."""
+    from ucpformat.torch.distributed import load_distributed
+
+    model, dp_rank = build(cfg, layout)
+    opt, sched = make_optimizer(cfg, model, start=cfg.save_at)
+    result = load_distributed(ckpt, model=model, optimizer=opt if with_optimizer else None,
+                              strict=with_optimizer)
+    if result.step != cfg.save_at:
+        raise RuntimeError(f"the checkpoint is of step {result.step}, not {cfg.save_at}")
+    return train_steps(cfg, layout, model, opt, sched, dp_rank, cfg.save_at, cfg.steps)
+
+
+def run_foreign(rank: int, world: int, cfg_doc: dict[str, Any], ckpt: str) -> dict[str, Any]:
+    """Layout A resumes another framework's checkpoint (:func:`resume_foreign`), then
+    the control does."""
+    cfg = Config(**cfg_doc)
+    return {"losses": resume_foreign(cfg, LAYOUT_A, ckpt),
+            "control": resume_foreign(cfg, LAYOUT_A, ckpt, with_optimizer=False)}
 
 
 def run_b(rank: int, world: int, cfg_doc: dict[str, Any], ckpt: str) -> dict[str, Any]:

@@ -29,9 +29,11 @@ outcome, before any tensor is modified.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,13 +49,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ucpformat.checkpoint.rank_state import GROUP as RANKS_GROUP
+from ucpformat.checkpoint.rank_state import RNG as RANK_RNG
+from ucpformat.checkpoint.rank_state import RankState, RankStateWarning, check_rank, rank_path
+from ucpformat.checkpoint.rank_state import group_values as rank_group_values
+from ucpformat.checkpoint.rank_state import read as read_rank_state
 from ucpformat.checkpoint.reader import Checkpoint
+from ucpformat.checkpoint.tree import Group
 from ucpformat.distributed import DistributedSaveResult, Fragment, TensorSpec, save_fragments
 from ucpformat.distributed.comm import Communicator, gather_failures
 from ucpformat.distributed.pipeline import FragmentSource
 from ucpformat.distributed.rank_description import MeshPosition, MeshTensor
 from ucpformat.errors import (
     InvalidValueError,
+    KeyMismatchError,
     LoadError,
 )
 from ucpformat.format import names
@@ -92,10 +101,15 @@ from ucpformat.torch.load_plan import (
     refuse_meta_parameters,
     refuse_optimizer_with_assign,
     scheduler_step,
+    stateful_step,
     tree_to_torch,
+    value_like,
 )
 from ucpformat.torch.numpy_bridge import data_type, to_numpy, torch_dtype
 from ucpformat.torch.reads import StagedReads, TensorRead, partly_changed, read_tensors, whole
+from ucpformat.torch.rng import from_layout as from_rng_layout
+from ucpformat.torch.rng import rng_state, rng_step
+from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.torch.staging import Stager, Staging
 from ucpformat.torch.state import (
     LoadResult,
@@ -106,6 +120,9 @@ from ucpformat.torch.state import (
     to_json,
     unwrap,
 )
+
+#: The node names of ``training/ranks`` (UCP-1.0-R086).
+RANKS_PARTS = tuple(RANKS_GROUP.split("/"))
 
 #: Turns a rank's local tensor into the numpy array that is written (a view or a copy).
 Snapshot = Callable[[str, torch.Tensor], np.ndarray[Any, Any]]
@@ -171,8 +188,14 @@ def collect_state(
     scheduler: Stateful | None = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = False,
+    rank_state: Mapping[str, Any] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> _State:
-    """The tensors (DTensors or plain) and JSON values of a training state, by node path."""
+    """The tensors (DTensors or plain) and JSON values of a training state, by node path;
+    ``rng`` and ``rank_state`` are this rank's own (``rank`` of ``world_size``), under
+    ``training/ranks/<rank>`` (:func:`collect_rank_state`)."""
     state = _State()
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     if optimizer is not None and model is None:
@@ -236,22 +259,84 @@ def collect_state(
             raise InvalidValueError(f"extra[{key!r}] would replace training/{key}",
                                     path="training")
         _collect_extra(state, ("training", str(key)), value)
+    if rng is not False or rank_state:
+        collect_rank_state(state, rank, world_size, rng=rng, rank_state=rank_state)
     return state
 
 
-def _collect_extra(state: _State, where: tuple[str, ...], value: Any) -> None:
+def collect_rank_state(
+    state: _State,
+    rank: int,
+    world_size: int,
+    *,
+    rng: bool | Mapping[str, Any] = False,
+    rank_state: Mapping[str, Any] | None = None,
+) -> None:
+    """This rank's own state into ``state``, under ``training/ranks/<rank>``
+    (UCP-1.0-R086): its generators (``rng=True``: :func:`rng_state`; or a state of that
+    form) as ``rng``, and each entry of ``rank_state`` under its name (a ``Stateful``,
+    such as a stateful data loader or sampler: its ``state_dict()``; else the value:
+    tensors, JSON values, mappings). Only this rank holds these; each of its tensors is
+    stored whole, by this rank."""
+    check_rank(rank, world_size)
+    group = rank_path(rank)
+    entries: dict[str, Any] = {}
+    for name, value in (rank_state or {}).items():
+        if name == RANK_RNG:
+            raise InvalidValueError(f"rank_state[{name!r}] would replace this rank's "
+                                    "generators; pass them as rng=", path=group)
+        entries[str(name)] = value.state_dict() if callable(
+            getattr(value, "state_dict", None)) else value
+    state.groups.setdefault("training", {})
+    state.values(RANKS_GROUP).update(rank_group_values(world_size))
+    state.groups.setdefault(group, {})
+    if rng is not False:
+        layout = rng_layout(rng_state() if rng is True else rng)
+        _collect_layout(state, (*RANKS_PARTS, str(rank), RANK_RNG), layout, owner=rank)
+    for name, value in entries.items():
+        _collect_extra(state, (*RANKS_PARTS, str(rank), name), value, owner=rank)
+
+
+def _collect_layout(state: _State, where: tuple[str, ...], tree: Mapping[str, Any],
+                    *, owner: int) -> None:
+    """A tree of arrays (numpy or plain tensors), JSON values and mappings (a ``Group``
+    for every group, as ``ucpformat.save`` takes it) into ``state``: every mapping a
+    group."""
+    state.groups.setdefault(_path(*where), {})
+    for key, value in tree.items():
+        at = (*where, str(key))
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if isinstance(value, torch.Tensor):
+            state.items.append(_Item(_path(*at), value, "training_state", only_rank=owner))
+        elif isinstance(value, Mapping):
+            _collect_layout(state, at, value, owner=owner)
+        else:
+            state.values(_path(*where))[str(key)] = to_json(value, where="/".join(at))
+
+
+def _collect_extra(state: _State, where: tuple[str, ...], value: Any, *, owner: int = 0
+                   ) -> None:
+    """An ``extra`` entry (``owner``: the rank whose plain tensors are stored): tensors and
+    numpy arrays are arrays, a :class:`~ucpformat.checkpoint.tree.Group` is always a
+    group (as ``ucpformat.save`` takes it), other mappings only where they hold an array."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, Group):
+        _collect_layout(state, where, value, owner=owner)
+        return
     if isinstance(value, torch.Tensor):
         if isinstance(value, DTensor):
             state.items.append(_Item(_path(*where), value, "training_state"))
         else:
-            state.items.append(_Item(_path(*where), value, "training_state", only_rank=0))
+            state.items.append(_Item(_path(*where), value, "training_state", only_rank=owner))
         return
     if isinstance(value, Mapping) and any(
-        isinstance(v, torch.Tensor | Mapping) for v in value.values()
+        isinstance(v, torch.Tensor | np.ndarray | Mapping) for v in value.values()
     ):
         state.groups.setdefault(_path(*where), {})
         for k, v in value.items():
-            _collect_extra(state, (*where, str(k)), v)
+            _collect_extra(state, (*where, str(k)), v, owner=owner)
         return
     parent = _path(*where[:-1])
     state.values(parent)[where[-1]] = to_json(value, where="/".join(where))
@@ -366,6 +451,8 @@ def save_distributed(
     metadata: Mapping[str, Any] | None = None,
     group: ProcessGroup | None = None,
     staging: Staging | None = None,
+    rng: bool | Mapping[str, Any] = False,
+    rank_state: Mapping[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> DistributedSaveResult:
     """Collective: every rank of ``group`` calls it; one consolidated checkpoint results.
@@ -373,6 +460,12 @@ def save_distributed(
     ``model`` may be FSDP2-sharded, tensor-parallel, both, or plain; ``optimizer`` is
     saved by parameter FQN; ``scheduler`` and ``step`` go to ``training``; ``extra``
     entries too (JSON values; tensors are taken from rank 0, DTensors from every rank).
+
+    Each rank's own state goes to ``training/ranks/<rank>`` (spec UCP-1.0-R086):
+    ``rng=True`` its random-number generators (:func:`ucpformat.torch.rng_state`, or
+    a state of that form), ``rank_state`` named entries (a ``Stateful`` such as a
+    stateful data loader: its ``state_dict()``; or tensors and JSON values).
+    :func:`load_distributed` gives each rank its own back.
     ``group`` carries the checkpoint's collectives (default: the world; see
     :func:`ucpformat.torch.comm.checkpoint_group`). ``save_kwargs`` go to
     :func:`ucpformat.distributed.save_fragments` (``overwrite``, ``compression``,
@@ -384,7 +477,8 @@ def save_distributed(
     """
     comm = communicator(group)
     state = collect_state(
-        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
+        model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra,
+        rng=rng, rank_state=rank_state, rank=comm.rank, world_size=comm.world_size,
     )
     specs, parts = local_parts(state, comm.rank)
     source = StagedFragments(parts, staging if staging is not None else Staging())
@@ -654,6 +748,8 @@ def load_distributed(
     map_location: str | torch.device = "cpu",
     assign: bool = False,
     in_place: bool = False,
+    rng: bool = False,
+    rank_state: Mapping[str, Stateful] | None = None,
 ) -> LoadResult:
     """Collective: load a checkpoint into a model and optimizer laid out in any way.
 
@@ -673,6 +769,17 @@ def load_distributed(
     refused without it. ``in_place``: each rank reads straight into its local tensors
     (no staging); a load that then fails leaves them partly changed, and the error says
     so and names them.
+
+    Per-rank state (spec UCP-1.0-R087): ``rng=True`` restores this rank's generators and
+    each ``rank_state`` entry's ``load_state_dict`` gets the state saved under its name,
+    both from ``training/ranks/<rank>``, this rank's own group, never another rank's.
+    Where the checkpoint holds no state for this rank (saved by fewer processes, or
+    without per-rank state), this rank's generators and objects stay as they are, and
+    a :class:`~ucpformat.checkpoint.rank_state.RankStateWarning` and the result's
+    ``rank_notes`` say so; they also say when the checkpoint was saved by another number
+    of processes. A rank group that lacks a requested entry is a ``KeyMismatchError``
+    (``strict=False``: left as it is). The result's ``rank_state`` holds this rank's
+    stored state either way (``training`` holds no rank's).
     """
     comm = communicator(group)
     if optimizer is not None and model is None:
@@ -700,22 +807,90 @@ def load_distributed(
         staged = StagedReads([])
         assigned: list[torch.Tensor] = []
         training: dict[str, Any] = {}
+        own = _OwnState(RankState(comm.rank, None, None), None)
+        rank_steps: list[Step] = []
         try:
             staged, assigned = _read_all(ckpt, plan, map_location, in_place)
             training = tree_to_torch(
-                ckpt.to_dict("training") if "training" in ckpt.groups else {},
+                ckpt.to_dict("training", exclude=(RANKS_GROUP,))
+                if "training" in ckpt.groups else {},
                 map_location, "training",
             )
+            own, rank_steps = _plan_rank_state(ckpt, comm.rank, rng, rank_state or {},
+                                               strict=strict, map_location=map_location)
         except BaseException as exc:
             error = exc
         _agree(comm, error, "reading", staged.written)
         try:
-            apply_steps(_steps(model, optimizer, scheduler, plan, staged, assigned, strict))
+            apply_steps([*_steps(model, optimizer, scheduler, plan, staged, assigned, strict),
+                         *rank_steps])
         except BaseException as exc:
             error = exc
         _agree(comm, error, "loading the checked state", staged.written)
-        return LoadResult.of(ckpt, training, plan.model, plan.optimizer,
-                             bytes_read=ckpt.stats.bytes_read - start, model=model)
+        notes = own.shortfalls(comm.world_size) if (rng or rank_state) else []
+        for note in notes:
+            warnings.warn(note, RankStateWarning, stacklevel=2)
+        result = LoadResult.of(ckpt, training, plan.model, plan.optimizer,
+                               bytes_read=ckpt.stats.bytes_read - start, model=model)
+        stored = tree_to_torch(own.state, map_location, rank_path(comm.rank)) \
+            if own.state is not None else None
+        return dataclasses.replace(result, rank_state=stored, saved_world_size=own.world_size,
+                                   rank_notes=notes, rng=own.rng_state)
+
+
+@dataclass(frozen=True)
+class _OwnState:
+    """What the checkpoint holds for this rank, and its generators decoded."""
+
+    rank: RankState
+    rng_state: dict[str, Any] | None
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        return self.rank.state
+
+    @property
+    def world_size(self) -> int | None:
+        return self.rank.world_size
+
+    def shortfalls(self, world_size: int) -> list[str]:
+        return self.rank.shortfalls(world_size)
+
+
+def _plan_rank_state(
+    ckpt: Checkpoint, rank: int, rng: bool, objects: Mapping[str, Stateful], *,
+    strict: bool, map_location: Device,
+) -> tuple[_OwnState, list[Step]]:
+    """This rank's stored state (read, checked) and the steps restoring it
+    (UCP-1.0-R087): its generators and each object's state, from its own group only."""
+    found = read_rank_state(ckpt, rank)
+    where = rank_path(rank)
+    stored = found.state
+    rng_stored = from_rng_layout(stored[RANK_RNG], where=f"{where}/{RANK_RNG}") \
+        if stored is not None and isinstance(stored.get(RANK_RNG), Mapping) else None
+    own = _OwnState(found, rng_stored)
+    if stored is None:
+        return own, []
+    wanted = ([RANK_RNG] if rng else []) + [n for n in objects if n != RANK_RNG]
+    missing = [n for n in wanted if n not in stored]
+    if missing and strict:
+        raise KeyMismatchError(
+            f"this rank's state holds no {missing} (it holds {sorted(stored)}); pass "
+            "strict=False to leave those as they are", path=where)
+    steps: list[Step] = []
+    for name, obj in objects.items():
+        if name == RANK_RNG:
+            raise InvalidValueError(f"rank_state[{name!r}]: this rank's generators are "
+                                    "restored by rng=True", path=where)
+        if name not in stored:
+            continue
+        at = f"{where}/{names.escape(name)}"
+        value = value_like(obj.state_dict(), tree_to_torch(stored[name], map_location, at),
+                           where=at)
+        steps.append(stateful_step(obj, value, f"rank_state[{name!r}]", at))
+    if rng and rng_stored is not None:
+        steps.append(rng_step(rng_stored, strict=strict, path=f"{where}/{RANK_RNG}"))
+    return own, steps
 
 
 __all__ = [

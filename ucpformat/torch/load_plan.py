@@ -638,16 +638,21 @@ def apply_steps(steps: Sequence[Step]) -> None:
 
 
 def scheduler_step(scheduler: Any, state: Any) -> Step:
-    """Loading ``state`` into ``scheduler`` (anything with ``state_dict`` and
-    ``load_state_dict``); undone by reloading a copy of its own state."""
+    """Loading ``state`` into ``scheduler`` (:func:`stateful_step` of
+    ``training/scheduler``)."""
+    return stateful_step(scheduler, state, "the scheduler", "training/scheduler")
+
+
+def stateful_step(obj: Any, state: Any, what: str, path: str) -> Step:
+    """Loading ``state`` into ``obj`` (anything with ``state_dict`` and
+    ``load_state_dict``; ``what`` names it in messages, ``path`` is where its state is
+    stored); undone by reloading a copy of its own state."""
     try:
-        previous = copy.deepcopy(scheduler.state_dict())
+        previous = copy.deepcopy(obj.state_dict())
     except Exception:  # a state that cannot be copied: the step cannot be undone
-        return Step("the scheduler", "training/scheduler",
-                    lambda: scheduler.load_state_dict(state))
-    return Step("the scheduler", "training/scheduler",
-                lambda: scheduler.load_state_dict(state),
-                lambda: scheduler.load_state_dict(previous))
+        return Step(what, path, lambda: obj.load_state_dict(state))
+    return Step(what, path, lambda: obj.load_state_dict(state),
+                lambda: obj.load_state_dict(previous))
 
 
 def _undo(step: Step) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from ucpformat.checkpoint import rng as layout
 from ucpformat.errors import InvalidValueError, KeyMismatchError, LoadError
+from ucpformat.torch.load_plan import Step
 
 #: A generator that a run holds itself.
 Generator = random.Random | np.random.Generator | np.random.RandomState | torch.Generator
@@ -142,14 +143,15 @@ def to_layout(state: Mapping[str, Any]) -> Any:
     return layout.encode({k: host(v) for k, v in state.items()})
 
 
-def from_layout(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """A state from the checkpoint's ``training/rng`` (``Checkpoint.to_dict``): torch's
+def from_layout(tree: Mapping[str, Any], *, where: str = "training/rng") -> dict[str, Any]:
+    """A state from the checkpoint's ``training/rng`` (``Checkpoint.to_dict``), or from
+    another group of that form (``where``: a rank's ``training/ranks/<r>/rng``): torch's
     states as uint8 tensors, the rest as Python and NumPy give them."""
 
     def tensor(value: Any) -> Any:
         return torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
 
-    state = layout.decode(tree)
+    state = layout.decode(tree, where=where)
     if layout.TORCH_CPU in state:
         state[layout.TORCH_CPU] = tensor(state[layout.TORCH_CPU])
     if layout.TORCH_CUDA in state:
@@ -159,4 +161,13 @@ def from_layout(tree: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-__all__ = ["Generator", "from_layout", "rng_state", "set_rng_state", "to_layout"]
+def rng_step(state: Mapping[str, Any], *, strict: bool, path: str = "training/rng") -> Step:
+    """A load's step restoring the generators to ``state`` (stored at ``path``); undone
+    by restoring the ones they had."""
+    current = rng_state()
+    return Step("the random-number generators", path,
+                lambda: set_rng_state(state, strict=strict),
+                lambda: set_rng_state(current, strict=False))
+
+
+__all__ = ["Generator", "from_layout", "rng_state", "rng_step", "set_rng_state", "to_layout"]

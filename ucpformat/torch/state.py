@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ucpformat.checkpoint.reader import Checkpoint
@@ -73,7 +74,7 @@ from ucpformat.torch.load_plan import (
 from ucpformat.torch.numpy_bridge import to_numpy
 from ucpformat.torch.reads import StagedReads, TensorRead, named, read_tensors
 from ucpformat.torch.rng import from_layout as rng_from_layout
-from ucpformat.torch.rng import rng_state, set_rng_state
+from ucpformat.torch.rng import rng_state, rng_step
 from ucpformat.torch.rng import to_layout as rng_layout
 from ucpformat.torch.staging import Staging, deferred_of
 
@@ -120,6 +121,15 @@ class LoadResult:
     #: checkpoint has nothing for them: non-persistent buffers, missing keys with
     #: ``strict=False``); a warning names them too.
     on_meta: list[str] = field(default_factory=list)
+    #: This rank's own stored state, ``training/ranks/<rank>`` (spec UCP-1.0-R086), as
+    #: tensors and values, or None where the checkpoint holds none for it (a distributed
+    #: load; ``load_distributed(rng=..., rank_state=...)`` restored what was asked).
+    rank_state: dict[str, Any] | None = None
+    #: The number of processes whose per-rank state the checkpoint holds, or None.
+    saved_world_size: int | None = None
+    #: What a load of per-rank state could not restore exactly (each also a
+    #: ``RankStateWarning``): no state for this rank, another world size (UCP-1.0-R087).
+    rank_notes: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, ckpt: Checkpoint, training: dict[str, Any], model_plan: Any,
@@ -320,11 +330,18 @@ def numpy_of(tensor: torch.Tensor, where: str) -> ArrayValue:
 
 
 def _tree_to_numpy(value: Any, *, where: str, convert: ArrayOf = numpy_of) -> Any:
-    """Tensors -> numpy arrays (any depth of mappings); other values -> JSON-ready."""
+    """Tensors -> numpy arrays (any depth of mappings; numpy arrays stay arrays, a
+    ``Group`` stays a group, as ``ucpformat.save`` takes them); other values ->
+    JSON-ready."""
     if isinstance(value, torch.Tensor):
         return convert(value, where)
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, Group):
+        return Group({str(k): _tree_to_numpy(v, where=f"{where}/{k}", convert=convert)
+                      for k, v in value.items()}, ucp=value.ucp)
     if isinstance(value, Mapping):
-        if not any(isinstance(v, torch.Tensor | Mapping) for v in value.values()):
+        if not any(isinstance(v, torch.Tensor | np.ndarray | Mapping) for v in value.values()):
             return to_json(value, where=where)
         return {str(k): _tree_to_numpy(v, where=f"{where}/{k}", convert=convert)
                 for k, v in value.items()}
@@ -633,7 +650,7 @@ def load(
         if scheduler is not None and load_scheduler:
             steps.append(scheduler_step(scheduler, scheduler_state))
         if rng and stored_rng is not None:
-            steps.append(_rng_step(stored_rng, strict=strict))
+            steps.append(rng_step(stored_rng, strict=strict))
         if model is not None and model_plan is not None:
             if assign:
                 state = assigned_state(groups, read.tensors[:len(groups)])
@@ -676,14 +693,6 @@ def _stored_rng(training: Mapping[str, Any], *, required: bool) -> dict[str, Any
         if required:
             raise
         return None
-
-
-def _rng_step(state: Mapping[str, Any], *, strict: bool) -> Step:
-    """Restoring the generators; undone by restoring the ones they had."""
-    current = rng_state()
-    return Step("the random-number generators", "training/rng",
-                lambda: set_rng_state(state, strict=strict),
-                lambda: set_rng_state(current, strict=False))
 
 
 def non_persistent_buffers(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> set[str]:

@@ -16,7 +16,7 @@ iteration and the ``state_dict()`` of every object registered with
 ``register_for_checkpointing``, tagged JSON of :mod:`ucpformat.trainers.common`),
 ``training/dataloaders/<i>/generator`` (the generator Accelerate shuffles each prepared
 loader with and synchronises across processes: Accelerate itself does not store it) and
-``training/rank_rng/<rank>`` (each process's generators). No pickle.
+``training/ranks/<rank>/rng`` (each process's generators, UCP-1.0-R086). No pickle.
 
 One model, one optimizer and at most one scheduler are saved (more are refused, named).
 An FSDP2 model made with ``fully_shard`` is saved sharded as it is; on CPU, Accelerate
@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
+from ucpformat.checkpoint import rank_state
 from ucpformat.errors import InvalidValueError, KeyMismatchError
 from ucpformat.optional import require
 from ucpformat.trainers.common import (
-    RANK_RNG,
     check_version,
     decode_state,
     encode_state,
     gathered_rng,
+    rank_rng_extra,
     remove,
     restore_rng,
 )
@@ -114,7 +115,7 @@ class UCPAccelerator(Accelerator):  # type: ignore[misc]
                    for i, dl in enumerate(self._dataloaders)
                    if getattr(dl, "synchronized_generator", None) is not None}
         extra: dict[str, Any] = {"accelerate": encode_state(own, where="training/accelerate"),
-                                 RANK_RNG: gathered_rng()}
+                                 **rank_rng_extra(gathered_rng())}
         if loaders:
             extra["dataloaders"] = loaders
         ucpt.save_distributed(output_dir, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -141,7 +142,8 @@ class UCPAccelerator(Accelerator):  # type: ignore[misc]
         path = os.path.expanduser(os.fspath(input_dir))
         model, optimizer, scheduler = self._objects()
         with ucpformat.open(path) as ckpt:
-            training = ckpt.to_dict("training") if "training" in ckpt.groups else {}
+            training = (ckpt.to_dict("training", exclude=(rank_state.GROUP,))
+                        if "training" in ckpt.groups else {})
             if "accelerate" not in training:
                 raise KeyMismatchError("not a checkpoint of UCPAccelerator: no "
                                        "training/accelerate", path=path)
@@ -163,7 +165,7 @@ class UCPAccelerator(Accelerator):  # type: ignore[misc]
                 generator.set_state(torch.as_tensor(stored).to(torch.uint8))
         self.step = int(training.get("step", 0))
         self.project_configuration.iteration = int(own.get("iteration", 0))
-        restore_rng(training, self.process_index, self.num_processes)
+        restore_rng(path, self.process_index, self.num_processes)  # this rank's group only
 
 
 __all__ = ["TESTED", "UCPAccelerator"]

@@ -1,13 +1,17 @@
 """What the trainer integrations share: per-rank generators, a trainer's own state as
 JSON, and the check of a trainer's version against the tested range.
 
-Per-rank generators (``training/rank_rng/<rank>``): ``training/rng`` (UCP-1.0-R085)
-holds one process's generators, while a resumed run of N ranks needs each rank's own
-(dropout differs per rank). Each rank's group holds ``torch_cpu`` (uint8, torch's CPU
-generator), ``torch_cuda.<i>`` (uint8, where CUDA is available), ``python_state`` and
-``numpy_key`` (uint32: the 625 integers of ``random.getstate()`` and NumPy's MT19937
-key) and the JSON values ``python_version``, ``python_gauss_next``,
-``numpy_bit_generator``, ``numpy_pos``, ``numpy_has_gauss`` and ``numpy_gauss``.
+Per-rank generators: a resumed run of N ranks needs each rank's own (dropout and
+shuffling differ per rank). They are stored in the spec's per-rank convention
+(UCP-1.0-R086): ``training/ranks/<rank>/rng``, each in the form of ``training/rng``
+(UCP-1.0-R085), with ``world_size`` in the values of ``training/ranks``. In memory and on
+the wire between ranks (JSON, never pickle) a rank's generators are a flat mapping
+(:func:`own_rng`): ``torch_cpu`` (uint8), ``torch_cuda.<i>`` (uint8, where CUDA is
+available), ``python_state`` and ``numpy_key`` (uint32: the 625 integers of
+``random.getstate()`` and NumPy's MT19937 key) and the JSON values ``python_version``,
+``python_gauss_next``, ``numpy_bit_generator``, ``numpy_pos``, ``numpy_has_gauss`` and
+``numpy_gauss``. :func:`rank_rng_extra` turns the gathered mappings into the stored
+group; :func:`restore_rng` gives a rank its own back (UCP-1.0-R087).
 
 A trainer's own state (Lightning's loops and callbacks, ``trainer_state.json``) is one
 JSON value: a list of ``[key, value]`` pairs in the trainer's order, in which what JSON
@@ -30,12 +34,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ucpformat
+from ucpformat.checkpoint import rank_state
 from ucpformat.checkpoint.commit import delete_checkpoint
+from ucpformat.checkpoint.reader import Checkpoint
 from ucpformat.errors import FormatError, InvalidValueError, StorageError
 from ucpformat.store import open_store
+from ucpformat.torch.rng import from_layout as rng_from_layout
+from ucpformat.torch.rng import set_rng_state
 
-#: The ``extra`` / ``training`` key of the per-rank generators.
-RANK_RNG = "rank_rng"
+#: The ``extra`` / ``training`` key of the per-rank state (``training/ranks``).
+RANKS = rank_state.GROUP.split("/")[1]
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__pairs__")
 
 
@@ -119,10 +128,41 @@ def rng_state(python: Any, numpy: Any, torch_cpu: torch.Tensor,
     return out
 
 
-def rank_rng_extra(ranks: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The ``extra`` (``training/``) entries that store every rank's generators
-    (``{"<rank>": rng_state(...)}``, as :func:`gathered_rng` gives them)."""
-    return {RANK_RNG: {str(r): dict(state) for r, state in ranks.items()}}
+def rank_rng_extra(ranks: Mapping[str, Mapping[str, Any]], world_size: int | None = None
+                   ) -> dict[str, Any]:
+    """The ``extra`` (``training/``) entry that stores every rank's generators
+    (``{"<rank>": rng_state(...)}``, as :func:`gathered_rng` gives them) in
+    ``training/ranks/<rank>/rng`` (UCP-1.0-R086); ``world_size``: the run's number of
+    processes (default: one per entry)."""
+    states = {int(r): {rank_state.RNG: _layout_form(state, f"{rank_state.GROUP}/{r}")}
+              for r, state in ranks.items()}
+    return {RANKS: rank_state.encode(len(ranks) if world_size is None else world_size,
+                                     states)}
+
+
+def _layout_form(state: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A rank's flat generator mapping in the form ``training/rng`` takes (UCP-1.0-R085):
+    ``python``, ``numpy``, ``torch_cpu`` and ``torch_cuda`` as numpy and Python values."""
+    try:
+        out: dict[str, Any] = {
+            "python": (int(state["python_version"]),
+                       tuple(int(i) for i in _array(state["python_state"]).tolist()),
+                       state["python_gauss_next"]),
+            "numpy": {"bit_generator": str(state["numpy_bit_generator"]),
+                      "state": {"key": _array(state["numpy_key"]).astype(np.uint32),
+                                "pos": int(state["numpy_pos"])},
+                      "has_gauss": int(state["numpy_has_gauss"]),
+                      "gauss": float(state["numpy_gauss"])},
+            "torch_cpu": _array(state["torch_cpu"]).astype(np.uint8),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"not a rank's generator state as own_rng() gives it: {exc}",
+                          path=where) from None
+    cuda = sorted((int(k.split(".", 1)[1]), v) for k, v in state.items()
+                  if k.startswith("torch_cuda."))
+    if cuda:
+        out["torch_cuda"] = [_array(v).astype(np.uint8) for _, v in cuda]
+    return out
 
 
 def gathered_rng() -> dict[str, Any]:
@@ -153,45 +193,48 @@ def rank0_view(value: Any) -> Any:
     return TorchCommunicator().allgather(value)[0]
 
 
-def restore_rng(training: Mapping[str, Any], rank: int, world: int) -> None:
-    """Set this process's generators from ``training/rank_rng/<rank>`` (a load's
-    ``LoadResult.training``). A checkpoint with no state for this rank, or saved by
-    another number of ranks, is a warning: the run goes on, not bit-equal to one that
-    did not stop."""
-    ranks = training.get(RANK_RNG)
-    if not isinstance(ranks, Mapping) or str(rank) not in ranks:
-        warnings.warn(
-            f"the checkpoint holds no generator state for rank {rank} (training/{RANK_RNG}"
-            f"/{rank}); this rank keeps its own generators", UserWarning, stacklevel=2)
+def restore_rng(source: Mapping[str, Any] | str | os.PathLike[str] | Checkpoint, rank: int,
+                world: int) -> None:
+    """Set this process's generators from ``training/ranks/<rank>/rng`` (UCP-1.0-R087):
+    ``source`` is a checkpoint (or its path; only this rank's group is read) or a load's
+    ``training`` mapping. A checkpoint with no state for this rank, or saved by another
+    number of ranks, is a :class:`~ucpformat.checkpoint.rank_state.RankStateWarning`:
+    the run goes on, not bit-equal to one that did not stop."""
+    if isinstance(source, Mapping):
+        ranks = source.get(RANKS)
+        ranks = ranks if isinstance(ranks, Mapping) else {}
+        size = ranks.get(rank_state.WORLD_SIZE)
+        own = ranks.get(str(rank))
+        found = rank_state.RankState(rank, size if isinstance(size, int) else None,
+                                     _to_numpy(own) if isinstance(own, Mapping) else None)
+    elif isinstance(source, Checkpoint):
+        found = rank_state.read(source, rank)
+    else:
+        with ucpformat.open(source) as ckpt:
+            found = rank_state.read(ckpt, rank)
+    found.warn(world)
+    where = f"{rank_state.rank_path(rank)}/{rank_state.RNG}"
+    if found.state is None:
         return
-    if len(ranks) != world:
-        warnings.warn(
-            f"the checkpoint holds the generators of {len(ranks)} ranks and this run has "
-            f"{world}: rank {rank} takes rank {rank}'s, but the data order and dropout "
-            "differ from a run that did not stop", UserWarning, stacklevel=2)
-    state = ranks[str(rank)]
-    where = f"training/{RANK_RNG}/{rank}"
-    try:
-        py_state = tuple(int(i) for i in _array(state["python_state"]).tolist())
-        gauss = state["python_gauss_next"]
-        np_state = {"bit_generator": state["numpy_bit_generator"],
-                    "state": {"key": _array(state["numpy_key"]).astype(np.uint32),
-                              "pos": int(state["numpy_pos"])},
-                    "has_gauss": int(state["numpy_has_gauss"]),
-                    "gauss": float(state["numpy_gauss"])}
-        cpu = torch.as_tensor(_array(state["torch_cpu"])).to(torch.uint8)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"not the per-rank generator state ucpformat writes: {exc}",
-                          path=where) from None
-    random.setstate((int(state["python_version"]), py_state,
-                     None if gauss is None else float(gauss)))
-    np.random.set_state(np_state)
-    torch.set_rng_state(cpu)
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            saved = state.get(f"torch_cuda.{i}")
-            if saved is not None:
-                torch.cuda.set_rng_state(torch.as_tensor(_array(saved)).to(torch.uint8), i)
+    if not isinstance(found.state.get(rank_state.RNG), Mapping):
+        warnings.warn(f"rank {rank}'s state holds no generators ({where}); this rank keeps "
+                      "its own", rank_state.RankStateWarning, stacklevel=2)
+        return
+    set_rng_state(rng_from_layout(found.state[rank_state.RNG], where=where), strict=False)
+
+
+def set_own_rng(state: Mapping[str, Any], *, where: str = "generator state") -> None:
+    """Set this process's generators from the flat mapping :func:`own_rng` gives."""
+    layout = _layout_form(state, where)
+    cuda = layout.pop("torch_cuda", [])
+    set_rng_state({**layout, "torch_cpu": torch.from_numpy(layout["torch_cpu"]),
+                   "torch_cuda": [torch.from_numpy(c) for c in cuda]}, strict=False)
+
+
+def _to_numpy(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """Tensors in a tree of mappings (a load's ``training``) made numpy arrays."""
+    return {k: _to_numpy(v) if isinstance(v, Mapping)
+            else _array(v) if isinstance(v, torch.Tensor) else v for k, v in tree.items()}
 
 
 def _array(value: Any) -> np.ndarray[Any, Any]:
@@ -266,6 +309,6 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-__all__ = ["RANK_RNG", "UntestedVersionWarning", "check_version", "decode_state",
+__all__ = ["RANKS", "UntestedVersionWarning", "check_version", "decode_state",
            "encode_state", "gathered_rng", "own_rng", "rank0_view", "rank_rng_extra", "remove",
-           "restore_rng", "rng_state"]
+           "restore_rng", "rng_state", "set_own_rng"]

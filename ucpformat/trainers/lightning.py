@@ -16,7 +16,7 @@ Either writes one UCP checkpoint (a directory, ``.ckpt`` name and all) holding
 (the global step), ``training/lightning`` (the rest of Lightning's checkpoint dict:
 epoch, loops, callbacks such as ``ModelCheckpoint``'s top-k, LR schedulers,
 hyper-parameters, as tagged JSON: :mod:`ucpformat.trainers.common`) and
-``training/rank_rng/<rank>`` (each rank's generators: Lightning stores none). The two
+``training/ranks/<rank>/rng`` (each rank's generators, UCP-1.0-R086: Lightning stores none). The two
 kinds of checkpoint have the same layout, so one saved by either loads into the other,
 on any number of ranks. ``ModelCheckpoint``'s top-k, ``last.ckpt`` and the removal of
 old checkpoints work through ``remove_checkpoint``.
@@ -37,11 +37,11 @@ from ucpformat.errors import (
 )
 from ucpformat.optional import require
 from ucpformat.trainers.common import (
-    RANK_RNG,
     check_version,
     decode_state,
     encode_state,
     gathered_rng,
+    rank_rng_extra,
     remove,
     restore_rng,
 )
@@ -112,7 +112,7 @@ class UCPCheckpointIO(CheckpointIO):  # type: ignore[misc]
         rng = checkpoint.get(RNG_KEY) or gathered_rng()
         ucpt.save(os.fspath(path), model=module, optimizer=optimizer,
                   step=int(checkpoint.get("global_step", 0)),
-                  extra={"lightning": _trainer_state(checkpoint), RANK_RNG: rng},
+                  extra={"lightning": _trainer_state(checkpoint), **rank_rng_extra(rng)},
                   metadata={"trainer": f"lightning {L.__version__}"}, overwrite=True)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
@@ -219,7 +219,7 @@ class UCPModelParallelStrategy(ModelParallelStrategy):  # type: ignore[misc]
         ucpt.save_distributed(
             path, model=self.model, optimizer=optimizer,
             step=int(checkpoint.get("global_step", 0)),
-            extra={"lightning": trainer_state, RANK_RNG: rng},
+            extra={"lightning": trainer_state, **rank_rng_extra(rng)},
             metadata={"trainer": f"lightning {L.__version__}"}, overwrite=True)
 
     def load_checkpoint(self, checkpoint_path: Any,
@@ -232,7 +232,7 @@ class UCPModelParallelStrategy(ModelParallelStrategy):  # type: ignore[misc]
         result = ucpt.load_distributed(path, model=self.model, optimizer=optimizer,
                                        strict=self.lightning_module.strict_loading)
         state = _stored_state(result.training, path)
-        restore_rng(result.training, self.global_rank, self.world_size)
+        restore_rng(path, self.global_rank, self.world_size)  # this rank's group only
         return state
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -12,7 +12,7 @@ parameter name, ``training/scheduler``, ``training/step`` (the global step),
 ``training/trainer_state`` (what the stock Trainer writes to ``trainer_state.json``,
 rank 0's view: log history, best metric, stateful callbacks, as tagged JSON of
 :mod:`ucpformat.trainers.common`; no ``trainer_state.json`` beside it) and
-``training/rank_rng/<rank>`` (each process's generators). Nothing is pickled:
+``training/ranks/<rank>/rng`` (each process's generators, UCP-1.0-R086). Nothing is pickled:
 ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` and ``training_args.bin`` are not
 written. ``save_total_limit`` deletes old checkpoints the way UCP deletes
 (:func:`ucpformat.trainers.common.remove`). Resuming checks the model against the
@@ -212,12 +212,10 @@ class UCPTrainer(Trainer):  # type: ignore[misc]
                               scheduler=_inner(self.lr_scheduler, "scheduler"))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        """This process's generators from ``training/rank_rng/<process index>``."""
+        """This process's generators from ``training/ranks/<process index>/rng``."""
         if checkpoint is None:
             return
-        with ucpformat.open(checkpoint) as ckpt:
-            training = ckpt.to_dict("training")
-        restore_rng(training, self.args.process_index, self.args.world_size)
+        restore_rng(checkpoint, self.args.process_index, self.args.world_size)
 
 
 __all__ = ["TESTED", "UCPTrainer"]
