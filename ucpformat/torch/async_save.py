@@ -191,12 +191,16 @@ class AsyncSaver:
         step: int | None = None,
         extra: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        rng: bool | Mapping[str, Any] = False,
+        rank_state: Mapping[str, Any] | None = None,
         **save_kwargs: Any,
     ) -> Future[DistributedSaveResult]:
         """Collective: snapshot now, write in the background; the future gives the result.
 
-        Arguments as for :func:`ucpformat.torch.save_distributed`. Waits for the previous
-        save first and raises its error if it failed (nothing of this one has started).
+        Arguments as for :func:`ucpformat.torch.save_distributed`, ``rng`` and
+        ``rank_state`` (this rank's own state, ``training/ranks/<rank>``) included: they
+        are taken now, with the snapshot. Waits for the previous save first and raises
+        its error if it failed (nothing of this one has started).
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
@@ -206,7 +210,9 @@ class AsyncSaver:
             t1 = time.perf_counter()
             self._check_process()
             state = collect_state(
-                model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra
+                model=model, optimizer=optimizer, scheduler=scheduler, step=step, extra=extra,
+                rng=rng, rank_state=rank_state, rank=self._comm.rank,
+                world_size=self._comm.world_size,
             )
             snap = Snapshot(self._shared or self.staging_pool, self._copier)
             try:
