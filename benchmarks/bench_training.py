@@ -12,12 +12,15 @@ between two steps, and steps until it is committed. Per method:
   baseline step time of the same repetition (1.00: training did not notice);
 * **save**: call to commit.
 
-Methods: ``ucpformat.torch.AsyncSaver.save``; DCP ``async_save`` with its
+Methods: ``ucpformat.torch.AsyncSaver.save`` with its writer in a thread, in a
+process of its own (``writer="process"``, which yields the CPU to training by default)
+and in one that does not (``writer_nice=0``); DCP ``async_save`` with its
 ``FileSystemWriter`` in thread and process modes (``AsyncCheckpointerType``); DCP
 ``async_save`` with the UCP plugin (:class:`ucpformat.torch.dcp.UCPWriter`) in both
 modes. The first repetition warms up (DCP's process mode starts its background process
-then) and is not counted. Every save writes a new directory, not fsynced by DCP's
-writer: ucpformat's savers are asked for the same (``durable=False``).
+then) and is not counted. Every save writes a new directory, none fsynced
+(``FileSystemWriter(sync_files=False)``, ``durable=False``): on a machine shared by
+other work, fsync times are the disk's, not the savers'.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from typing import Any
 
 from benchmarks import Table
 
-METHODS = ("ucpformat AsyncSaver", "DCP thread", "DCP process", "UCP plugin, DCP thread",
-           "UCP plugin, DCP process")
+METHODS = ("ucpformat AsyncSaver, thread", "ucpformat AsyncSaver, process",
+           "ucpformat AsyncSaver, process nice 0", "DCP thread", "DCP process",
+           "UCP plugin, DCP thread", "UCP plugin, DCP process")
+#: Sequences x tokens of a training step's batch.
+BATCH = (2, 32)
 
 
 def _free_port() -> int:
@@ -66,7 +72,9 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict[str, Any]
     model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, layers),
                                 torch.nn.Linear(width, width))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randn(8, 64, width)
+    # a small batch: a step of tens of ms on a quiet core, so that many steps fall inside
+    # a save and the median step is measured, not one step that overlapped it
+    batch = torch.randn(*BATCH, width)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -79,20 +87,22 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict[str, Any]
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(t.numel() * t.element_size() for s in opt.state.values()
                   for t in s.values() if isinstance(t, torch.Tensor))
-    saver = AsyncSaver()
+    savers = {METHODS[0]: AsyncSaver(), METHODS[1]: AsyncSaver(writer="process"),
+              METHODS[2]: AsyncSaver(writer="process", writer_nice=0)}
     process, thread = AsyncCheckpointerType.PROCESS, AsyncCheckpointerType.THREAD
 
     def start(method: str, path: str) -> Any:
-        if method == "ucpformat AsyncSaver":
-            return saver.save(path, model=model, optimizer=opt, durable=False)
+        if method in savers:
+            return savers[method].save(path, model=model, optimizer=opt, durable=False)
         msd, osd = get_state_dict(model, opt)  # optimizer state keyed by FQN
         state = {"model": msd, "optim": osd}
         kind = process if method.endswith("process") else thread
         writer = (UCPWriter(path, durable=False) if method.startswith("UCP")
-                  else dcp.FileSystemWriter(path))
+                  else dcp.FileSystemWriter(path, sync_files=False))
         return dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
 
     base_steps = 5
+    load_before = os.getloadavg()
     rows: dict[str, dict[str, list[float]]] = {
         m: {"blocked": [], "slowdown": [], "save": [], "steps": []} for m in METHODS}
     for r in range(repeats + 1):
@@ -115,9 +125,10 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict[str, Any]
                 data["steps"].append(len(during))
                 if during:
                     data["slowdown"].append(statistics.median(during) / baseline)
-            saver.wait()
-    saver.close()
+    for saver in savers.values():
+        saver.close()
     return {"nbytes": nbytes, "repeats": repeats, "width": width, "layers": layers,
+            "load": [load_before, os.getloadavg()],
             "rows": rows, "threads": torch.get_num_threads(),
             "step_s": statistics.median(step() for _ in range(base_steps))}
 
@@ -182,13 +193,14 @@ def table(m: dict[str, Any]) -> Table:
                        f"{slow[method] / best_dcp:.2f}"])
     t.notes += [
         f"a {m['layers']}-layer TransformerEncoder of width {m['width']} + a linear head, "
-        f"AdamW, batch 8 x 64 tokens, {m['threads']} torch thread(s) ({os.cpu_count()} "
-        f"cores); a step takes {m['step_s'] * 1000:.0f} ms without a save",
+        f"AdamW, batch {BATCH[0]} x {BATCH[1]} tokens, {m['threads']} torch thread(s) "
+        f"({os.cpu_count()} cores); a step takes {m['step_s'] * 1000:.0f} ms without a save",
         f"median of {m['repeats']} round-robin repetitions after one warm-up; slowdown: "
         "median step time while the save is in flight over the median of the 5 steps "
         "before it (same repetition); the last column over the better of DCP's two modes "
         "(at most 1.00: the target)",
-        f"load average (1/5/15 min) at the end: {os.getloadavg()}",
+        "load average (1/5/15 min) at the start and the end: "
+        + " and ".join("/".join(f"{x:.1f}" for x in avg) for avg in m["load"]),
     ]
     t.data = {"training": {k: slow[k] for k in METHODS}}
     return t

@@ -10,6 +10,7 @@ process: saving must write the truth, loading must place exactly it.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -471,3 +472,30 @@ def save_pipeline_stages(rank: int, world: int, root: str) -> dict[str, Any]:
     on_mesh = described_on_mesh(lambda: save_distributed(f"{root}/pp", model=model))
     return {"on mesh": on_mesh, "stage": stage}
 
+
+
+def async_process_two(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks, FSDP2: AsyncSaver(writer="process"), each rank's writer process joining a
+    gloo group of the writers; the state at call time is saved; a failure in the writers
+    (a committed location, no overwrite) is raised on every rank."""
+    model = build("fsdp", seed=5)
+    opt = make_optimizer(model)
+    train(model, opt, 1, seed=2)
+    out: dict[str, Any] = {}
+    with AsyncSaver(writer="process") as saver:
+        out["writer_pid"] = saver.writer_pid
+        snapshot = {k: _full(v).clone() for k, v in sorted(get_model_state_dict(model).items())}
+        future = saver.save(f"{root}/procasync", model=model, optimizer=opt, step=4)
+        train(model, opt, 1, seed=8)  # modifies every parameter while the writers write
+        out["tensors"] = future.result().tensors
+        ck = ucpformat.open_checkpoint(f"{root}/procasync")
+        for fqn, value in snapshot.items():
+            _equal(ck.tensor("model", fqn).read(), value, f"process writer model/{fqn}")
+        saver.save(f"{root}/procasync", model=model)
+        try:
+            saver.wait()
+        except ucpformat.errors.WriteError as exc:
+            out["failure"] = f"{type(exc).__name__}: {exc}"
+        out["second"] = saver.save(f"{root}/procasync2", model=model).result().tensors
+    out["writer_gone"] = not os.path.exists(f"/proc/{out['writer_pid']}")
+    return out

@@ -147,3 +147,25 @@ def test_single_process_extra_takes_groups_and_numpy_arrays(tmp_path: Path) -> N
     ckpt = ucpformat.open(tmp_path / "c")
     assert ckpt.values("training/python_like") == {"kind": "python", "version": 3}
     assert ckpt["training/key"].read().tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_saves_take_each_ranks_state_at_call_time(tmp_path: Path, writer: str) -> None:
+    """``AsyncSaver.save(rng=..., rank_state=...)``, with either writer: the generators and
+    the loader as they were when the call returned, not when the write ran."""
+    net = w.model()
+    torch.manual_seed(5)
+    loader = w.Loader(position=9, seed=2)
+    saver = ucpt.AsyncSaver(writer=writer)  # type: ignore[arg-type]
+    try:
+        future = saver.save(tmp_path / "c", model=net, rng=True, rank_state={"loader": loader})
+        after = w.draws()
+        loader.position = 100  # changed while the write may still run
+        future.result()
+    finally:
+        saver.close()
+    again = w.Loader(-1, -1)
+    result = ucpt.load_distributed(tmp_path / "c", model=w.model(), rng=True,
+                                   rank_state={"loader": again})
+    assert w.draws() == after and [again.position, again.seed] == [9, 2]
+    assert result.saved_world_size == 1 and result.rank_notes == []

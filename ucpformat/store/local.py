@@ -98,6 +98,16 @@ class LocalStore(Store):
         self._lock = threading.Lock()
         self._held: _HeldLocation | None = None  # while a batch() lasts
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to a writer process): the location and settings, nothing held."""
+        state = dict(self.__dict__)
+        state.update(_dirty_dirs=set(), _unsynced=[], _lock=None, _held=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # -- paths ------------------------------------------------------------------------
 
     def _open_location(self, *, create: bool) -> int:

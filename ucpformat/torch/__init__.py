@@ -51,12 +51,13 @@ from ucpformat.torch.state import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from ucpformat.torch.async_save import AsyncSaver, save_async, wait_async
+    from ucpformat.torch.async_save import AsyncSaver, close_async, save_async, wait_async
     from ucpformat.torch.distributed import load_distributed, save_distributed
     from ucpformat.torch.staging import HostBufferPool, Staging
 
 _LAZY = {
     "AsyncSaver": "ucpformat.torch.async_save",
+    "close_async": "ucpformat.torch.async_save",
     "save_async": "ucpformat.torch.async_save",
     "wait_async": "ucpformat.torch.async_save",
     "load_distributed": "ucpformat.torch.distributed",
@@ -90,6 +91,7 @@ __all__ = [
     "MetaTensorWarning",
     "SafeOpen",
     "Staging",
+    "close_async",
     "data_type",
     "from_numpy",
     "load",

@@ -24,7 +24,11 @@ matters for asynchronous saves, whose collectives run in a background thread).
 from __future__ import annotations
 
 import json
+import os
+import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -175,4 +179,40 @@ def checkpoint_group(ranks: list[int] | None = None) -> ProcessGroup | None:
     return group
 
 
-__all__ = ["TorchCommunicator", "checkpoint_group", "collective_device", "communicator"]
+@dataclass(frozen=True)
+class GlooConnector:
+    """How the writer processes of one saver's ranks form a gloo group of their own
+    (:class:`ucpformat.torch.writer_process.WriterProcess`): each joins as its
+    parent's rank in the saver's group, by a TCP rendezvous at ``address:port`` (on the
+    group's rank 0; :func:`writer_connector`). ``timeout_s``: how long a child waits in
+    a collective for the others (a peer that died)."""
+
+    address: str
+    port: int
+    rank: int
+    world_size: int
+    timeout_s: float = 1800.0
+
+    def connect(self) -> Communicator:
+        """In the child: join the group; its communicator."""
+        dist.init_process_group("gloo", init_method=f"tcp://{self.address}:{self.port}",
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.timeout_s))
+        return TorchCommunicator()
+
+
+def writer_connector(comm: Communicator) -> GlooConnector:
+    """Collective over ``comm``: the :class:`GlooConnector` of its ranks' writer processes
+    (rank 0 picks a free port on its host, named by ``MASTER_ADDR`` if set)."""
+    mine: list[Any] | None = None
+    if comm.rank == 0:
+        address = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            mine = [address, int(s.getsockname()[1])]
+    address, port = comm.allgather(mine)[0]
+    return GlooConnector(str(address), int(port), comm.rank, comm.world_size)
+
+
+__all__ = ["GlooConnector", "TorchCommunicator", "checkpoint_group", "collective_device",
+           "communicator", "writer_connector"]

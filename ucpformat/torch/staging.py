@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ import torch
 from ucpformat.checkpoint.deferred import Deferred
 from ucpformat.errors import ResourceLimitError, UCPError, WriteError
 from ucpformat.torch.numpy_bridge import data_type, to_numpy
+from ucpformat.torch.writer_process import SharedArena
 
 #: Default bound of a synchronous save's staging pool (bytes of host buffers).
 DEFAULT_POOL_BYTES = 512 << 20
@@ -569,10 +571,83 @@ class Staging:
 # -- snapshots (asynchronous saves) -----------------------------------------------------------
 
 
+class Buffers(Protocol):
+    """Where a :class:`Snapshot` copies: a :class:`HostBufferPool` or
+    :class:`SharedBuffers`."""
+
+    def acquire(self, nbytes: int, *, wait: bool = True,
+                stopped: threading.Event | None = None) -> torch.Tensor: ...
+
+    def release(self, buf: torch.Tensor) -> None: ...
+
+
+class SharedBuffers:
+    """A snapshot's buffers in host memory shared with a writer process: consecutive
+    slices of a :class:`~ucpformat.torch.writer_process.SharedArena` (page-aligned),
+    all given back at once by :meth:`reset`. :meth:`reserve` first, with the snapshot's
+    size (:meth:`HostBufferPool.buffer_bytes` of each tensor). ``pin`` (default: whether
+    CUDA is available) page-locks the arena (``cudaHostRegister``), so that copies from a
+    GPU run asynchronously and at full speed (a warning if it cannot be)."""
+
+    def __init__(self, arena: SharedArena, *, pin: bool | None = None) -> None:
+        self.arena = arena
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._whole: torch.Tensor | None = None
+        self._pinned = 0  # the address registered with CUDA, or 0
+        self._next = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Room for ``nbytes`` (the arena grows if need be: no buffer may be in use)."""
+        if self._next:
+            raise WriteError("the shared staging buffers are in use")
+        if self._whole is not None and nbytes <= self.arena.size:
+            return
+        self._release_arena()
+        self.arena.reserve(nbytes)
+        self._whole = torch.from_numpy(self.arena.array())
+        if self.pin:
+            ptr = self._whole.data_ptr()
+            err = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                ptr, self.arena.size, 0)
+            if int(err) == 0:
+                self._pinned = ptr
+            else:  # correct unpinned too: the copies are then synchronous
+                warnings.warn(f"page-locking {self.arena.size} bytes of shared staging memory "
+                              f"failed (CUDA error {int(err)}); copying without", stacklevel=2)
+
+    def _release_arena(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)  # type: ignore[no-untyped-call]
+            self._pinned = 0
+        self._whole = None
+        self.arena.close()
+
+    def acquire(self, nbytes: int, *, wait: bool = True,
+                stopped: threading.Event | None = None) -> torch.Tensor:
+        size = _rounded(nbytes)
+        if self._whole is None or self._next + size > self.arena.size:
+            raise ResourceLimitError(
+                f"the shared staging arena holds {self.arena.size} bytes; {size} more do "
+                "not fit (reserve() the snapshot's size first)")
+        buf = self._whole[self._next:self._next + size]
+        self._next += size
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Nothing: :meth:`reset` gives every buffer back."""
+
+    def reset(self) -> None:
+        self._next = 0
+
+    def close(self) -> None:
+        self._next = 0
+        self._release_arena()
+
+
 class Snapshot:
     """Host copies of a set of tensors, each complete once :meth:`wait` returns."""
 
-    def __init__(self, pool: HostBufferPool, copier: Copier) -> None:
+    def __init__(self, pool: Buffers, copier: Copier) -> None:
         self.pool = pool
         self._copier = copier
         self._done: list[Any] = []
@@ -612,12 +687,14 @@ class Snapshot:
 __all__ = [
     "ALIGN_BYTES",
     "DEFAULT_POOL_BYTES",
+    "Buffers",
     "Copier",
     "DeviceCopier",
     "DeviceUploads",
     "HostBufferPool",
     "PoolStats",
     "Recorder",
+    "SharedBuffers",
     "Snapshot",
     "Stager",
     "Staging",

@@ -1,0 +1,205 @@
+"""AsyncSaver(writer="process"): the write runs in a child process over shared memory.
+
+Bit-equal round trips; a failure in the child (a store that raises, the child killed)
+raised by ``wait()`` with the previous checkpoint intact; nothing left behind after
+``close()`` (no process, no shared memory); the CheckpointManager's async saves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ucpformat  # noqa: E402
+import ucpformat.torch as ucpt  # noqa: E402
+from tests.torch import dist_workers as w  # noqa: E402
+from tests.torch.writer_stores import DiskFullStore, StallingStore  # noqa: E402
+from ucpformat.checkpoint.manager import CheckpointManager  # noqa: E402
+from ucpformat.errors import UCPError, WriteError  # noqa: E402
+from ucpformat.torch.async_save import AsyncSaver, close_async, save_async  # noqa: E402
+from ucpformat.torch.writer_process import WriterProcessError  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+def _same_model(path: Path, state: dict[str, torch.Tensor]) -> bool:
+    ck = ucpformat.open_checkpoint(path)
+    return all(ck.tensor("model", k).read().tobytes() == _raw(v) for k, v in state.items())
+
+
+def _memfds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "memfd:ucp-staging" in target:
+            out.append(target)
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_round_trip_is_bit_equal_and_the_state_is_the_one_at_call_time(tmp_path: Path) -> None:
+    model = w.build("plain")
+    opt = w.make_optimizer(model)
+    w.train(model, opt, 1)
+    ema = torch.randn(3, 5, dtype=torch.bfloat16)
+    with AsyncSaver(writer="process") as saver:
+        assert saver.writer_pid not in (None, os.getpid())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt_before = {k: {n: t.clone() for n, t in s.items() if isinstance(t, torch.Tensor)}
+                      for k, s in opt.state_dict()["state"].items()}
+        first = saver.save(tmp_path / "a", model=model, optimizer=opt, step=1,
+                           extra={"ema": ema}, durable=False)
+        staged = saver.staging_bytes
+        assert staged > 0
+        w.train(model, opt, 1)  # changes every parameter, maybe while the child writes
+        second = saver.save(tmp_path / "b", model=model, optimizer=opt, step=2, durable=False)
+        assert first.done() and saver.staging_bytes == staged  # the same shared memory
+        after = {k: v.clone() for k, v in model.state_dict().items()}
+        second.result()
+        mine = os.getpriority(os.PRIO_PROCESS, 0)  # the child yields the CPU by default
+        assert os.getpriority(os.PRIO_PROCESS, saver.writer_pid) == min(19, mine + 10)
+    assert second.result().tensors == first.result().tensors - 1  # no ema the second time
+    assert _same_model(tmp_path / "a", before) and _same_model(tmp_path / "b", after)
+    ck = ucpformat.open_checkpoint(tmp_path / "a")
+    assert ck.values("training")["step"] == 1
+    assert ck.tensor("training", "ema").read().tobytes() == _raw(ema)
+    names = [n for n, _ in model.named_parameters()]
+    for index, states in opt_before.items():
+        for key, value in states.items():
+            got = ck.tensor("optimizer", "state", names[index], key).read()
+            assert got.tobytes() == _raw(value), (index, key)
+    fresh = w.build("plain")
+    assert ucpt.load(tmp_path / "b", model=fresh).step == 2
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, after[k]), k
+
+
+def test_a_failure_in_the_child_is_raised_by_wait_and_the_previous_checkpoint_stays(
+        tmp_path: Path) -> None:
+    model = w.build("plain")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with AsyncSaver(writer="process") as saver:
+        saver.save(tmp_path / "a", model=model, durable=False).result()
+        saver.save(DiskFullStore(tmp_path / "b", durable=False), model=model)
+        with pytest.raises(WriteError, match="No space left") as info:
+            saver.wait()
+        assert any("in the writer process" in note for note in info.value.__notes__)
+        with pytest.raises(UCPError):
+            ucpformat.open_checkpoint(tmp_path / "b")  # nothing committed
+        # a UCPError keeps its class and rule: a committed checkpoint without overwrite
+        saver.save(tmp_path / "a", model=model)
+        with pytest.raises(ucpformat.errors.CheckpointExistsError, match=r"UCP-1\.0-R053"):
+            saver.wait()
+        saver.save(tmp_path / "c", model=model, durable=False).result()  # it goes on
+    assert _same_model(tmp_path / "a", state) and _same_model(tmp_path / "c", state)
+
+
+def test_a_killed_child_is_an_error_naming_it_and_a_new_one_takes_over(tmp_path: Path) -> None:
+    model = w.build("plain")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    started, go = tmp_path / "started", tmp_path / "go"
+    with AsyncSaver(writer="process") as saver:
+        saver.save(tmp_path / "a", model=model, durable=False).result()
+        pid = saver.writer_pid
+        assert pid is not None
+        future = saver.save(StallingStore(tmp_path / "b", started, go), model=model)
+        deadline = time.monotonic() + 120
+        while not started.exists():  # the child is writing tensor data
+            assert time.monotonic() < deadline, "the writer process never started writing"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WriterProcessError, match=f"pid {pid}.*SIGKILL"):
+            saver.wait()
+        assert future.done()
+        with pytest.raises(UCPError):
+            ucpformat.open_checkpoint(tmp_path / "b")
+        assert _same_model(tmp_path / "a", state)
+        saver.save(tmp_path / "c", model=model, durable=False).result()
+        assert saver.writer_pid not in (None, pid)
+    assert _same_model(tmp_path / "c", state)
+
+
+def test_close_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    memfds = len(_memfds())  # earlier tests' savers: closed (their mappings too, unless
+    model = w.build("plain")  # an error's traceback kept a view)
+    saver = AsyncSaver(writer="process", writer_nice=3)
+    saver.save(tmp_path / "a", model=model, durable=False).result()
+    pid = saver.writer_pid
+    assert pid is not None and len(_memfds()) > memfds and not _gone(pid)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 3)  # yields the CPU
+    forked = os.fork()  # a forked copy of the trainer that ends leaves the writer alone
+    if forked == 0:
+        try:
+            saver._process._finalizer()  # what its exit would run
+        finally:
+            os._exit(0)
+    os.waitpid(forked, 0)
+    saver.save(tmp_path / "b", model=model, durable=False).result()
+    assert saver.writer_pid == pid and not _gone(pid)
+    saver.close()
+    assert _gone(pid)  # stopped and reaped
+    assert len(_memfds()) == memfds
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shm  # nothing named was ever made
+    with pytest.raises(RuntimeError, match="closed"):
+        saver.save(tmp_path / "c", model=model)
+    with pytest.raises(ValueError, match="pool"):
+        AsyncSaver(writer="process", pool=ucpt.staging.HostBufferPool(None))
+    with pytest.raises(ValueError, match="writer_nice"):
+        AsyncSaver(writer_nice=3)
+
+
+def test_the_manager_tracks_saves_of_the_writer_process(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    weights = {}
+    with AsyncSaver(writer="process") as saver, \
+            CheckpointManager(tmp_path / "run", save_every=2, keep_last=2) as manager:
+        for step in range(7):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            weights[step] = model.weight.detach().clone()
+            manager.maybe_save(step, lambda path, s=step: saver.save(path, model=model, step=s))
+    assert manager.all_steps() == [4, 6]  # close() waited for step 6 and rotated
+    fresh = torch.nn.Linear(4, 3)
+    assert ucpt.load(manager.location(6), model=fresh).step == 6
+    assert torch.equal(fresh.weight, weights[6])
+    # save_async's own saver, in a process too; wait_async stops it
+    with CheckpointManager(tmp_path / "run2", keep_last=1) as manager:
+        manager.maybe_save(1, lambda path: save_async(path, model=model, step=1,
+                                                      writer="process"))
+    assert manager.all_steps() == [1]
+    close_async()  # its writer process stops
+
+
+@pytest.mark.distributed
+def test_two_ranks_write_through_their_writer_processes(tmp_path: Path) -> None:
+    from ucpformat.torch.launch import spawn
+
+    out = spawn(w.async_process_two, 2, str(tmp_path), timeout=240)
+    assert out[0]["writer_pid"] != out[1]["writer_pid"]
+    for rank in range(2):
+        assert out[rank]["tensors"] > 0 and out[rank]["second"] > 0
+        assert "CheckpointExistsError" in out[rank]["failure"], out[rank]  # on every rank
+        assert out[rank]["writer_gone"]
