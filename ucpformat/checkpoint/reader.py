@@ -36,7 +36,7 @@ from ucpformat.checkpoint.metadata import (
     parse_version,
 )
 from ucpformat.engine.grid import objects_overlapping
-from ucpformat.engine.read import ArrayReader, group_runs
+from ucpformat.engine.read import ArrayReader, ChunkRead, group_runs
 from ucpformat.errors import (
     CheckpointNotFoundError,
     FormatError,
@@ -109,6 +109,10 @@ class Checkpoint:
     #: Inner chunks that lie back to back in a shard are read with one request of up to
     #: this many bytes (then checked one by one); runs are read in parallel.
     RUN_BYTES = 16 << 20
+    #: A batch of reads of at most this many bytes in all is read by the calling thread
+    #: alone: starting the pool's threads cost more than such reads (a fifth of a 1 MiB
+    #: load of 19 tensors).
+    SERIAL_BYTES = 4 << 20
 
     def __init__(
         self,
@@ -264,17 +268,21 @@ class Checkpoint:
                 (reader, coords, lo, hi, out)
                 for coords in objects_overlapping(tensor.meta, lo, hi)
             )
-        planned = self._map(lambda j: j[0].plan_object(j[1], j[2], j[3], j[4]), jobs)
-        runs = [
-            (job[0], run, job[2], job[3], job[4])
-            for job, reads in zip(jobs, planned, strict=True)
-            for run in group_runs(reads, self.RUN_BYTES)
-        ]
-        self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs)
+        # one batch of the store: what it opens once (a LocalStore: the location's
+        # directory) serves every read of every thread, instead of being opened per read
+        serial = sum(out.nbytes for out in outs) <= self.SERIAL_BYTES
+        with self.store.batch():
+            planned = self._map(_plan, jobs, serial=serial)
+            runs = [
+                (job[0], run, job[2], job[3], job[4])
+                for job, reads in zip(jobs, planned, strict=True)
+                for run in group_runs(reads, self.RUN_BYTES)
+            ]
+            self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs, serial=serial)
         return outs
 
-    def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
-        if len(items) <= 1:
+    def _map(self, fn: Any, items: Sequence[Any], *, serial: bool = False) -> list[Any]:
+        if len(items) <= 1 or serial:
             return [fn(item) for item in items]
         with self._pool_lock:
             if self._pool is None:
@@ -329,6 +337,17 @@ class Checkpoint:
             f"<ucpformat.Checkpoint {self.location!r} version={self.version} "
             f"tensors={len(self)}>"
         )
+
+
+def _plan(job: tuple[ArrayReader, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                     np.ndarray[Any, Any]]) -> list[ChunkRead]:
+    """The chunk reads of one stored object of a batch; a small object wanted whole is
+    read at once instead (one request), leaving nothing to read."""
+    reader, coords, lo, hi, out = job
+    bound = reader.whole_object_bound(coords, lo, hi)
+    if bound is not None:
+        return reader.read_whole_object(coords, lo, hi, out, bound)
+    return reader.plan_object(coords, lo, hi, out)
 
 
 def _nest(out: dict[str, Any], rel_path: str) -> dict[str, Any]:

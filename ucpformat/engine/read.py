@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,12 @@ UNCHECKED_SCRATCH_BYTES = 1 << 20
 ENCODING_SLACK = 1 << 16
 
 
+#: A stored object that a read wants whole and that holds at most this many bytes is
+#: read with one request, its index and its chunks together (one open of its file instead
+#: of two), and checked from memory (:meth:`ArrayReader.read_whole_object`).
+WHOLE_OBJECT_BYTES = 512 << 10
+
+
 def max_encoded_nbytes(decoded: int) -> int:
     """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), UCP-1.0-R098."""
     return 2 * decoded + ENCODING_SLACK
@@ -50,6 +56,9 @@ class ChunkRead:
     nbytes: int | None
     lo: tuple[int, ...]  # global coordinates of the chunk's first element
     chunk: tuple[int, ...]  # global chunk coordinates (for messages)
+    #: The plan checked the range against its object's size (UCP-1.0-R094): a read of it
+    #: need not ask for the size again before allocating for it.
+    within: bool = False
 
 
 def group_runs(reads: Sequence[ChunkRead], limit: int) -> list[list[ChunkRead]]:
@@ -100,11 +109,12 @@ class ArrayReader:
             self._count(len(data))
         return data
 
-    def _get_suffix(self, key: str, length: int) -> bytes | None:
-        data = self.store.get_suffix(key, length)
-        if data is not None:
-            self._count(len(data))
-        return data
+    def _get_suffix_and_size(self, key: str, length: int) -> tuple[bytes | None, int | None]:
+        got = self.store.get_suffix_and_size(key, length)
+        if got is None:
+            return None, None
+        self._count(len(got[0]))
+        return got
 
     def _read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
         got = self.store.read_into(key, offset, buffers)
@@ -183,7 +193,8 @@ class ArrayReader:
         cps = meta.chunks_per_shard
         local_ranges = inner_chunk_ranges(meta, coords, req_lo, req_hi)
         isize = index_nbytes(cps)
-        raw_index = self._get_suffix(key, isize)
+        # (one call: the store opens the shard once for its index and its size)
+        raw_index, shard_size = self._get_suffix_and_size(key, isize)
         # (the shard's index, checked first, bounds the list below by the shard's size)
         needed = (
             list(itertools.product(*local_ranges))
@@ -206,7 +217,6 @@ class ArrayReader:
         index = decode_index(raw_index, cps, tensor=self.path, shard=key)
         max_encoded = max_encoded_nbytes(math.prod(cs) * meta.dtype.itemsize)
         reads = []
-        shard_size: int | None = None  # asked for once an entry needs it
         for local in needed:
             offset, nbytes = (int(v) for v in index[local])
             glo = tuple(o + i * c for o, i, c in zip(obj_lo, local, cs, strict=True))
@@ -217,7 +227,7 @@ class ArrayReader:
                     continue
                 raise self._missing(f"inner chunk {self._chunk_label(gchunk, key)}")
             if nbytes > max_encoded and offset < 2**62 and nbytes < 2**62:
-                size = self.store.size(key)
+                size = shard_size
                 if size is not None and offset + nbytes > size:
                     raise CorruptDataError(
                         f"inner chunk {self._chunk_label(gchunk, key)} is cut short: its "
@@ -234,8 +244,6 @@ class ArrayReader:
                     rule="UCP-1.0-R041",
                     tensor=self.path,
                 )
-            if shard_size is None:
-                shard_size = self.store.size(key)
             if shard_size is not None and offset + nbytes > shard_size - isize:
                 # inner chunks lie before the index (UCP-1.0-R048), and inside the shard
                 # (UCP-1.0-R094)
@@ -249,7 +257,8 @@ class ArrayReader:
                     rule="UCP-1.0-R094" if beyond else "UCP-1.0-R048",
                     tensor=self.path,
                 )
-            reads.append(ChunkRead(key, offset, nbytes, glo, gchunk))
+            reads.append(ChunkRead(key, offset, nbytes, glo, gchunk,
+                                   within=shard_size is not None))
         return reads
 
     def _read_chunk(
@@ -358,6 +367,48 @@ class ArrayReader:
         view = out[rows]
         return view if view.flags.c_contiguous else None
 
+    def whole_object_bound(
+        self, coords: tuple[int, ...], req_lo: tuple[int, ...], req_hi: tuple[int, ...]
+    ) -> int | None:
+        """The most bytes the shard at ``coords`` can hold if the box ``[req_lo, req_hi)``
+        wants every inner chunk of it and that bound is at most :data:`WHOLE_OBJECT_BYTES`
+        (a small shard read whole); None otherwise."""
+        meta = self.meta
+        if meta.shard_shape is None:
+            return None  # an unsharded chunk is one request already
+        for d, (a, b) in enumerate(zip(req_lo, req_hi, strict=True)):
+            origin = coords[d] * meta.object_shape[d]
+            if a > origin or b < min(origin + meta.object_shape[d], meta.shape[d]):
+                return None
+        chunk = math.prod(meta.chunk_shape) * meta.dtype.itemsize
+        each = chunk + CRC_BYTES if meta.compression is None else max_encoded_nbytes(chunk)
+        bound = math.prod(meta.chunks_per_shard) * each + index_nbytes(meta.chunks_per_shard)
+        return bound if bound <= WHOLE_OBJECT_BYTES else None
+
+    def read_whole_object(
+        self,
+        coords: tuple[int, ...],
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+        bound: int,
+    ) -> list[ChunkRead]:
+        """Read a small shard (``bound``: :meth:`whole_object_bound`) with one request, then
+        plan, check and place its chunks from memory exactly as :meth:`plan_object` and
+        :meth:`read_run` do from the store. Returns the chunk reads still to make from the
+        store: none, unless the object is larger than the bound (a damaged shard), which
+        is then planned from the store as any other."""
+        key = self.meta.object_key(coords)
+        data = self.store.get_range(key, 0, bound + 1)
+        if data is None or len(data) > bound:
+            return self.plan_object(coords, req_lo, req_hi, out)
+        self._count(len(data))
+        held = ArrayReader(_HeldObject(self.store.location, key, data), self.meta,
+                           lambda n: None)
+        for run in group_runs(held.plan_object(coords, req_lo, req_hi, out), bound + 1):
+            held.read_run(run, req_lo, req_hi, out)
+        return []
+
     def read_run(
         self,
         run: Sequence[ChunkRead],
@@ -377,7 +428,7 @@ class ArrayReader:
         key = run[0].key
         end = run[-1].offset + (run[-1].nbytes or 0)
         scratch_bytes = sum((r.nbytes or 0) for r in run)  # at most this much is not ``out``
-        if scratch_bytes > UNCHECKED_SCRATCH_BYTES:
+        if scratch_bytes > UNCHECKED_SCRATCH_BYTES and not all(r.within for r in run):
             # the shard's index gave these ranges: allocate for them only once the shard is
             # known to hold them (UCP-1.0-R094)
             size = self.store.size(key)
@@ -443,3 +494,53 @@ class ArrayReader:
                 tensor=self.path,
             )
 
+
+
+class _HeldObject(Store):
+    """One stored object's bytes, already read, seen as a store holding that object alone
+    (what :meth:`ArrayReader.read_whole_object` plans and reads from). Reads only."""
+
+    def __init__(self, location: str, key: str, data: bytes) -> None:
+        self.location = location
+        self._key = key
+        self._data = data
+
+    def get(self, key: str) -> bytes | None:
+        return self._data if key == self._key else None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        if key != self._key:
+            return None
+        return self._data[offset : offset + max(0, length)]
+
+    def get_suffix(self, key: str, length: int) -> bytes | None:
+        if key != self._key:
+            return None
+        return self._data[max(0, len(self._data) - length) :]
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
+        if key != self._key:
+            return None
+        whole = memoryview(self._data)
+        pos = offset
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            n = max(0, min(len(view), len(whole) - pos))
+            view[:n] = whole[pos : pos + n]
+            pos += n
+        return max(0, min(pos, len(whole)) - offset)
+
+    def size(self, key: str) -> int | None:
+        return len(self._data) if key == self._key else None
+
+    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
+        raise NotImplementedError("a held object is read only")
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError("a held object is read only")
+
+    def delete_all(self) -> None:
+        raise NotImplementedError("a held object is read only")
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return iter([self._key] if self._key.startswith(prefix) else [])

@@ -127,6 +127,16 @@ class Store(ABC):
     def size(self, key: str) -> int | None:
         """Size in bytes, or None if absent."""
 
+    def get_suffix_and_size(self, key: str, length: int) -> tuple[bytes, int | None] | None:
+        """:meth:`get_suffix` and :meth:`size` of one object, or None if it is absent (a
+        shard's index and the size its entries are checked against). A store that opens
+        an object once for both overrides it; the default asks for each (the size None if
+        the object went away in between)."""
+        data = self.get_suffix(key, length)
+        if data is None:
+            return None
+        return data, self.size(key)
+
     @abstractmethod
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
         """Write an object from buffers, in order; returns the byte count.

@@ -68,6 +68,11 @@ class ReadGuard(Store):
         result: int | None = self._call(key, lambda: self.inner.size(key))
         return result
 
+    def get_suffix_and_size(self, key: str, length: int) -> tuple[bytes, int | None] | None:
+        result: tuple[bytes, int | None] | None = self._call(
+            key, lambda: self.inner.get_suffix_and_size(key, length))
+        return result
+
     def exists(self, key: str) -> bool:
         return bool(self._call(key, lambda: self.inner.exists(key)))
 
