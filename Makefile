@@ -37,7 +37,9 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(BIN)/python -m ruff check
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q
+	# --dist loadfile: a module's tests on one worker, so its module fixtures (the trainers'
+	# multi-process launches) run once, not once per worker
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q
 
 # The rendered specification (site/): mkdocs-material, pages assembled by spec/site/build.py.
 docs: $(STAMP)

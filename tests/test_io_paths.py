@@ -20,6 +20,7 @@ from tests.helpers import fail_fsync
 from ucpformat import errors
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, ZARR_JSON
 from ucpformat.checkpoint.reader import Checkpoint, Region
+from ucpformat.engine import read as read_engine
 from ucpformat.engine.compression import Compression
 from ucpformat.format.dtypes import by_name
 from ucpformat.store import LocalStore
@@ -109,9 +110,23 @@ def many_chunks(tmp_path: Path) -> tuple[Path, np.ndarray[Any, Any]]:
     return tmp_path / "c", a
 
 
-def test_adjacent_chunks_are_read_with_one_request(
+def test_a_small_shard_wanted_whole_is_read_with_one_request(
     many_chunks: tuple[Path, np.ndarray[Any, Any]]
 ) -> None:
+    path, a = many_chunks
+    with ucpformat.open(path) as ckpt:
+        assert ckpt.arrays["model/w"].nbytes <= read_engine.WHOLE_OBJECT_BYTES
+        assert np.array_equal(ckpt["model/w"].read(), a)
+        assert ckpt.stats.requests == 1  # index and chunks together, checked from memory
+        ckpt.stats.reset()
+        assert np.array_equal(ckpt["model/w"][5:41], a[5:41])  # a part: index, then a run
+        assert ckpt.stats.requests == 2
+
+
+def test_adjacent_chunks_are_read_with_one_request(
+    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)  # every shard by its index
     path, a = many_chunks
     with ucpformat.open(path) as ckpt:
         meta = ckpt.arrays["model/w"]
@@ -129,9 +144,12 @@ def test_adjacent_chunks_are_read_with_one_request(
         assert ckpt.stats.requests == 1 + 6
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["run", "whole-shard"])
 def test_a_damaged_chunk_inside_a_run_is_named(
-    many_chunks: tuple[Path, np.ndarray[Any, Any]]
+    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch, whole: bool
 ) -> None:
+    if not whole:
+        monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)
     path, _ = many_chunks
     shard = path / "model" / "w" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
@@ -143,9 +161,12 @@ def test_a_damaged_chunk_inside_a_run_is_named(
     assert exc.value.tensor == "model/w"
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["run", "whole-shard"])
 def test_a_shard_cut_short_inside_a_run_is_an_error(
-    many_chunks: tuple[Path, np.ndarray[Any, Any]]
+    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch, whole: bool
 ) -> None:
+    if not whole:
+        monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)
     path, _ = many_chunks
     shard = path / "model" / "w" / "c" / "0" / "0"
     data = shard.read_bytes()
@@ -165,9 +186,9 @@ def test_read_regions_reads_many_tensors_in_one_batch(
     maps: list[int] = []
     real = Checkpoint._map
 
-    def counting(self: Checkpoint, fn: Any, items: Any) -> list[Any]:
+    def counting(self: Checkpoint, fn: Any, items: Any, **kw: Any) -> list[Any]:
         maps.append(len(items))
-        return real(self, fn, items)
+        return real(self, fn, items, **kw)
 
     monkeypatch.setattr(Checkpoint, "_map", counting)
     with ucpformat.open(tmp_path / "c") as ckpt:
@@ -179,8 +200,11 @@ def test_read_regions_reads_many_tensors_in_one_batch(
 
 
 def test_reads_go_into_caller_memory_without_allocating_the_tensor(
-    many_chunks: tuple[Path, np.ndarray[Any, Any]]
+    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # (a shard of at most WHOLE_OBJECT_BYTES wanted whole is read into one buffer of its
+    # size: test_a_small_shard_wanted_whole_is_read_with_one_request)
+    monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)
     path, a = many_chunks
     out = np.empty_like(a)
     with ucpformat.open(path) as ckpt:
