@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import ucpformat  # noqa: E402
+import ucpformat.torch as ucpt  # noqa: E402
 from tests.torch import dist_workers as w  # noqa: E402
 from ucpformat.errors import CheckpointExistsError  # noqa: E402
 from ucpformat.torch.async_save import AsyncSaver  # noqa: E402
@@ -58,3 +61,34 @@ def test_a_failed_save_is_reported_by_the_next_call(tmp_path: Path) -> None:
     assert ucpformat.open_checkpoint(tmp_path / "b").tensor("model", "up.weight").shape == (10, 6)
     with pytest.raises(RuntimeError):
         saver.save(tmp_path / "c", model=model)
+
+
+def test_background_saves_leave_training_its_cores(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An async save writes on half the CPUs' threads (``background_workers``) unless the
+    caller names a number: with twice the CPUs (a synchronous save's default) its threads
+    took the cores from training (BENCHMARKS.md, bench_training)."""
+    from ucpformat.checkpoint import write_loop
+    from ucpformat.checkpoint.options import SaveOptions
+    from ucpformat.distributed import pipeline
+
+    seen: list[int | None] = []
+    real = write_loop.write_objects
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("workers"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_objects", recording)
+    model = torch.nn.Linear(4, 4)
+    saver = ucpt.AsyncSaver()
+    try:
+        saver.save(tmp_path / "a", model=model).result()
+        saver.save(tmp_path / "b", model=model, workers=3).result()
+        saver.save(tmp_path / "c", model=model, options=SaveOptions(workers=5)).result()
+        saver.save(tmp_path / "d", model=model, options=SaveOptions()).result()
+    finally:
+        saver.close()
+    half = max(1, (os.cpu_count() or 1) // 2)
+    assert seen == [half, 3, 5, half]
+    assert write_loop.background_workers() == half < write_loop.default_workers()

@@ -60,6 +60,7 @@ Where the write runs (``writer=``):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -69,6 +70,8 @@ from typing import Any, Literal
 
 import torch
 
+from ucpformat.checkpoint.options import SaveOptions
+from ucpformat.checkpoint.write_loop import background_workers
 from ucpformat.distributed import DistributedSaveResult
 from ucpformat.distributed.comm import Communicator
 from ucpformat.store import Store
@@ -204,6 +207,7 @@ class AsyncSaver:
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
+        save_kwargs = _background(save_kwargs)
         with self._lock:
             t0 = time.perf_counter()
             self.wait()
@@ -309,6 +313,21 @@ class AsyncSaver:
 
 
 _default: AsyncSaver | None = None
+
+
+def _background(save_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``save_kwargs`` with the writer threads of a background save where the caller
+    named none (:func:`~ucpformat.checkpoint.write_loop.background_workers`: half the
+    CPUs, so that the save leaves training its cores)."""
+    options = save_kwargs.get("options")
+    if isinstance(options, SaveOptions):
+        if options.workers is None and "workers" not in save_kwargs:
+            return {**save_kwargs,
+                    "options": dataclasses.replace(options, workers=background_workers())}
+        return save_kwargs
+    if save_kwargs.get("workers") in (None, 0):
+        return {**save_kwargs, "workers": background_workers()}
+    return save_kwargs
 
 
 def save_async(
