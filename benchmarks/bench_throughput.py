@@ -126,12 +126,15 @@ def measure(size_mib: float, repeats: int, root: Path) -> dict[str, Any]:
             # "pread" reads the tensors into memory, as every other loader here does
             return lambda: safetensors.torch.load_file(path, backend="pread")
         if method == "dcp":
-            fresh = common.empty_like_state(state)
+            # the model's own state dict, as a training script passes it: memory in use
+            fresh = common.empty_like_state(state, touched=True)
             return lambda: dcp.load(fresh, storage_reader=dcp.FileSystemReader(path)) or fresh
         if method == "ucpformat":
             return lambda: ucpt.load_state_dict(path)
         if method in ("ucpformat staged", "ucpformat in_place"):
-            into = common.buffer_module(state, empty=True)
+            # a model as its constructor leaves it (its memory in use), not untouched
+            # memory, whose first-touch page faults the load would pay (BENCHMARKS.md)
+            into = common.buffer_module(state, empty=True, touched=True)
             direct = method == "ucpformat in_place"
 
             def into_model() -> Any:

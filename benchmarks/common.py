@@ -112,10 +112,12 @@ def numpy_layout(state: Mapping[str, Any]) -> list[tuple[tuple[int, ...], np.dty
     return [(tuple(t.shape), to_numpy(t, name=n).dtype) for n, t in state.items()]
 
 
-def buffer_module(state: Mapping[str, Any], *, empty: bool = False) -> Any:
+def buffer_module(state: Mapping[str, Any], *, empty: bool = False,
+                  touched: bool = False) -> Any:
     """A torch module whose buffers are ``state``'s tensors under their dotted names
     (``empty``: new uninitialised tensors of the same shapes and types, memory not
-    touched yet), so that the module-based APIs save and load exactly this state."""
+    touched yet; with ``touched``, zeroed, as a model its constructor initialised holds
+    them), so that the module-based APIs save and load exactly this state."""
     import torch
 
     root = torch.nn.Module()
@@ -128,14 +130,17 @@ def buffer_module(state: Mapping[str, Any], *, empty: bool = False) -> Any:
                 child = torch.nn.Module()
                 node.add_module(part, child)
             node = child
-        node.register_buffer(leaf, torch.empty_like(t) if empty else t)
+        buffer = torch.empty_like(t) if empty else t
+        node.register_buffer(leaf, buffer.zero_() if empty and touched else buffer)
     return root
 
 
-def empty_like_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def empty_like_state(state: Mapping[str, Any], *, touched: bool = False) -> dict[str, Any]:
+    """New tensors of ``state``'s shapes and types (``touched``: zeroed, memory in use)."""
     import torch
 
-    return {k: torch.empty_like(v) for k, v in state.items()}
+    return {k: torch.zeros_like(v) if touched else torch.empty_like(v)
+            for k, v in state.items()}
 
 
 def rss_bytes() -> int:
