@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ from ucpformat.engine.checksum import CRC_BYTES, crc32c
 from ucpformat.engine.grid import inner_chunk_ranges
 from ucpformat.engine.shard_index import EMPTY, decode_index, index_nbytes
 from ucpformat.errors import ChecksumError, CorruptDataError, MissingChunkError
-from ucpformat.store import Store
+from ucpformat.store import ReadOnceStore, Store
 
 if TYPE_CHECKING:
     from ucpformat.checkpoint.metadata import ArrayMeta
@@ -403,8 +403,9 @@ class ArrayReader:
         if data is None or len(data) > bound:
             return self.plan_object(coords, req_lo, req_hi, out)
         self._count(len(data))
-        held = ArrayReader(_HeldObject(self.store.location, key, data), self.meta,
-                           lambda n: None)
+        memory = ReadOnceStore(self.store)
+        memory.hold(key, data)
+        held = ArrayReader(memory, self.meta, lambda n: None)
         for run in group_runs(held.plan_object(coords, req_lo, req_hi, out), bound + 1):
             held.read_run(run, req_lo, req_hi, out)
         return []
@@ -493,54 +494,3 @@ class ArrayReader:
                 rule="UCP-1.0-R041",
                 tensor=self.path,
             )
-
-
-
-class _HeldObject(Store):
-    """One stored object's bytes, already read, seen as a store holding that object alone
-    (what :meth:`ArrayReader.read_whole_object` plans and reads from). Reads only."""
-
-    def __init__(self, location: str, key: str, data: bytes) -> None:
-        self.location = location
-        self._key = key
-        self._data = data
-
-    def get(self, key: str) -> bytes | None:
-        return self._data if key == self._key else None
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        if key != self._key:
-            return None
-        return self._data[offset : offset + max(0, length)]
-
-    def get_suffix(self, key: str, length: int) -> bytes | None:
-        if key != self._key:
-            return None
-        return self._data[max(0, len(self._data) - length) :]
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        if key != self._key:
-            return None
-        whole = memoryview(self._data)
-        pos = offset
-        for b in buffers:
-            view = memoryview(b).cast("B")
-            n = max(0, min(len(view), len(whole) - pos))
-            view[:n] = whole[pos : pos + n]
-            pos += n
-        return max(0, min(pos, len(whole)) - offset)
-
-    def size(self, key: str) -> int | None:
-        return len(self._data) if key == self._key else None
-
-    def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        raise NotImplementedError("a held object is read only")
-
-    def delete(self, key: str) -> None:
-        raise NotImplementedError("a held object is read only")
-
-    def delete_all(self) -> None:
-        raise NotImplementedError("a held object is read only")
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return iter([self._key] if self._key.startswith(prefix) else [])

@@ -1,4 +1,5 @@
-"""A read-only store serving a held stored object from memory (deep validation reads each once)."""
+"""A read-only store serving held stored objects from memory: deep validation reads each
+object once, and a reader plans a small shard it read whole from its bytes."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from ucpformat.store.base import Store
 
 
 class ReadOnceStore(Store):
-    """The checkpoint's store, read-only, that serves a held stored object from memory.
+    """The checkpoint's store, read-only, that serves held stored objects from memory.
 
     A deep validation reads each stored object once: :meth:`hold` reads it whole (and
     checks its SHA-256 against the manifest), and the chunk checks that follow read their
-    ranges from that copy until :meth:`release`.
+    ranges from that copy until :meth:`release`. A reader that read a small shard whole
+    holds the bytes it has (``hold(key, data)``) and plans its chunks from them.
     """
 
     def __init__(self, store: Store) -> None:
@@ -24,8 +26,11 @@ class ReadOnceStore(Store):
         self._held: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
-    def hold(self, key: str) -> bytes | None:
-        data = self.store.get(key)
+    def hold(self, key: str, data: bytes | None = None) -> bytes | None:
+        """Hold ``data``, the object's bytes already read, or read it whole (None if it
+        is absent)."""
+        if data is None:
+            data = self.store.get(key)
         if data is not None:
             with self._lock:
                 self._held[key] = data
@@ -63,10 +68,10 @@ class ReadOnceStore(Store):
         return self.store.list(prefix)
 
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
-        raise WriteError("validation never writes", path=self.location)
+        raise WriteError("a store that serves held objects is read only", path=self.location)
 
     def delete(self, key: str) -> None:
-        raise WriteError("validation never deletes", path=self.location)
+        raise WriteError("a store that serves held objects is read only", path=self.location)
 
     def delete_all(self) -> None:
-        raise WriteError("validation never deletes", path=self.location)
+        raise WriteError("a store that serves held objects is read only", path=self.location)
