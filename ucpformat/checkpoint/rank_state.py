@@ -107,18 +107,14 @@ class RankState:
     #: where the checkpoint holds none for it.
     state: dict[str, Any] | None
 
-    def rng(self) -> dict[str, Any] | None:
-        """The rank's generators (:func:`ucpformat.checkpoint.rng.decode`), or None."""
-        if self.state is None or RNG not in self.state:
-            return None
-        return rng_layout.decode(self.state[RNG], where=f"{rank_path(self.rank)}/{RNG}")
-
-    def warn(self, world_size: int, *, stacklevel: int = 3) -> None:
+    def warn(self, world_size: int, *, stacklevel: int = 3) -> list[str]:
         """Say (:class:`RankStateWarning`) what a load into a run of ``world_size``
-        processes could not restore exactly (UCP-1.0-R087); silent where nothing is
-        amiss."""
-        for message in self.shortfalls(world_size):
+        processes could not restore exactly (UCP-1.0-R087), and return what it said;
+        silent where nothing is amiss."""
+        messages = self.shortfalls(world_size)
+        for message in messages:
             warnings.warn(message, RankStateWarning, stacklevel=stacklevel)
+        return messages
 
     def shortfalls(self, world_size: int) -> list[str]:
         """What :meth:`warn` says, as messages."""

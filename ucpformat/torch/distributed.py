@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from ucpformat.checkpoint.rank_state import GROUP as RANKS_GROUP
 from ucpformat.checkpoint.rank_state import RNG as RANK_RNG
-from ucpformat.checkpoint.rank_state import RankState, RankStateWarning, check_rank, rank_path
+from ucpformat.checkpoint.rank_state import RankState, check_rank, rank_path
 from ucpformat.checkpoint.rank_state import group_values as rank_group_values
 from ucpformat.checkpoint.rank_state import read as read_rank_state
 from ucpformat.checkpoint.reader import Checkpoint
@@ -807,7 +806,8 @@ def load_distributed(
         staged = StagedReads([])
         assigned: list[torch.Tensor] = []
         training: dict[str, Any] = {}
-        own = _OwnState(RankState(comm.rank, None, None), None)
+        own = RankState(comm.rank, None, None)
+        own_rng: dict[str, Any] | None = None
         rank_steps: list[Step] = []
         try:
             staged, assigned = _read_all(ckpt, plan, map_location, in_place)
@@ -816,8 +816,9 @@ def load_distributed(
                 if "training" in ckpt.groups else {},
                 map_location, "training",
             )
-            own, rank_steps = _plan_rank_state(ckpt, comm.rank, rng, rank_state or {},
-                                               strict=strict, map_location=map_location)
+            own, own_rng, rank_steps = _plan_rank_state(
+                ckpt, comm.rank, rng, rank_state or {}, strict=strict,
+                map_location=map_location)
         except BaseException as exc:
             error = exc
         _agree(comm, error, "reading", staged.written)
@@ -827,51 +828,33 @@ def load_distributed(
         except BaseException as exc:
             error = exc
         _agree(comm, error, "loading the checked state", staged.written)
-        notes = own.shortfalls(comm.world_size) if (rng or rank_state) else []
-        for note in notes:
-            warnings.warn(note, RankStateWarning, stacklevel=2)
+        notes = own.warn(comm.world_size) if (rng or rank_state) else []
         result = LoadResult.of(ckpt, training, plan.model, plan.optimizer,
                                bytes_read=ckpt.stats.bytes_read - start, model=model)
         stored = tree_to_torch(own.state, map_location, rank_path(comm.rank)) \
             if own.state is not None else None
         return dataclasses.replace(result, rank_state=stored, saved_world_size=own.world_size,
-                                   rank_notes=notes, rng=own.rng_state)
-
-
-@dataclass(frozen=True)
-class _OwnState:
-    """What the checkpoint holds for this rank, and its generators decoded."""
-
-    rank: RankState
-    rng_state: dict[str, Any] | None
-
-    @property
-    def state(self) -> dict[str, Any] | None:
-        return self.rank.state
-
-    @property
-    def world_size(self) -> int | None:
-        return self.rank.world_size
-
-    def shortfalls(self, world_size: int) -> list[str]:
-        return self.rank.shortfalls(world_size)
+                                   rank_notes=notes, rng=own_rng)
 
 
 def _plan_rank_state(
     ckpt: Checkpoint, rank: int, rng: bool, objects: Mapping[str, Stateful], *,
     strict: bool, map_location: Device,
-) -> tuple[_OwnState, list[Step]]:
-    """This rank's stored state (read, checked) and the steps restoring it
-    (UCP-1.0-R087): its generators and each object's state, from its own group only."""
-    found = read_rank_state(ckpt, rank)
+) -> tuple[RankState, dict[str, Any] | None, list[Step]]:
+    """This rank's stored state (read, checked), its generators decoded, and the steps
+    restoring them (UCP-1.0-R087): its generators and each object's state, from its own
+    group only."""
     where = rank_path(rank)
+    if RANK_RNG in objects:
+        raise InvalidValueError(f"rank_state[{RANK_RNG!r}]: this rank's generators are "
+                                "restored by rng=True", path=where)
+    found = read_rank_state(ckpt, rank)
     stored = found.state
     rng_stored = from_rng_layout(stored[RANK_RNG], where=f"{where}/{RANK_RNG}") \
         if stored is not None and isinstance(stored.get(RANK_RNG), Mapping) else None
-    own = _OwnState(found, rng_stored)
     if stored is None:
-        return own, []
-    wanted = ([RANK_RNG] if rng else []) + [n for n in objects if n != RANK_RNG]
+        return found, rng_stored, []
+    wanted = ([RANK_RNG] if rng else []) + list(objects)
     missing = [n for n in wanted if n not in stored]
     if missing and strict:
         raise KeyMismatchError(
@@ -879,9 +862,6 @@ def _plan_rank_state(
             "strict=False to leave those as they are", path=where)
     steps: list[Step] = []
     for name, obj in objects.items():
-        if name == RANK_RNG:
-            raise InvalidValueError(f"rank_state[{name!r}]: this rank's generators are "
-                                    "restored by rng=True", path=where)
         if name not in stored:
             continue
         at = f"{where}/{names.escape(name)}"
@@ -890,7 +870,7 @@ def _plan_rank_state(
         steps.append(stateful_step(obj, value, f"rank_state[{name!r}]", at))
     if rng and rng_stored is not None:
         steps.append(rng_step(rng_stored, strict=strict, path=f"{where}/{RANK_RNG}"))
-    return own, steps
+    return found, rng_stored, steps
 
 
 __all__ = [
