@@ -15,9 +15,13 @@ already holds live state (a model's parameter, an optimizer's state), in one of 
 
 * **staged** (the default): the target must not change unless every read of the load has
   succeeded, so the data is read into new host memory (*staging*: a damaged or missing
-  chunk fails there, every CRC32C is checked) and copied into the targets only by
-  :meth:`StagedReads.apply`, once the caller has checked everything else. Staging holds
-  one host copy of what the targets receive until then, and costs that copy.
+  chunk fails there, every CRC32C is checked) and handed to the targets only by
+  :meth:`StagedReads.apply`, once the caller has checked everything else. A target whose
+  memory no one else can see (:func:`can_take_memory`: a plain CPU tensor, not a view,
+  sole user of its storage, neither shared between processes nor pinned) takes the
+  staging memory itself, as ``module.to()`` gives a parameter new memory: no copy, and
+  its old memory is freed. Any other target is copied into. Staging holds one host copy
+  of what the targets receive until then.
 * **in place** (``in_place=True``): a target that is a contiguous CPU tensor of the stored
   data type is itself the read buffer (no copy, no staging); a contiguous GPU target of
   the stored type is filled from the pinned pool, as new tensors on a device are; other
@@ -127,9 +131,11 @@ class StagedReads:
         return sum(s.numel() * s.element_size() for _, s in self.staged)
 
     def apply(self) -> None:
-        """Copy the staged data into the targets (data type and device kept) and release
+        """Hand the staged data to the targets (data type and device kept) and release
         it. Every byte was read and checked before: this step does not fail on the
-        checkpoint's account.
+        checkpoint's account. A target that :func:`can_take_memory` takes the staged
+        tensor's memory (``target.data = staged``: the same tensor object, new memory);
+        any other is copied into.
 
         Contiguous targets on a device (a GPU) of the staged data's type are filled
         through the pinned pool of :attr:`device`: the staged bytes are copied into a
@@ -144,9 +150,47 @@ class StagedReads:
             assert how is not None
             upload_staged(to_device, how)
         for target, data in self.staged:
-            if id(target) not in chosen:
+            if id(target) in chosen:
+                continue
+            if can_take_memory(target, data):
+                with torch.no_grad():
+                    target.data = data
+            else:
                 copy_into(target, data)
         self.staged.clear()
+
+
+#: Tensor types whose memory a load may replace: others (DTensor, a quantized
+#: parameter class, a fake tensor) may keep meaning in their memory beyond its values.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: How many references to a storage a tensor that alone uses it shows, counting the
+#: handle that asks (the tensor's own and the ``untyped_storage()`` object).
+_SOLE_USERS = 2
+
+
+def can_take_memory(target: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``target`` may take ``data``'s memory instead of a copy of its values,
+    with nothing but its address telling the two apart: both plain contiguous CPU tensors
+    of one type, shape and strides, each the whole of its storage; ``target`` not a view,
+    not an inference tensor, no other tensor (a view, an alias, ``.data``) using its
+    storage, and its memory neither shared with other processes (``share_memory_()``)
+    nor pinned. Where torch cannot count a storage's users, never."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or type(target) not in _PLAIN_TYPES:
+        return False
+    if not (_plain_memory(target) and _plain_memory(data)) or target.dtype != data.dtype \
+            or target.shape != data.shape or target.stride() != data.stride():
+        return False
+    if target._is_view() or target.is_inference() or target.storage_offset() \
+            or data.storage_offset():
+        return False
+    storage = target.untyped_storage()
+    nbytes = target.numel() * target.element_size()
+    if storage.nbytes() != nbytes or data.untyped_storage().nbytes() != nbytes:
+        return False
+    if storage.is_shared() or (torch.cuda.is_available() and target.is_pinned()):
+        return False
+    return bool(use_count(storage._cdata) == _SOLE_USERS)
 
 
 def _uploadable(target: torch.Tensor, data: torch.Tensor) -> bool:
@@ -210,15 +254,12 @@ def _plain_memory(t: torch.Tensor) -> bool:
             and not t.is_neg() and t.layout == torch.strided)
 
 
-def _direct_view(
-    ckpt: Checkpoint, path: str, target: torch.Tensor
-) -> np.ndarray[Any, Any] | None:
-    """A numpy view of ``target``'s memory to read into, or None if it cannot be one."""
-    if _plain_memory(target) and target.dtype == torch_dtype(
-        ckpt.arrays[path].dtype.name, tensor=path
-    ):
-        return to_numpy(target.detach(), name=path)
-    return None
+def _readable_into(ckpt: Checkpoint, read: TensorRead) -> bool:
+    """Whether the target of ``read`` is memory the read can fill as it is: a contiguous
+    CPU tensor of the stored data type."""
+    target = read.target
+    return target is not None and _plain_memory(target) and target.dtype == torch_dtype(
+        ckpt.arrays[read.path].dtype.name, tensor=read.path)
 
 
 def named(paths: Sequence[str]) -> str:
@@ -293,20 +334,23 @@ def read_tensors(
             tensors[i] = tensor
     chosen = set(to_device)
     rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
-    pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None]] = []
+    # (index, read, local map, what it is read into, direct): into is the target's own
+    # memory when direct (in place), else a staging tensor for it, or None (a new array)
+    pending: list[tuple[int, TensorRead, LocalMap, torch.Tensor | None, bool]] = []
     held = 0  # host bytes of this batch that are not their final tensors' own memory
 
     def flush() -> None:
         nonlocal held
-        values = read_locals(ckpt, [(r.path, lm, out) for _, r, lm, out in pending])
-        for (i, r, _, out), value in zip(pending, values, strict=True):
+        values = read_locals(ckpt, [(r.path, lm, None if into is None else host_array(
+            into, name=r.path)) for _, r, lm, into, _ in pending])
+        for (i, r, _, into, direct), value in zip(pending, values, strict=True):
             if r.target is None:
                 tensors[i] = from_numpy(value, name=r.path, device=r.device)
                 continue
             tensors[i] = r.target
-            if out is not None:  # read into the target itself
+            if direct:  # read into the target itself
                 continue
-            data = from_numpy(value, name=r.path)
+            data = into if into is not None else from_numpy(value, name=r.path)
             if in_place:
                 result.written.append(r.path)
                 copy_into(r.target, data)
@@ -317,7 +361,7 @@ def read_tensors(
 
     def flush_or_explain() -> None:
         # in place, the targets of this batch read into directly may be partly written
-        direct = [r.path for _, r, _, out in pending if out is not None]
+        direct = [r.path for _, r, _, _, is_direct in pending if is_direct]
         try:
             flush()
         except BaseException as exc:
@@ -330,15 +374,19 @@ def read_tensors(
     for i, read in rest:
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
-        out = None
+        into, direct = None, False
         nbytes = math.prod(lm.local_shape) * meta.dtype.itemsize
         if read.target is not None:
             if in_place:
-                out = _direct_view(ckpt, read.path, read.target)
-                held += 0 if out is not None else nbytes
+                direct = _readable_into(ckpt, read)
+                into = read.target.detach() if direct else None
+                held += 0 if direct else nbytes
+            elif _readable_into(ckpt, read):
+                # staging a target may take over (can_take_memory): torch's own memory
+                into = torch.empty(lm.local_shape, dtype=read.target.dtype)
         elif read.device is not None and torch.device(read.device).type != "cpu":
             held += nbytes
-        pending.append((i, read, lm, out))
+        pending.append((i, read, lm, into, direct))
         # staged, only new tensors are held per batch: every target waits for apply()
         if held >= batch_bytes:
             flush_or_explain()
@@ -409,6 +457,7 @@ __all__ = [
     "DeviceStaging",
     "StagedReads",
     "TensorRead",
+    "can_take_memory",
     "copy_into",
     "named",
     "partly_changed",
