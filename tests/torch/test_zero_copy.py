@@ -65,9 +65,8 @@ def test_load_stages_then_hands_the_staging_to_the_parameters(
         assert torch.equal(p, dict(src.named_parameters())[name])
         mine = to_numpy(p.detach())
         assert sum(np.shares_memory(o, mine) for o in outs) == 1, name  # the staging itself
-    # the staging (torch's memory, which tracemalloc does not see) is one copy of what
-    # the model receives, and nothing else of that size is allocated
-    assert sum(o.nbytes for o in outs) == nbytes and peak < 0.1 * nbytes
+    # the staging is one copy of what the model receives, no more
+    assert sum(o.nbytes for o in outs) == nbytes and nbytes <= peak < 1.25 * nbytes
     dst(torch.ones(1, 512)).sum().backward()
     opt.step()  # training goes on in the new memory
     assert not torch.equal(dst[1].bias, src[1].bias)

@@ -254,12 +254,15 @@ def _plain_memory(t: torch.Tensor) -> bool:
             and not t.is_neg() and t.layout == torch.strided)
 
 
-def _readable_into(ckpt: Checkpoint, read: TensorRead) -> bool:
-    """Whether the target of ``read`` is memory the read can fill as it is: a contiguous
-    CPU tensor of the stored data type."""
-    target = read.target
-    return target is not None and _plain_memory(target) and target.dtype == torch_dtype(
-        ckpt.arrays[read.path].dtype.name, tensor=read.path)
+def _direct_view(
+    ckpt: Checkpoint, path: str, target: torch.Tensor
+) -> np.ndarray[Any, Any] | None:
+    """A numpy view of ``target``'s memory to read into, or None if it cannot be one."""
+    if _plain_memory(target) and target.dtype == torch_dtype(
+        ckpt.arrays[path].dtype.name, tensor=path
+    ):
+        return to_numpy(target.detach(), name=path)
+    return None
 
 
 def named(paths: Sequence[str]) -> str:
@@ -334,23 +337,20 @@ def read_tensors(
             tensors[i] = tensor
     chosen = set(to_device)
     rest = [(i, r) for i, r in enumerate(reads) if i not in chosen]
-    # (index, read, local map, what it is read into, direct): into is the target's own
-    # memory when direct (in place), else a staging tensor for it, or None (a new array)
-    pending: list[tuple[int, TensorRead, LocalMap, torch.Tensor | None, bool]] = []
+    pending: list[tuple[int, TensorRead, LocalMap, np.ndarray[Any, Any] | None]] = []
     held = 0  # host bytes of this batch that are not their final tensors' own memory
 
     def flush() -> None:
         nonlocal held
-        values = read_locals(ckpt, [(r.path, lm, None if into is None else host_array(
-            into, name=r.path)) for _, r, lm, into, _ in pending])
-        for (i, r, _, into, direct), value in zip(pending, values, strict=True):
+        values = read_locals(ckpt, [(r.path, lm, out) for _, r, lm, out in pending])
+        for (i, r, _, out), value in zip(pending, values, strict=True):
             if r.target is None:
                 tensors[i] = from_numpy(value, name=r.path, device=r.device)
                 continue
             tensors[i] = r.target
-            if direct:  # read into the target itself
+            if out is not None:  # read into the target itself
                 continue
-            data = into if into is not None else from_numpy(value, name=r.path)
+            data = from_numpy(value, name=r.path)
             if in_place:
                 result.written.append(r.path)
                 copy_into(r.target, data)
@@ -361,7 +361,7 @@ def read_tensors(
 
     def flush_or_explain() -> None:
         # in place, the targets of this batch read into directly may be partly written
-        direct = [r.path for _, r, _, _, is_direct in pending if is_direct]
+        direct = [r.path for _, r, _, out in pending if out is not None]
         try:
             flush()
         except BaseException as exc:
@@ -374,19 +374,15 @@ def read_tensors(
     for i, read in rest:
         meta = ckpt.arrays[read.path]
         lm = read.local if read.local is not None else whole(meta.shape)
-        into, direct = None, False
+        out = None
         nbytes = math.prod(lm.local_shape) * meta.dtype.itemsize
         if read.target is not None:
             if in_place:
-                direct = _readable_into(ckpt, read)
-                into = read.target.detach() if direct else None
-                held += 0 if direct else nbytes
-            elif _readable_into(ckpt, read):
-                # staging a target may take over (can_take_memory): torch's own memory
-                into = torch.empty(lm.local_shape, dtype=read.target.dtype)
+                out = _direct_view(ckpt, read.path, read.target)
+                held += 0 if out is not None else nbytes
         elif read.device is not None and torch.device(read.device).type != "cpu":
             held += nbytes
-        pending.append((i, read, lm, into, direct))
+        pending.append((i, read, lm, out))
         # staged, only new tensors are held per batch: every target waits for apply()
         if held >= batch_bytes:
             flush_or_explain()
