@@ -289,13 +289,32 @@ class Checkpoint:
                       serial=serial)
         return outs
 
-    def read_whole(self, paths: Sequence[str]) -> list[np.ndarray[Any, Any]]:
+    def read_whole(self, paths: Sequence[str], *, mapped: bool = False
+                   ) -> list[np.ndarray[Any, Any]]:
         """Every tensor at ``paths``, whole, as new arrays, in order: one batch
         (:meth:`read_regions`), refused before anything is allocated when they exceed
-        :attr:`max_read_bytes` together (UCP-1.0-R090)."""
+        :attr:`max_read_bytes` together (UCP-1.0-R090).
+
+        ``mapped``: a tensor stored as one uncompressed unsharded chunk on a local file
+        system is instead a view of its file mapped copy-on-write, handed out once its
+        CRC32C has been checked over the mapping (:meth:`ArrayReader.map_whole`): no copy,
+        and writes to it never reach the file. It relies on the checkpoint's files not
+        being changed in place while it lives (UCP-1.0-R053)."""
         metas = [self[path].meta for path in paths]
         self.check_new_arrays([(m.path, m.nbytes) for m in metas])
-        return self.read_regions([Region(m.path, (0,) * len(m.shape), m.shape) for m in metas])
+        arrays: list[np.ndarray[Any, Any] | None] = [None] * len(metas)
+        if mapped:
+            readers = [ArrayReader(self.store, m, self._count) for m in metas]
+            with self.store.batch():
+                arrays = self._map(ArrayReader.map_whole, readers,
+                                   sizes=[m.nbytes for m in metas],
+                                   serial=sum(m.nbytes for m in metas) <= self.SERIAL_BYTES)
+        rest = [i for i, a in enumerate(arrays) if a is None]
+        read = self.read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
+                                         metas[i].shape) for i in rest])
+        for i, array in zip(rest, read, strict=True):
+            arrays[i] = array
+        return [a for a in arrays if a is not None]
 
     def _map(self, fn: Any, items: Sequence[Any], *, sizes: Sequence[int] | None = None,
              serial: bool = False) -> list[Any]:

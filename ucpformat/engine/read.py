@@ -53,6 +53,12 @@ def packed_index(chunks: int, stored: int) -> bytes:
     return entries.tobytes()
 
 
+#: An object of at most this many bytes that a read wants whole is read with one request
+#: (:meth:`ArrayReader.read_object_in_one`); a larger one in runs that several threads
+#: share.
+IN_ONE_BYTES = 16 << 20
+
+
 def max_encoded_nbytes(decoded: int) -> int:
     """The largest stored size of a chunk of ``decoded`` bytes (CRC32C included), UCP-1.0-R098."""
     return 2 * decoded + ENCODING_SLACK
@@ -421,6 +427,48 @@ class ArrayReader:
             held.read_run(run, req_lo, req_hi, out)
         return []
 
+    def map_whole(self) -> np.ndarray[Any, Any] | None:
+        """The whole array as a view of its stored object mapped copy-on-write
+        (:meth:`Store.map_copy_on_write`), once the CRC32C of its chunk has been checked
+        over the mapping (UCP-1.0-R041; the check reads every page, which the caller's
+        first touch would otherwise fault in): where the array is one uncompressed,
+        unsharded chunk of a non-empty tensor and the store maps. A write to the array
+        changes this process's copy only. None otherwise (read it instead); a failed
+        check is raised as a read raises it.
+
+        The chunk's bytes start at byte 0 of its file, so the view is aligned for any
+        data type. A sharded array's chunks are each followed by their CRC32C: its values
+        are never contiguous in the file, and are read (:meth:`read_object_in_one`)."""
+        meta = self.meta
+        shape = meta.shape
+        if (
+            meta.compression is not None
+            or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
+            or meta.shard_shape is not None
+            or meta.chunk_shape != shape
+            or not math.prod(shape)
+        ):
+            return None
+        payload = math.prod(shape) * meta.dtype.itemsize
+        coords = tuple(0 for _ in shape)
+        key = meta.object_key(coords)
+        mapped = self.store.map_copy_on_write(key, payload + CRC_BYTES)
+        if mapped is None:
+            return None
+        self._count(payload + CRC_BYTES)
+        view = memoryview(mapped)
+        crc = crc32c(view[:payload]).to_bytes(CRC_BYTES, "little")
+        stored = bytes(view[payload:])
+        if crc != stored:
+            raise ChecksumError(
+                f"chunk {self._chunk_label(coords, key)} fails its CRC32C check "
+                f"(stored {stored.hex()}, computed {crc.hex()})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+        return np.frombuffer(mapped, dtype=meta.dtype.numpy, count=math.prod(shape)).reshape(
+            shape)
+
     def read_object_in_one(
         self,
         coords: tuple[int, ...],
@@ -441,9 +489,10 @@ class ArrayReader:
         False where the array or the object is not so (another layout, an absent, shorter
         or longer object): ``out``'s rows for this object may then hold anything, and
         the caller reads them again chunk by chunk (:meth:`plan_object`), whose errors
-        say precisely what is wrong. One request and checks from memory instead of an
-        index read, a plan and a read per run: for thousands of small tensors, the
-        Python around each read cost more than the read."""
+        say precisely what is wrong; so is an object over :data:`IN_ONE_BYTES`. One
+        request and checks from memory instead of an index read, a plan and a read per
+        run: for thousands of small tensors, the Python around each read cost more than
+        the read."""
         meta = self.meta
         shape = meta.shape
         cps = meta.chunks_per_shard
@@ -464,7 +513,7 @@ class ArrayReader:
         chunks = cps[0] if shape else 1
         first = coords[0] * chunks * rows if shape else 0  # the object's first row
         end = shape[0] if shape else 1
-        if first + (chunks - 1) * rows >= end:
+        if chunks * payload > IN_ONE_BYTES or first + (chunks - 1) * rows >= end:
             return False  # a chunk wholly beyond the array's edge: the slow path decides
         sharded = meta.shard_shape is not None
         isize = index_nbytes(cps) if sharded else 0

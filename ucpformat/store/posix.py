@@ -13,6 +13,7 @@ import fcntl
 import os
 import stat
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -208,6 +209,44 @@ def _load_openat2() -> Callable[..., int] | None:
 
 
 OPENAT2 = _load_openat2()
+
+
+def _load_mmap() -> tuple[Any, Any] | None:
+    """The C library's ``mmap`` and ``munmap``, or None off Linux or without them."""
+    mmap, munmap = _linux_libc_function("mmap"), _linux_libc_function("munmap")
+    if mmap is None or munmap is None:
+        return None
+    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_long]
+    mmap.restype = ctypes.c_void_p
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    munmap.restype = ctypes.c_int
+    return mmap, munmap
+
+
+_MMAP = _load_mmap()
+_PROT_READ, _PROT_WRITE, _MAP_PRIVATE = 1, 2, 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_private(fd: int, length: int) -> Any | None:
+    """The first ``length`` bytes of the file ``fd`` mapped copy-on-write (``MAP_PRIVATE``,
+    readable and writable: a write changes this process's copy, never the file), as a
+    writable buffer that unmaps itself once nothing refers to it; ``fd`` may be closed
+    at once. None where the system cannot map it (the caller reads instead).
+
+    Through the C library, not Python's ``mmap`` module: that one keeps a duplicate of
+    the descriptor open for as long as the mapping lives (before Python 3.13), and a
+    load of thousands of mapped tensors would run out of descriptors."""
+    if _MMAP is None or length <= 0:
+        return None
+    mmap, munmap = _MMAP
+    address = mmap(None, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        return None
+    buffer = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(buffer, munmap, address, length)
+    return buffer
 
 
 def start_writeback(fd: int) -> None:

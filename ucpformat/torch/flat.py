@@ -216,11 +216,13 @@ class SafeOpen:
         return {name: by_path[path] for name, path in sorted(self._paths.items())}
 
     def _read(self, paths: list[str]) -> list[Any]:
-        """The whole tensors at ``paths``, new, in this framework and on this device. On the
-        CPU the arrays read are the tensors' own memory (one batch of reads, no copy);
-        other devices go through the pinned staging of :func:`read_tensors`."""
+        """The whole tensors at ``paths``, in this framework and on this device. On the
+        CPU the arrays read are the tensors' own memory (one batch of reads, no copy), and
+        a tensor stored as one uncompressed chunk on a local file system is a view of its
+        file mapped copy-on-write, checked first (:meth:`Checkpoint.read_whole`); other
+        devices go through the pinned staging of :func:`read_tensors`."""
         if self._numpy or self._device.type == "cpu":
-            arrays = self.checkpoint.read_whole(paths)
+            arrays = self.checkpoint.read_whole(paths, mapped=True)
             if self._numpy:
                 return arrays
             return [from_numpy(a, name=p) for p, a in zip(paths, arrays, strict=True)]
