@@ -101,3 +101,29 @@ def test_compressed_and_damaged_chunks_take_the_read_path(tmp_path: Path) -> Non
     with pytest.raises(CorruptDataError) as info:
         ucpt.load_file(tmp_path / "c")
     assert info.value.rule == "UCP-1.0-R041" and info.value.tensor == "model/w"
+
+
+def test_a_shard_laid_out_otherwise_is_read_chunk_by_chunk(tmp_path: Path) -> None:
+    # the same chunks in reverse order (another writer may order them so): the one-request
+    # read finds an index it did not expect and leaves the shard to the chunk-by-chunk read
+    import numpy as np
+
+    from ucpformat.engine.shard_index import encode_index
+
+    src = {"w": torch.arange(701 * 3, dtype=torch.float32).reshape(701, 3)}
+    ucpt.save_file(src, tmp_path / "c", durable=False, chunk_bytes=1024)
+    shard = tmp_path / "c" / "model" / "w" / "c" / "0" / "0"
+    cps = ucpformat.open(tmp_path / "c").arrays["model/w"].chunks_per_shard
+    data = shard.read_bytes()
+    isize = cps[0] * 16 + 4
+    index = np.frombuffer(data[-isize:-4], dtype="<u8").reshape(cps[0], 1, 2).copy()
+    chunks = [data[int(o):int(o) + int(n)] for o, n in index.reshape(-1, 2)]
+    offset = 0
+    for i in reversed(range(cps[0])):
+        index[i, 0] = (offset, len(chunks[i]))
+        offset += len(chunks[i])
+    shard.write_bytes(b"".join(reversed(chunks)) + encode_index(index))
+    assert ucpformat.validate(tmp_path / "c").valid
+    with ucpformat.open(tmp_path / "c") as ckpt:
+        assert torch.equal(ucpt.load_file(ckpt)["w"], src["w"])
+        assert ckpt.stats.requests > 1

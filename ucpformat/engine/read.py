@@ -43,10 +43,19 @@ ENCODING_SLACK = 1 << 16
 WHOLE_OBJECT_BYTES = 512 << 10
 
 
-@functools.lru_cache(maxsize=256)
 def packed_index(chunks: int, stored: int) -> bytes:
     """The body of the shard index (no CRC) of ``chunks`` inner chunks of ``stored`` bytes
-    each, stored back to back from byte 0 in grid order: what this library writes."""
+    each, stored back to back from byte 0 in grid order: what this library writes. The
+    indexes of up to 4,096 chunks (64 KiB) are remembered, the last 256 of them."""
+    return _packed_index(chunks, stored) if chunks <= 4096 else _pack_index(chunks, stored)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_index(chunks: int, stored: int) -> bytes:
+    return _pack_index(chunks, stored)
+
+
+def _pack_index(chunks: int, stored: int) -> bytes:
     entries = np.empty((chunks, 2), dtype="<u8")
     entries[:, 0] = np.arange(chunks, dtype="<u8") * stored
     entries[:, 1] = stored
