@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import mmap as mmap_module
 import os
 import stat
 import sys
@@ -225,7 +226,8 @@ def _load_mmap() -> tuple[Any, Any] | None:
 
 
 _MMAP = _load_mmap()
-_PROT_READ, _PROT_WRITE, _MAP_PRIVATE = 1, 2, 2
+_PROT_READ, _PROT_WRITE, _MAP_PRIVATE = mmap_module.PROT_READ, mmap_module.PROT_WRITE, \
+    mmap_module.MAP_PRIVATE
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -242,6 +244,33 @@ def map_private(fd: int, length: int) -> Any | None:
         return None
     mmap, munmap = _MMAP
     address = mmap(None, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        return None
+    buffer = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(buffer, munmap, address, length)
+    return buffer
+
+
+_MAP_ANONYMOUS = mmap_module.MAP_ANONYMOUS
+_MAP_POPULATE = getattr(mmap_module, "MAP_POPULATE", 0)  # (Linux; Python 3.10+)
+
+
+def anonymous_memory(length: int) -> Any | None:
+    """``length`` bytes of new memory of their own mapping (``MAP_ANONYMOUS``), its pages
+    made present by the one call (``MAP_POPULATE``: a fault per page cost more), as a
+    writable buffer that unmaps itself once nothing refers to it; None where the
+    system cannot map it (the caller allocates as usual).
+
+    For large arrays that a read fills at once: numpy asks for transparent huge pages
+    for arrays of 4 MiB or more (``madvise``), and where the kernel then compacts memory
+    on their first writes (``defrag`` set to ``madvise``, the default of many
+    distributions) a 2 GiB load spent 2 to 3 times as long faulting its pages in as
+    with plain pages (1.6 to 2.5 s of system time against 1.1 to 1.2 s here)."""
+    if _MMAP is None or length <= 0 or sys.platform != "linux":
+        return None
+    mmap, munmap = _MMAP
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE
+    address = mmap(None, length, _PROT_READ | _PROT_WRITE, flags, -1, 0)
     if address is None or address == _MAP_FAILED:
         return None
     buffer = (ctypes.c_ubyte * length).from_address(address)
