@@ -14,10 +14,6 @@ The target: a save or a load never holds more than the state plus its largest te
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -43,8 +39,9 @@ LABELS = {
 }
 
 
-def child(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
+def child(method: str, op: str, size_mib: float | str, path: str) -> dict[str, Any]:
     """Run in a fresh process: one save or load; memory figures in bytes."""
+    size_mib = float(size_mib)
     warnings.filterwarnings("ignore")
     import safetensors.torch
     import torch
@@ -112,19 +109,7 @@ def _torch_dtype(name: str) -> Any:
 
 
 def _spawn(method: str, op: str, size_mib: float, path: str) -> dict[str, Any]:
-    code = (
-        "import json, sys; from benchmarks.bench_memory import child; "
-        "print('RESULT ' + json.dumps(child(*sys.argv[1:3], float(sys.argv[3]), sys.argv[4])))"
-    )
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code, method, op, str(size_mib), path],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[len("RESULT "):])
-            return result
-    raise RuntimeError(f"{method} {op} failed:\n{proc.stdout}\n{proc.stderr}")
+    return common.run_child("benchmarks.bench_memory:child", method, op, str(size_mib), path)
 
 
 def measure(size_mib: float, root: Path, methods: tuple[str, ...] = METHODS) -> dict[str, Any]:

@@ -13,9 +13,11 @@ rotating order, so that drift hits all alike), and the medians are compared:
   state dict of new, untouched tensors, as it needs one);
 * ucpformat: ``ucpformat.torch.save(model=...)`` (durable) and
   ``ucpformat.torch.load_state_dict`` (new tensors), ``ucpformat.torch.load(model=...)``
-  into a model's new, untouched tensors, both staged (the default: read into staging,
-  checked, then copied into the model) and with ``in_place=True`` (read straight into
-  the model's tensors), and ``AsyncSaver.save``.
+  into a model whose tensors are zeroed (as its constructor leaves them), both staged
+  (the default: read into staging, checked, then handed to the model's tensors) and with
+  ``in_place=True`` (read straight into the model's tensors), and ``AsyncSaver.save``.
+  Loads repeated in one process find memory the allocator kept from the load before:
+  ``bench_resume`` times each load in a fresh process, as a resume runs.
 
 Every save writes a new directory and is durable before it returns (fsync). Loads are
 measured twice: **cold**, after the checkpoint's pages were dropped from the page cache
@@ -263,7 +265,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
     }
     t.notes.append(
         "a load into a model, staged (the default: a failed load changes nothing) over "
-        f"in_place=True (no staging copy): {staged_cost['cold']:.2f}x the time cold, "
+        f"in_place=True (no staging): {staged_cost['cold']:.2f}x the time cold, "
         f"{staged_cost['warm']:.2f}x warm"
     )
     default = {kind: med(m[kind]["ucpformat staged"]) for kind in ("cold", "warm")}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -193,3 +196,21 @@ def load_average() -> str:
     except OSError:
         return "n/a"
     return f"{one:.2f} / {five:.2f} / {fifteen:.2f}"
+
+
+def run_child(function: str, *args: str, timeout: float = 1800) -> dict[str, Any]:
+    """Call ``function`` (``"benchmarks.module:name"``, returning a JSON object) with the
+    string ``args`` in a fresh Python process, and return what it returned: a figure of
+    one operation in a process whose memory nothing before it has used."""
+    module, name = function.split(":")
+    code = (f"import json, sys; from {module} import {name}; "
+            f"print('RESULT ' + json.dumps({name}(*sys.argv[1:])))")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[len("RESULT "):])
+            return result
+    raise RuntimeError(f"{function}{list(args)} failed:\n{proc.stdout}\n{proc.stderr}")

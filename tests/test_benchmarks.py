@@ -122,6 +122,19 @@ def test_memory_benchmark_runs_in_fresh_processes(tmp_path: Path) -> None:
 
 @pytest.mark.torch
 @pytest.mark.slow
+def test_resume_benchmark_times_each_load_in_a_fresh_process(tmp_path: Path) -> None:
+    from benchmarks import bench_resume
+
+    methods = ("staged", "load_state_dict")  # each a new process: two keep the test short
+    (table,) = bench_resume.run(size_mib=1, repeats=1, directory=tmp_path, methods=methods)
+    assert [row[0] for row in table.rows] == [bench_resume.LABELS[m] for m in methods]
+    for method, figures in table.data.items():
+        assert figures["cold_s"] > 0 and figures["warm_s"] > 0, method
+    assert table.data["load_state_dict"]["warm_over_load_state_dict"] == 1.0
+
+
+@pytest.mark.torch
+@pytest.mark.slow
 def test_memory_benchmark_does_not_inherit_the_parents_peak(tmp_path: Path) -> None:
     """A child's peak is its own, however much its parent holds (ru_maxrss is not)."""
     import numpy as np

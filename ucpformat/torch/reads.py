@@ -15,9 +15,13 @@ already holds live state (a model's parameter, an optimizer's state), in one of 
 
 * **staged** (the default): the target must not change unless every read of the load has
   succeeded, so the data is read into new host memory (*staging*: a damaged or missing
-  chunk fails there, every CRC32C is checked) and copied into the targets only by
-  :meth:`StagedReads.apply`, once the caller has checked everything else. Staging holds
-  one host copy of what the targets receive until then, and costs that copy.
+  chunk fails there, every CRC32C is checked) and handed to the targets only by
+  :meth:`StagedReads.apply`, once the caller has checked everything else. A target whose
+  memory no one else can see (:func:`can_take_memory`: a plain CPU tensor, not a view,
+  sole user of its storage, neither shared between processes nor pinned) takes the
+  staging memory itself, as ``module.to()`` gives a parameter new memory: no copy, and
+  its old memory is freed. Any other target is copied into. Staging holds one host copy
+  of what the targets receive until then.
 * **in place** (``in_place=True``): a target that is a contiguous CPU tensor of the stored
   data type is itself the read buffer (no copy, no staging); a contiguous GPU target of
   the stored type is filled from the pinned pool, as new tensors on a device are; other
@@ -127,9 +131,11 @@ class StagedReads:
         return sum(s.numel() * s.element_size() for _, s in self.staged)
 
     def apply(self) -> None:
-        """Copy the staged data into the targets (data type and device kept) and release
+        """Hand the staged data to the targets (data type and device kept) and release
         it. Every byte was read and checked before: this step does not fail on the
-        checkpoint's account.
+        checkpoint's account. A target that :func:`can_take_memory` takes the staged
+        tensor's memory (``target.data = staged``: the same tensor object, new memory);
+        any other is copied into.
 
         Contiguous targets on a device (a GPU) of the staged data's type are filled
         through the pinned pool of :attr:`device`: the staged bytes are copied into a
@@ -144,9 +150,47 @@ class StagedReads:
             assert how is not None
             upload_staged(to_device, how)
         for target, data in self.staged:
-            if id(target) not in chosen:
+            if id(target) in chosen:
+                continue
+            if can_take_memory(target, data):
+                with torch.no_grad():
+                    target.data = data
+            else:
                 copy_into(target, data)
         self.staged.clear()
+
+
+#: Tensor types whose memory a load may replace: others (DTensor, a quantized
+#: parameter class, a fake tensor) may keep meaning in their memory beyond its values.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: How many references to a storage a tensor that alone uses it shows, counting the
+#: handle that asks (the tensor's own and the ``untyped_storage()`` object).
+_SOLE_USERS = 2
+
+
+def can_take_memory(target: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``target`` may take ``data``'s memory instead of a copy of its values,
+    with nothing but its address telling the two apart: both plain contiguous CPU tensors
+    of one type, shape and strides, each the whole of its storage; ``target`` not a view,
+    not an inference tensor, no other tensor (a view, an alias, ``.data``) using its
+    storage, and its memory neither shared with other processes (``share_memory_()``)
+    nor pinned. Where torch cannot count a storage's users, never."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or type(target) not in _PLAIN_TYPES:
+        return False
+    if not (_plain_memory(target) and _plain_memory(data)) or target.dtype != data.dtype \
+            or target.shape != data.shape or target.stride() != data.stride():
+        return False
+    if target._is_view() or target.is_inference() or target.storage_offset() \
+            or data.storage_offset():
+        return False
+    storage = target.untyped_storage()
+    nbytes = target.numel() * target.element_size()
+    if storage.nbytes() != nbytes or data.untyped_storage().nbytes() != nbytes:
+        return False
+    if storage.is_shared() or (torch.cuda.is_available() and target.is_pinned()):
+        return False
+    return bool(use_count(storage._cdata) == _SOLE_USERS)
 
 
 def _uploadable(target: torch.Tensor, data: torch.Tensor) -> bool:
@@ -409,6 +453,7 @@ __all__ = [
     "DeviceStaging",
     "StagedReads",
     "TensorRead",
+    "can_take_memory",
     "copy_into",
     "named",
     "partly_changed",

@@ -570,7 +570,9 @@ def load(
 ) -> LoadResult:
     """Load a checkpoint into the given objects; read nothing else.
 
-    The model's parameters and buffers are copied into (dtype and device kept); with
+    The model's parameters and buffers get the stored values, keeping their dtype, device
+    and identity (one that no other tensor sees takes the checked staging memory, as
+    ``module.to()`` gives new memory; any other is copied into: docs/torch.md); with
     ``assign``, replaced by new tensors of the checkpoint's dtype on ``map_location``
     (:mod:`ucpformat.torch.assign`: how a model built on the meta device is loaded; a
     meta tensor is refused without it). The optimizer's state is matched by parameter
@@ -610,6 +612,9 @@ def load(
                 groups = assign_groups(live_tensors(model), model_plan.tensors)
             else:
                 copies, hooked = _model_targets(model, sd, model_plan.tensors)
+            # its tensors share the model's memory: a staged tensor may take a target's
+            # memory only if nothing else holds it (reads.can_take_memory)
+            del sd
         opt_plan = previous = None
         if optimizer is not None:
             view, previous = _optimizer_view(optimizer, model)
