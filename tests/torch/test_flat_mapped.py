@@ -39,7 +39,11 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_single_chunk_tensors_are_checked_copy_on_write_mappings(tmp_path: Path) -> None:
+def test_single_chunk_tensors_are_checked_copy_on_write_mappings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucpformat.engine import read as read_engine
+
+    monkeypatch.setattr(read_engine, "MAP_MIN_BYTES", 1)  # small tensors too, here
     src = {"w": torch.arange(96, dtype=torch.float32).reshape(8, 12),
            "b": torch.arange(5, dtype=torch.bfloat16)}
     ucpt.save_file(src, tmp_path / "c", durable=False)
@@ -90,8 +94,14 @@ def test_multi_chunk_tensors_are_read_with_one_request_and_every_chunk_checked(
     assert "chunk (2, 0)" in str(info.value)
 
 
-def test_compressed_and_damaged_chunks_take_the_read_path(tmp_path: Path) -> None:
+def test_compressed_small_and_damaged_chunks_take_the_read_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = {"w": torch.arange(96, dtype=torch.float32).reshape(8, 12)}
+    ucpt.save_file(src, tmp_path / "s", durable=False)
+    assert mapped_file(ucpt.load_file(tmp_path / "s")["w"]) is None  # under MAP_MIN_BYTES
+    from ucpformat.engine import read as read_engine
+
+    monkeypatch.setattr(read_engine, "MAP_MIN_BYTES", 1)
     ucpt.save_file(src, tmp_path / "z", durable=False, compression="zstd")
     back = ucpt.load_file(tmp_path / "z")
     assert torch.equal(back["w"], src["w"]) and mapped_file(back["w"]) is None
@@ -146,3 +156,21 @@ def test_large_new_tensors_get_memory_of_their_own_mapping(
     assert mapped_file(w) is None  # anonymous memory, not a file's
     w.add_(1)  # writable
     assert torch.equal(w, src["w"] + 1)
+
+
+def test_mappings_alive_at_once_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    from ucpformat.engine import read as read_engine
+    from ucpformat.store import posix
+
+    monkeypatch.setattr(read_engine, "MAP_MIN_BYTES", 1)
+    src = {f"t{i}": torch.full((4,), float(i)) for i in range(6)}
+    ucpt.save_file(src, tmp_path / "c", durable=False)
+    before = posix._mappings
+    monkeypatch.setattr(posix, "MAX_MAPPINGS", before + 2)
+    back = ucpt.load_file(tmp_path / "c")
+    assert all(torch.equal(back[k], src[k]) for k in src)
+    assert sum(mapped_file(t) is not None for t in back.values()) == 2  # the rest read
+    assert posix._mappings == before + 2
+    del back  # unmapped once the tensors are gone, and no longer counted
+    assert posix._mappings == before

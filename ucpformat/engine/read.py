@@ -62,6 +62,10 @@ def _pack_index(chunks: int, stored: int) -> bytes:
     return entries.tobytes()
 
 
+#: An array smaller than this is read, not mapped (:meth:`ArrayReader.map_whole`): a
+#: mapping costs two system calls and a mapping of the process's own, a small read less.
+MAP_MIN_BYTES = 64 << 10
+
 #: An object of at most this many bytes that a read wants whole is read with one request
 #: (:meth:`ArrayReader.read_object_in_one`); a larger one in runs that several threads
 #: share.
@@ -442,8 +446,9 @@ class ArrayReader:
         over the mapping (UCP-1.0-R041; the check reads every page, which the caller's
         first touch would otherwise fault in): where the array is one uncompressed,
         unsharded chunk of a non-empty tensor and the store maps. A write to the array
-        changes this process's copy only. None otherwise (read it instead); a failed
-        check is raised as a read raises it.
+        changes this process's copy only. None otherwise, and for an array under
+        :data:`MAP_MIN_BYTES` (read it instead); a failed check is raised as a read
+        raises it.
 
         The chunk's bytes start at byte 0 of its file, so the view is aligned for any
         data type. A sharded array's chunks are each followed by their CRC32C: its values
@@ -455,7 +460,7 @@ class ArrayReader:
             or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
             or meta.shard_shape is not None
             or meta.chunk_shape != shape
-            or not math.prod(shape)
+            or meta.nbytes < MAP_MIN_BYTES
         ):
             return None
         payload = math.prod(shape) * meta.dtype.itemsize

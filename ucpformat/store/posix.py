@@ -14,6 +14,7 @@ import mmap as mmap_module
 import os
 import stat
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -231,6 +232,48 @@ _PROT_READ, _PROT_WRITE, _MAP_PRIVATE = mmap_module.PROT_READ, mmap_module.PROT_
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+#: Mappings of :func:`map_private` and :func:`anonymous_memory` alive at once, at most:
+#: a quarter of Linux's default limit of mappings per process (``vm.max_map_count``,
+#: 65,530), so that loading many tensors never leaves the process (malloc, torch,
+#: thread stacks) without mappings of its own; beyond it, the callers read and allocate
+#: as usual.
+MAX_MAPPINGS = 16384
+_mappings = 0
+_mappings_lock = threading.Lock()
+
+
+def _mapped(flags: int, fd: int, length: int) -> Any | None:
+    """``mmap`` of ``length`` bytes (``PROT_READ | PROT_WRITE``) as a writable buffer that
+    unmaps itself once nothing refers to it, counted against :data:`MAX_MAPPINGS`; None
+    where the system cannot map or the count is reached."""
+    global _mappings
+    if _MMAP is None or length <= 0:
+        return None
+    mmap, munmap = _MMAP
+    with _mappings_lock:
+        if _mappings >= MAX_MAPPINGS:
+            return None
+        _mappings += 1
+    address = mmap(None, length, _PROT_READ | _PROT_WRITE, flags, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        _unmapped()
+        return None
+    buffer = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(buffer, _unmap, munmap, address, length)
+    return buffer
+
+
+def _unmap(munmap: Any, address: int, length: int) -> None:
+    munmap(address, length)
+    _unmapped()
+
+
+def _unmapped() -> None:
+    global _mappings
+    with _mappings_lock:
+        _mappings -= 1
+
+
 def map_private(fd: int, length: int) -> Any | None:
     """The first ``length`` bytes of the file ``fd`` mapped copy-on-write (``MAP_PRIVATE``,
     readable and writable: a write changes this process's copy, never the file), as a
@@ -240,15 +283,7 @@ def map_private(fd: int, length: int) -> Any | None:
     Through the C library, not Python's ``mmap`` module: that one keeps a duplicate of
     the descriptor open for as long as the mapping lives (before Python 3.13), and a
     load of thousands of mapped tensors would run out of descriptors."""
-    if _MMAP is None or length <= 0:
-        return None
-    mmap, munmap = _MMAP
-    address = mmap(None, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, fd, 0)
-    if address is None or address == _MAP_FAILED:
-        return None
-    buffer = (ctypes.c_ubyte * length).from_address(address)
-    weakref.finalize(buffer, munmap, address, length)
-    return buffer
+    return _mapped(_MAP_PRIVATE, fd, length)
 
 
 _MAP_ANONYMOUS = mmap_module.MAP_ANONYMOUS
@@ -266,16 +301,9 @@ def anonymous_memory(length: int) -> Any | None:
     on their first writes (``defrag`` set to ``madvise``, the default of many
     distributions) a 2 GiB load spent 2 to 3 times as long faulting its pages in as
     with plain pages (1.6 to 2.5 s of system time against 1.1 to 1.2 s here)."""
-    if _MMAP is None or length <= 0 or sys.platform != "linux":
+    if sys.platform != "linux":
         return None
-    mmap, munmap = _MMAP
-    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE
-    address = mmap(None, length, _PROT_READ | _PROT_WRITE, flags, -1, 0)
-    if address is None or address == _MAP_FAILED:
-        return None
-    buffer = (ctypes.c_ubyte * length).from_address(address)
-    weakref.finalize(buffer, munmap, address, length)
-    return buffer
+    return _mapped(_MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE, -1, length)
 
 
 def start_writeback(fd: int) -> None:
