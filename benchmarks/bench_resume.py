@@ -126,19 +126,29 @@ def tables(m: dict[str, Any]) -> list[Table]:
     t = Table(
         title=f"A resume: one load into a new process's model, {m['nbytes'] / 2**30:.2f} GiB",
         columns=["load", "cold s", "cold × load_state_dict", "cold × DCP", "warm s",
-                 "warm × load_state_dict", "warm × DCP", "warm sys s", "warm page faults"],
+                 "warm × load_state_dict", "warm × DCP", "warm CPU s",
+                 "warm CPU × load_state_dict", "warm sys s", "warm page faults"],
     )
+    for kind in ("cold", "warm"):
+        for method in m["methods"]:
+            for r in runs[kind][method]:
+                r["cpu"] = r["user"] + r["sys"]
     data: dict[str, dict[str, float]] = {}
     for method in m["methods"]:
         cold, warm = median_of("cold", method, "seconds"), median_of("warm", method, "seconds")
+        cpu = median_of("warm", method, "cpu")
         ratios = {f"{kind}_over_{base}": median_of(kind, base, "seconds") / s
                   for kind, s in (("cold", cold), ("warm", warm))
                   for base in ("load_state_dict", "dcp") if base in runs[kind]}
-        data[method] = {"cold_s": cold, "warm_s": warm, **ratios}
+        if "load_state_dict" in runs["warm"]:
+            ratios["warm_cpu_over_load_state_dict"] = median_of(
+                "warm", "load_state_dict", "cpu") / cpu
+        data[method] = {"cold_s": cold, "warm_s": warm, "warm_cpu_s": cpu, **ratios}
         t.rows.append([
             LABELS[method], f"{cold:.2f}", _ratio(ratios, "cold_over_load_state_dict"),
             _ratio(ratios, "cold_over_dcp"), f"{warm:.2f}",
             _ratio(ratios, "warm_over_load_state_dict"), _ratio(ratios, "warm_over_dcp"),
+            f"{cpu:.2f}", _ratio(ratios, "warm_cpu_over_load_state_dict"),
             f"{median_of('warm', method, 'sys'):.2f}",
             f"{median_of('warm', method, 'faults'):,.0f}"])
     t.notes += [
@@ -147,7 +157,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "after building the model (zeroed memory); '×' columns: throughput ratios (the "
         "other's time / this one's: above 1 is faster)",
         "cold: the checkpoint's pages dropped from the page cache before the process "
-        "started; warm: in the page cache",
+        "started; warm: in the page cache; CPU: the load's user + system time, all its "
+        "threads (what it costs the machine; steadier than wall time on a busy one)",
         f"load average (1/5/15 min) at the end: {m['load_average']}",
     ]
     t.data = data

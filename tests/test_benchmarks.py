@@ -131,6 +131,8 @@ def test_resume_benchmark_times_each_load_in_a_fresh_process(tmp_path: Path) -> 
     for method, figures in table.data.items():
         assert figures["cold_s"] > 0 and figures["warm_s"] > 0, method
     assert table.data["load_state_dict"]["warm_over_load_state_dict"] == 1.0
+    assert table.data["load_state_dict"]["warm_cpu_over_load_state_dict"] == 1.0
+    assert table.data["staged"]["warm_cpu_s"] > 0
 
 
 @pytest.mark.torch

@@ -36,6 +36,7 @@ from ucpformat.checkpoint.metadata import (
     parse_version,
 )
 from ucpformat.engine.grid import objects_overlapping
+from ucpformat.engine.memory import new_array
 from ucpformat.engine.read import ArrayReader, ChunkRead, group_runs
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -533,7 +534,7 @@ class Tensor:
             )
         if out is not None:
             return out
-        return np.empty(out_shape, dtype=meta.dtype.numpy)
+        return new_array(out_shape, meta.dtype.numpy)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from ucpformat.distributed.save_plan import (
     merge_group_attributes,
 )
 from ucpformat.engine import chunking
+from ucpformat.engine.memory import new_array
 from ucpformat.errors import LayoutError
 from ucpformat.layout.boxes import Box, LocalMap, as_slices, box_shape
 from ucpformat.store import Store
@@ -145,7 +146,7 @@ def read_locals(
         if out is None:
             # every element is read unless the map has padding: no need to fill first
             out = (np.full(local.local_shape, fill, dtype=tensor.dtype) if local.has_padding
-                   else np.empty(local.local_shape, dtype=tensor.dtype))
+                   else new_array(local.local_shape, tensor.dtype))
         else:
             if tuple(out.shape) != tuple(local.local_shape) or out.dtype != tensor.dtype:
                 raise LayoutError(

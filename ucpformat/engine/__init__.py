@@ -12,6 +12,7 @@ metadata documents (:mod:`ucpformat.checkpoint.metadata`):
 - :mod:`~ucpformat.engine.shard_index`: the shard format (index, packing);
 - :mod:`~ucpformat.engine.write`: encoding and writing one stored object;
 - :mod:`~ucpformat.engine.read`: reading boxes of an array, every chunk CRC-checked.
+- :mod:`~ucpformat.engine.memory`: host memory for the new arrays a load reads into.
 
 The engine imports no torch and nothing of the checkpoint API: besides its own modules,
 only ``dtypes`` and ``errors`` (and ``storage``, where ``write`` and ``read`` reach the
