@@ -139,25 +139,6 @@ def test_a_shard_laid_out_otherwise_is_read_chunk_by_chunk(tmp_path: Path) -> No
         assert ckpt.stats.requests > 1
 
 
-def test_large_new_tensors_get_memory_of_their_own_mapping(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucpformat.checkpoint import reader
-
-    g = torch.Generator().manual_seed(0)
-    src = {"w": torch.randn(300, 40, generator=g), "e": torch.zeros(0, 3)}
-    ucpt.save_file(src, tmp_path / "c", durable=False, chunk_bytes=4096)
-    monkeypatch.setattr(reader, "OWN_MAPPING_BYTES", 1)
-    back = ucpt.load_file(tmp_path / "c")
-    assert all(torch.equal(back[k], src[k]) for k in src)
-    import mmap
-
-    w = back["w"]
-    assert w.data_ptr() % mmap.PAGESIZE == 0  # the start of a mapping (numpy's: a header)
-    assert mapped_file(w) is None  # anonymous memory, not a file's
-    w.add_(1)  # writable
-    assert torch.equal(w, src["w"] + 1)
-
-
 def test_mappings_alive_at_once_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                             ) -> None:
     from ucpformat.engine import read as read_engine

@@ -52,7 +52,6 @@ from ucpformat.errors import (
 from ucpformat.format import jsonvalues, names
 from ucpformat.format.schemas import DATE_TIME
 from ucpformat.store import Store, read_guarded
-from ucpformat.store.posix import anonymous_memory
 
 #: Largest metadata document (root zarr.json, manifest, node zarr.json) read by default;
 #: a larger one is refused before it is read (UCP-1.0-R098). The root of 100,000 tensors
@@ -313,8 +312,7 @@ class Checkpoint:
                                    serial=sum(m.nbytes for m in metas) <= self.SERIAL_BYTES)
         rest = [i for i, a in enumerate(arrays) if a is None]
         read = self.read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
-                                         metas[i].shape, _new_array(metas[i]))
-                                  for i in rest])
+                                         metas[i].shape) for i in rest])
         for i, array in zip(rest, read, strict=True):
             arrays[i] = array
         return [a for a in arrays if a is not None]
@@ -401,23 +399,6 @@ def _plan(job: tuple[ArrayReader, tuple[int, ...], tuple[int, ...], tuple[int, .
     if bound is not None:
         return reader.read_whole_object(coords, lo, hi, out, bound)
     return reader.plan_object(coords, lo, hi, out)
-
-
-#: New arrays of at least this many bytes get memory of their own mapping
-#: (:func:`~ucpformat.store.posix.anonymous_memory`), smaller ones numpy's.
-OWN_MAPPING_BYTES = 4 << 20
-
-
-def _new_array(meta: ArrayMeta) -> np.ndarray[Any, Any] | None:
-    """A new array for the whole of ``meta``'s tensor in memory of its own mapping, if it
-    is that large and the system maps; None: numpy's (``Tensor._prepare`` makes it)."""
-    if meta.nbytes < OWN_MAPPING_BYTES:
-        return None
-    memory = anonymous_memory(meta.nbytes)
-    if memory is None:
-        return None
-    count = meta.nbytes // meta.dtype.itemsize
-    return np.frombuffer(memory, dtype=meta.dtype.numpy, count=count).reshape(meta.shape)
 
 
 def _nest(out: dict[str, Any], rel_path: str) -> dict[str, Any]:

@@ -232,11 +232,10 @@ _PROT_READ, _PROT_WRITE, _MAP_PRIVATE = mmap_module.PROT_READ, mmap_module.PROT_
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-#: Mappings of :func:`map_private` and :func:`anonymous_memory` alive at once, at most:
-#: a quarter of Linux's default limit of mappings per process (``vm.max_map_count``,
-#: 65,530), so that loading many tensors never leaves the process (malloc, torch,
-#: thread stacks) without mappings of its own; beyond it, the callers read and allocate
-#: as usual.
+#: Mappings of :func:`map_private` alive at once, at most: a quarter of Linux's default
+#: limit of mappings per process (``vm.max_map_count``, 65,530), so that loading many
+#: tensors never leaves the process (malloc, torch, thread stacks) without mappings of
+#: its own; beyond it, the callers read.
 MAX_MAPPINGS = 16384
 _mappings = 0
 _mappings_lock = threading.Lock()
@@ -284,26 +283,6 @@ def map_private(fd: int, length: int) -> Any | None:
     the descriptor open for as long as the mapping lives (before Python 3.13), and a
     load of thousands of mapped tensors would run out of descriptors."""
     return _mapped(_MAP_PRIVATE, fd, length)
-
-
-_MAP_ANONYMOUS = mmap_module.MAP_ANONYMOUS
-_MAP_POPULATE = getattr(mmap_module, "MAP_POPULATE", 0)  # (Linux; Python 3.10+)
-
-
-def anonymous_memory(length: int) -> Any | None:
-    """``length`` bytes of new memory of their own mapping (``MAP_ANONYMOUS``), its pages
-    made present by the one call (``MAP_POPULATE``: a fault per page cost more), as a
-    writable buffer that unmaps itself once nothing refers to it; None where the
-    system cannot map it (the caller allocates as usual).
-
-    For large arrays that a read fills at once: numpy asks for transparent huge pages
-    for arrays of 4 MiB or more (``madvise``), and where the kernel then compacts memory
-    on their first writes (``defrag`` set to ``madvise``, the default of many
-    distributions) a 2 GiB load spent 2 to 3 times as long faulting its pages in as
-    with plain pages (1.6 to 2.5 s of system time against 1.1 to 1.2 s here)."""
-    if sys.platform != "linux":
-        return None
-    return _mapped(_MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE, -1, length)
 
 
 def start_writeback(fd: int) -> None:
