@@ -155,3 +155,29 @@ def test_mappings_alive_at_once_are_bounded(tmp_path: Path, monkeypatch: pytest.
     assert posix._mappings == before + 2
     del back  # unmapped once the tensors are gone, and no longer counted
     assert posix._mappings == before
+
+
+def test_a_mapped_tensor_outlives_the_exit_handlers_registered_before_it(
+        tmp_path: Path) -> None:
+    """An exit handler (a last save, a summary) may read tensors loaded after it was
+    registered: their mappings must not be undone before it runs."""
+    import subprocess
+
+    ucpt.save_file({"w": torch.ones(8, 12)}, tmp_path / "c", durable=False)  # one chunk
+    code = (
+        "import atexit\n"
+        "held = {}\n"
+        "atexit.register(lambda: print('sum', float(held['w'].sum())))\n"
+        "import torch, ucpformat.torch as ucpt\n"
+        "from ucpformat.engine import read\n"
+        "read.MAP_MIN_BYTES = 1\n"
+        f"held.update(ucpt.load_file({str(tmp_path / 'c')!r}))\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print('mapped', any(line.split()[-1].endswith('/model/w/c/0/0')\n"
+        "                    for line in maps.splitlines()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "mapped True" in done.stdout  # the case this is about
+    assert "sum 96.0" in done.stdout

@@ -258,7 +258,9 @@ def _mapped(flags: int, fd: int, length: int) -> Any | None:
         _unmapped()
         return None
     buffer = (ctypes.c_ubyte * length).from_address(address)
-    weakref.finalize(buffer, _unmap, munmap, address, length)
+    # not at interpreter exit: an exit handler (a last save) may still read the tensors
+    # that view it, and the process's end unmaps it anyway
+    weakref.finalize(buffer, _unmap, munmap, address, length).atexit = False
     return buffer
 
 
