@@ -127,6 +127,7 @@ def test_adjacent_chunks_are_read_with_one_request(
     many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)  # every shard by its index
+    monkeypatch.setattr(read_engine, "IN_ONE_BYTES", 0)  # in runs, even when read whole
     path, a = many_chunks
     with ucpformat.open(path) as ckpt:
         meta = ckpt.arrays["model/w"]
@@ -144,12 +145,21 @@ def test_adjacent_chunks_are_read_with_one_request(
         assert ckpt.stats.requests == 1 + 6
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["run", "whole-shard"])
-def test_a_damaged_chunk_inside_a_run_is_named(
-    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch, whole: bool
-) -> None:
-    if not whole:
+def read_by(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a whole read take ``path``: "run" (the index, then runs of chunks),
+    "whole-shard" (a small shard in one buffer, then checked) or "in-one" (one request
+    straight into the caller's array, the default for uncompressed row blocks)."""
+    if path != "in-one":
+        monkeypatch.setattr(read_engine, "IN_ONE_BYTES", 0)
+    if path == "run":
         monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)
+
+
+@pytest.mark.parametrize("whole", ["run", "whole-shard", "in-one"])
+def test_a_damaged_chunk_inside_a_run_is_named(
+    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch, whole: str
+) -> None:
+    read_by(whole, monkeypatch)
     path, _ = many_chunks
     shard = path / "model" / "w" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
@@ -161,12 +171,11 @@ def test_a_damaged_chunk_inside_a_run_is_named(
     assert exc.value.tensor == "model/w"
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["run", "whole-shard"])
+@pytest.mark.parametrize("whole", ["run", "whole-shard", "in-one"])
 def test_a_shard_cut_short_inside_a_run_is_an_error(
-    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch, whole: bool
+    many_chunks: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch, whole: str
 ) -> None:
-    if not whole:
-        monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)
+    read_by(whole, monkeypatch)
     path, _ = many_chunks
     shard = path / "model" / "w" / "c" / "0" / "0"
     data = shard.read_bytes()
@@ -205,6 +214,7 @@ def test_reads_go_into_caller_memory_without_allocating_the_tensor(
     # (a shard of at most WHOLE_OBJECT_BYTES wanted whole is read into one buffer of its
     # size: test_a_small_shard_wanted_whole_is_read_with_one_request)
     monkeypatch.setattr(read_engine, "WHOLE_OBJECT_BYTES", 0)
+    monkeypatch.setattr(read_engine, "IN_ONE_BYTES", 0)
     path, a = many_chunks
     out = np.empty_like(a)
     with ucpformat.open(path) as ckpt:

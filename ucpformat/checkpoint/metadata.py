@@ -200,6 +200,7 @@ _COMPRESSOR_REQUIRED: Final[dict[str, tuple[str, ...]]] = {
     "blosc": ("cname", "clevel", "shuffle", "blocksize"),
 }
 _SHARDING_KEYS: Final = frozenset({"chunk_shape", "codecs", "index_codecs", "index_location"})
+_INDEX_CODECS: Final = index_codecs_json()
 
 
 def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], what: str, rule: str,
@@ -405,7 +406,7 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
                 where,
             )
         index_chain = cfg.get("index_codecs")
-        if index_chain != index_codecs_json():  # the common spelling: nothing more to check
+        if index_chain != _INDEX_CODECS:  # the common spelling: nothing more to check
             if (not isinstance(index_chain, list) or len(index_chain) != 2
                     or index_chain[0] != _BYTES_LITTLE or not _is_map(index_chain[1])
                     or index_chain[1].get("name") != "crc32c"):

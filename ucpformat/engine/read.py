@@ -10,6 +10,7 @@ must exist and does not is an error, never fill values.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -40,6 +41,35 @@ ENCODING_SLACK = 1 << 16
 #: read with one request, its index and its chunks together (one open of its file instead
 #: of two), and checked from memory (:meth:`ArrayReader.read_whole_object`).
 WHOLE_OBJECT_BYTES = 512 << 10
+
+
+def packed_index(chunks: int, stored: int) -> bytes:
+    """The body of the shard index (no CRC) of ``chunks`` inner chunks of ``stored`` bytes
+    each, stored back to back from byte 0 in grid order: what this library writes. The
+    indexes of up to 4,096 chunks (64 KiB) are remembered, the last 256 of them."""
+    return _packed_index(chunks, stored) if chunks <= 4096 else _pack_index(chunks, stored)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_index(chunks: int, stored: int) -> bytes:
+    return _pack_index(chunks, stored)
+
+
+def _pack_index(chunks: int, stored: int) -> bytes:
+    entries = np.empty((chunks, 2), dtype="<u8")
+    entries[:, 0] = np.arange(chunks, dtype="<u8") * stored
+    entries[:, 1] = stored
+    return entries.tobytes()
+
+
+#: An array smaller than this is read, not mapped (:meth:`ArrayReader.map_whole`): a
+#: mapping costs two system calls and a mapping of the process's own, a small read less.
+MAP_MIN_BYTES = 64 << 10
+
+#: An object of at most this many bytes that a read wants whole is read with one request
+#: (:meth:`ArrayReader.read_object_in_one`); a larger one in runs that several threads
+#: share.
+IN_ONE_BYTES = 16 << 20
 
 
 def max_encoded_nbytes(decoded: int) -> int:
@@ -409,6 +439,142 @@ class ArrayReader:
         for run in group_runs(held.plan_object(coords, req_lo, req_hi, out), bound + 1):
             held.read_run(run, req_lo, req_hi, out)
         return []
+
+    def map_whole(self) -> np.ndarray[Any, Any] | None:
+        """The whole array as a view of its stored object mapped copy-on-write
+        (:meth:`Store.map_copy_on_write`), once the CRC32C of its chunk has been checked
+        over the mapping (UCP-1.0-R041; the check reads every page, which the caller's
+        first touch would otherwise fault in): where the array is one uncompressed,
+        unsharded chunk of a non-empty tensor and the store maps. A write to the array
+        changes this process's copy only. None otherwise, and for an array under
+        :data:`MAP_MIN_BYTES` (read it instead); a failed check is raised as a read
+        raises it.
+
+        The chunk's bytes start at byte 0 of its file, so the view is aligned for any
+        data type. A sharded array's chunks are each followed by their CRC32C: its values
+        are never contiguous in the file, and are read (:meth:`read_object_in_one`)."""
+        meta = self.meta
+        shape = meta.shape
+        if (
+            meta.compression is not None
+            or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
+            or meta.shard_shape is not None
+            or meta.chunk_shape != shape
+            or meta.nbytes < MAP_MIN_BYTES
+        ):
+            return None
+        payload = math.prod(shape) * meta.dtype.itemsize
+        coords = tuple(0 for _ in shape)
+        key = meta.object_key(coords)
+        mapped = self.store.map_copy_on_write(key, payload + CRC_BYTES)
+        if mapped is None:
+            return None
+        self._count(payload + CRC_BYTES)
+        view = memoryview(mapped)
+        crc = crc32c(view[:payload]).to_bytes(CRC_BYTES, "little")
+        stored = bytes(view[payload:])
+        if crc != stored:
+            raise ChecksumError(
+                f"chunk {self._chunk_label(coords, key)} fails its CRC32C check "
+                f"(stored {stored.hex()}, computed {crc.hex()})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+        return np.frombuffer(mapped, dtype=meta.dtype.numpy, count=math.prod(shape)).reshape(
+            shape)
+
+    def read_object_in_one(
+        self,
+        coords: tuple[int, ...],
+        req_lo: tuple[int, ...],
+        req_hi: tuple[int, ...],
+        out: np.ndarray[Any, Any],
+    ) -> bool:
+        """Read the stored object at ``coords`` with one request straight into ``out``,
+        when the read wants the whole array into a C-contiguous ``out``, the array is
+        uncompressed, its chunks are row blocks (they span every dimension but the first)
+        and the object is laid out as this library writes it: its inner chunks back to
+        back from byte 0 in grid order, each followed by its CRC32C, then the index.
+        Every chunk's rows land in ``out`` in place (a last chunk's rows beyond the array
+        in scratch), its CRC32C and the shard index are checked from memory before this
+        returns (UCP-1.0-R041): a failed check is raised as the chunk-by-chunk read raises
+        it.
+
+        False where the array or the object is not so (another layout, an absent, shorter
+        or longer object): ``out``'s rows for this object may then hold anything, and
+        the caller reads them again chunk by chunk (:meth:`plan_object`), whose errors
+        say precisely what is wrong; so is an object over :data:`IN_ONE_BYTES`. One
+        request and checks from memory instead of an index read, a plan and a read per
+        run: for thousands of small tensors, the Python around each read cost more than
+        the read."""
+        meta = self.meta
+        shape = meta.shape
+        cps = meta.chunks_per_shard
+        if (
+            meta.compression is not None
+            or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
+            or any(req_lo)
+            or req_hi != shape
+            or not out.flags.c_contiguous
+            or meta.chunk_shape[1:] != shape[1:]
+            or any(n != 1 for n in cps[1:])
+        ):
+            return False
+        itemsize = meta.dtype.itemsize
+        row = math.prod(shape[1:]) * itemsize
+        rows = meta.chunk_shape[0] if shape else 1
+        payload = rows * row if shape else itemsize
+        chunks = cps[0] if shape else 1
+        first = coords[0] * chunks * rows if shape else 0  # the object's first row
+        end = shape[0] if shape else 1
+        if chunks * payload > IN_ONE_BYTES or first + (chunks - 1) * rows >= end:
+            return False  # a chunk wholly beyond the array's edge: the slow path decides
+        sharded = meta.shard_shape is not None
+        isize = index_nbytes(cps) if sharded else 0
+        if sharded and 20 * chunks > max(payload * chunks, 4096):
+            return False  # an index far larger than the data: read it bounded, as planned
+        data = out.reshape(-1).view(np.uint8).data
+        extra = bytearray(CRC_BYTES * chunks + isize + 1)  # the CRCs, the index, one more
+        crcs = memoryview(extra)
+        buffers: list[Any] = []
+        parts: list[tuple[Any, Any]] = []
+        for i in range(chunks):
+            lo = (first + i * rows) * row
+            hi = min(lo + payload, end * row)
+            body = data[lo:hi]
+            beyond = bytearray(payload - (hi - lo)) if hi - lo < payload else None
+            buffers.append(body)
+            if beyond is not None:
+                buffers.append(beyond)
+            buffers.append(crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)])
+            parts.append((body, beyond))
+        buffers.append(crcs[CRC_BYTES * chunks :])
+        key = meta.object_key(coords)
+        got = self._read_into(key, 0, buffers)
+        stored = payload + CRC_BYTES
+        if got != chunks * stored + isize:
+            return False
+        if sharded:
+            raw = crcs[CRC_BYTES * chunks : CRC_BYTES * chunks + isize]
+            decode_index(raw, cps, tensor=self.path, shard=key)  # its CRC (UCP-1.0-R041)
+            if raw[:-CRC_BYTES] != packed_index(chunks, stored):
+                return False
+        for i, (body, beyond) in enumerate(parts):
+            crc = crc32c(body)
+            if beyond is not None:
+                crc = crc32c(beyond, crc)
+            stored_crc = crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)]
+            if crc.to_bytes(CRC_BYTES, "little") != stored_crc:
+                local = (i, *(0 for _ in shape[1:])) if shape else ()
+                chunk = tuple(c * n + j for c, n, j in zip(coords, cps, local, strict=True))
+                raise ChecksumError(
+                    f"chunk {self._chunk_label(chunk, key)} fails its CRC32C check "
+                    f"(stored {bytes(stored_crc).hex()}, computed "
+                    f"{crc.to_bytes(CRC_BYTES, 'little').hex()})",
+                    rule="UCP-1.0-R041",
+                    tensor=self.path,
+                )
+        return True
 
     def read_run(
         self,

@@ -7,6 +7,7 @@ its CRC32C. An inner chunk that is not stored has the entry (EMPTY, EMPTY).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ def index_codecs_json() -> list[dict[str, Any]]:
 
 def index_nbytes(chunks_per_shard: Sequence[int]) -> int:
     """Size of the encoded index (the last bytes of a shard), its CRC included."""
-    return int(np.prod(chunks_per_shard, dtype=np.int64)) * INDEX_ENTRY_BYTES + CRC_BYTES
+    return math.prod(chunks_per_shard) * INDEX_ENTRY_BYTES + CRC_BYTES
 
 
 def encode_index(index: np.ndarray[Any, Any]) -> bytes:

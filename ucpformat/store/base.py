@@ -137,6 +137,14 @@ class Store(ABC):
             return None
         return data, self.size(key)
 
+    def map_copy_on_write(self, key: str, size: int) -> Any | None:
+        """The object mapped into memory copy-on-write, if it holds exactly ``size``
+        bytes: a writable buffer whose writes never reach the object, valid for as long
+        as anything refers to it. None where the store does not map (this default: every
+        store but a local file system's), or the object is absent or of another size:
+        the caller then reads it."""
+        return None
+
     @abstractmethod
     def put(self, key: str, buffers: Sequence[Any], *, atomic: bool = False) -> int:
         """Write an object from buffers, in order; returns the byte count.

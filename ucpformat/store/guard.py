@@ -64,6 +64,9 @@ class ReadGuard(Store):
         result: int | None = self._call(key, lambda: self.inner.read_into(key, offset, buffers))
         return result
 
+    def map_copy_on_write(self, key: str, size: int) -> Any | None:
+        return self._call(key, lambda: self.inner.map_copy_on_write(key, size))
+
     def size(self, key: str) -> int | None:
         result: int | None = self._call(key, lambda: self.inner.size(key))
         return result

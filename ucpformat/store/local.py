@@ -461,6 +461,25 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
+    def map_copy_on_write(self, key: str, size: int) -> Any | None:
+        """The object's file mapped privately (``MAP_PRIVATE``), opened and checked as
+        every read opens it (UCP-1.0-R089), if it holds exactly ``size`` bytes. A
+        mapping sees the file as it is when its pages are read: it relies on a committed
+        checkpoint's files never being changed in place (UCP-1.0-R053; a file truncated
+        under a mapping faults the process that reads the lost pages). A subclass that
+        overrides reads gets None (its reads must see every access)."""
+        if type(self) is not LocalStore:
+            return None
+        fd = self._open(key)
+        if fd is None:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            return posix.map_private(fd, size)
+        finally:
+            os.close(fd)
+
     def size(self, key: str) -> int | None:
         try:
             with self._directory(key, create=False) as (parent, leaf):

@@ -10,9 +10,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import mmap as mmap_module
 import os
 import stat
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -208,6 +211,80 @@ def _load_openat2() -> Callable[..., int] | None:
 
 
 OPENAT2 = _load_openat2()
+
+
+def _load_mmap() -> tuple[Any, Any] | None:
+    """The C library's ``mmap`` and ``munmap``, or None off Linux or without them."""
+    mmap, munmap = _linux_libc_function("mmap"), _linux_libc_function("munmap")
+    if mmap is None or munmap is None:
+        return None
+    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_long]
+    mmap.restype = ctypes.c_void_p
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    munmap.restype = ctypes.c_int
+    return mmap, munmap
+
+
+_MMAP = _load_mmap()
+_PROT_READ, _PROT_WRITE, _MAP_PRIVATE = mmap_module.PROT_READ, mmap_module.PROT_WRITE, \
+    mmap_module.MAP_PRIVATE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+#: Mappings of :func:`map_private` alive at once, at most: a quarter of Linux's default
+#: limit of mappings per process (``vm.max_map_count``, 65,530), so that loading many
+#: tensors never leaves the process (malloc, torch, thread stacks) without mappings of
+#: its own; beyond it, the callers read.
+MAX_MAPPINGS = 16384
+_mappings = 0
+_mappings_lock = threading.Lock()
+
+
+def _mapped(flags: int, fd: int, length: int) -> Any | None:
+    """``mmap`` of ``length`` bytes (``PROT_READ | PROT_WRITE``) as a writable buffer that
+    unmaps itself once nothing refers to it, counted against :data:`MAX_MAPPINGS`; None
+    where the system cannot map or the count is reached."""
+    global _mappings
+    if _MMAP is None or length <= 0:
+        return None
+    mmap, munmap = _MMAP
+    with _mappings_lock:
+        if _mappings >= MAX_MAPPINGS:
+            return None
+        _mappings += 1
+    address = mmap(None, length, _PROT_READ | _PROT_WRITE, flags, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        _unmapped()
+        return None
+    buffer = (ctypes.c_ubyte * length).from_address(address)
+    # not at interpreter exit: an exit handler (a last save) may still read the tensors
+    # that view it, and the process's end unmaps it anyway
+    weakref.finalize(buffer, _unmap, munmap, address, length).atexit = False
+    return buffer
+
+
+def _unmap(munmap: Any, address: int, length: int) -> None:
+    munmap(address, length)
+    _unmapped()
+
+
+def _unmapped() -> None:
+    global _mappings
+    with _mappings_lock:
+        _mappings -= 1
+
+
+def map_private(fd: int, length: int) -> Any | None:
+    """The first ``length`` bytes of the file ``fd`` mapped copy-on-write (``MAP_PRIVATE``,
+    readable and writable: a write changes this process's copy, never the file), as a
+    writable buffer that unmaps itself once nothing refers to it; ``fd`` may be closed
+    at once. None where the system cannot map it (the caller reads instead).
+
+    Through the C library, not Python's ``mmap`` module: that one keeps a duplicate of
+    the descriptor open for as long as the mapping lives (before Python 3.13), and a
+    load of thousands of mapped tensors would run out of descriptors."""
+    return _mapped(_MAP_PRIVATE, fd, length)
 
 
 def start_writeback(fd: int) -> None:

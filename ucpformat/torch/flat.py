@@ -206,22 +206,28 @@ class SafeOpen:
 
     def get_tensor(self, name: str) -> Any:
         """The whole tensor ``name``, new (on the device; a numpy array for numpy)."""
-        path = self._path(name)
-        if self._numpy:
-            return self.checkpoint[path].read()
-        return read_tensors(self.checkpoint, [TensorRead(path, device=self._device)]).tensors[0]
+        return self._read([self._path(name)])[0]
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, read as one batch; tied aliases are one object."""
         self.check_open()
         paths = sorted(set(self._paths.values()))
-        if self._numpy:
-            read: list[Any] = [self.checkpoint[p].read() for p in paths]
-        else:
-            read = read_tensors(self.checkpoint, [TensorRead(p, device=self._device)
-                                                  for p in paths]).tensors
-        by_path = dict(zip(paths, read, strict=True))
+        by_path = dict(zip(paths, self._read(paths), strict=True))
         return {name: by_path[path] for name, path in sorted(self._paths.items())}
+
+    def _read(self, paths: list[str]) -> list[Any]:
+        """The whole tensors at ``paths``, in this framework and on this device. On the
+        CPU the arrays read are the tensors' own memory (one batch of reads, no copy), and
+        a tensor stored as one uncompressed chunk on a local file system is a view of its
+        file mapped copy-on-write, checked first (:meth:`Checkpoint.read_whole`); other
+        devices go through the pinned staging of :func:`read_tensors`."""
+        if self._numpy or self._device.type == "cpu":
+            arrays = self.checkpoint.read_whole(paths, mapped=True)
+            if self._numpy:
+                return arrays
+            return [from_numpy(a, name=p) for p, a in zip(paths, arrays, strict=True)]
+        return read_tensors(self.checkpoint,
+                            [TensorRead(p, device=self._device) for p in paths]).tensors
 
     def convert(self, array: np.ndarray[Any, Any], where: str) -> Any:
         """A numpy array read from the checkpoint, in this framework and on this device."""
