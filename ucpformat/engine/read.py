@@ -157,6 +157,20 @@ class ArrayReader:
     def _chunk_label(self, global_chunk: Sequence[int], key: str) -> str:
         return f"({', '.join(str(c) for c in global_chunk)}) [object {key}]"
 
+    def _check_crc(self, global_chunk: Sequence[int], key: str, stored: Any,
+                   computed: int) -> None:
+        """Refuse the chunk if its ``computed`` CRC32C is not the ``stored`` four bytes
+        (UCP-1.0-R041), naming the tensor, the chunk and its object."""
+        stored = bytes(stored)
+        if computed.to_bytes(CRC_BYTES, "little") != stored:
+            raise ChecksumError(
+                f"chunk {self._chunk_label(global_chunk, key)} fails its CRC32C check "
+                f"(stored {stored.hex()}, computed "
+                f"{computed.to_bytes(CRC_BYTES, 'little').hex()})",
+                rule="UCP-1.0-R041",
+                tensor=self.path,
+            )
+
     def _missing(self, what: str) -> MissingChunkError:
         return MissingChunkError(
             f"{what} is missing; a non-sparse array stores every chunk, so this checkpoint "
@@ -471,15 +485,7 @@ class ArrayReader:
             return None
         self._count(payload + CRC_BYTES)
         view = memoryview(mapped)
-        crc = crc32c(view[:payload]).to_bytes(CRC_BYTES, "little")
-        stored = bytes(view[payload:])
-        if crc != stored:
-            raise ChecksumError(
-                f"chunk {self._chunk_label(coords, key)} fails its CRC32C check "
-                f"(stored {stored.hex()}, computed {crc.hex()})",
-                rule="UCP-1.0-R041",
-                tensor=self.path,
-            )
+        self._check_crc(coords, key, view[payload:], crc32c(view[:payload]))
         return np.frombuffer(mapped, dtype=meta.dtype.numpy, count=math.prod(shape)).reshape(
             shape)
 
@@ -563,17 +569,9 @@ class ArrayReader:
             crc = crc32c(body)
             if beyond is not None:
                 crc = crc32c(beyond, crc)
-            stored_crc = crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)]
-            if crc.to_bytes(CRC_BYTES, "little") != stored_crc:
-                local = (i, *(0 for _ in shape[1:])) if shape else ()
-                chunk = tuple(c * n + j for c, n, j in zip(coords, cps, local, strict=True))
-                raise ChecksumError(
-                    f"chunk {self._chunk_label(chunk, key)} fails its CRC32C check "
-                    f"(stored {bytes(stored_crc).hex()}, computed "
-                    f"{crc.to_bytes(CRC_BYTES, 'little').hex()})",
-                    rule="UCP-1.0-R041",
-                    tensor=self.path,
-                )
+            local = (i, *(0 for _ in shape[1:])) if shape else ()
+            chunk = tuple(c * n + j for c, n, j in zip(coords, cps, local, strict=True))
+            self._check_crc(chunk, key, crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)], crc)
         return True
 
     def read_run(
@@ -652,11 +650,4 @@ class ArrayReader:
         crc = crc32c(head)
         crc = crc32c(middle, crc)
         crc = crc32c(memoryview(tail)[:after], crc)
-        stored = bytes(tail[after : after + CRC_BYTES])
-        if crc.to_bytes(4, "little") != stored:
-            raise ChecksumError(
-                f"chunk {self._chunk_label(read.chunk, read.key)} fails its CRC32C check "
-                f"(stored {stored.hex()}, computed {crc.to_bytes(4, 'little').hex()})",
-                rule="UCP-1.0-R041",
-                tensor=self.path,
-            )
+        self._check_crc(read.chunk, read.key, tail[after : after + CRC_BYTES], crc)
