@@ -401,6 +401,17 @@ class LocalStore(Store):
                                   path=self.location)
         return fd
 
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[int | None]:
+        """The object's file opened as :meth:`_open` opens it (None: absent), closed when
+        the block ends."""
+        fd = self._open(key)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
     def get(self, key: str) -> bytes | None:
         fd = self._open(key)
         if fd is None:
@@ -409,46 +420,36 @@ class LocalStore(Store):
             return f.read()
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        fd = self._open(key)
-        if fd is None:
-            return None
-        try:
+        with self._reading(key) as fd:
+            if fd is None:
+                return None
             # Never allocate for more than the file holds: a hostile shard index may ask
             # for 2**60 bytes (UCP-1.0-R094).
             length = max(0, min(length, os.fstat(fd).st_size - offset))
             return pread_all(fd, length, offset)
-        finally:
-            os.close(fd)
 
     def get_suffix(self, key: str, length: int) -> bytes | None:
-        fd = self._open(key)
-        if fd is None:
-            return None
-        try:
+        with self._reading(key) as fd:
+            if fd is None:
+                return None
             size = os.fstat(fd).st_size
             start = max(0, size - length)
             return pread_all(fd, size - start, start)
-        finally:
-            os.close(fd)
 
     def get_suffix_and_size(self, key: str, length: int) -> tuple[bytes, int | None] | None:
         if type(self) is not LocalStore:  # a subclass that overrides reads sees each call
             return super().get_suffix_and_size(key, length)
-        fd = self._open(key)
-        if fd is None:
-            return None
-        try:
+        with self._reading(key) as fd:
+            if fd is None:
+                return None
             size = os.fstat(fd).st_size
             start = max(0, size - length)
             return pread_all(fd, size - start, start), size
-        finally:
-            os.close(fd)
 
     def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        fd = self._open(key)
-        if fd is None:
-            return None
-        try:
+        with self._reading(key) as fd:
+            if fd is None:
+                return None
             views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
             total = 0
             while views:
@@ -458,8 +459,6 @@ class LocalStore(Store):
                 total += n
                 advance_views(views, n)
             return total
-        finally:
-            os.close(fd)
 
     def map_copy_on_write(self, key: str, size: int) -> Any | None:
         """The object's file mapped privately (``MAP_PRIVATE``), opened and checked as
@@ -470,15 +469,10 @@ class LocalStore(Store):
         overrides reads gets None (its reads must see every access)."""
         if type(self) is not LocalStore:
             return None
-        fd = self._open(key)
-        if fd is None:
-            return None
-        try:
-            if os.fstat(fd).st_size != size:
+        with self._reading(key) as fd:
+            if fd is None or os.fstat(fd).st_size != size:
                 return None
             return posix.map_private(fd, size)
-        finally:
-            os.close(fd)
 
     def size(self, key: str) -> int | None:
         try:
