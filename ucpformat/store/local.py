@@ -370,11 +370,13 @@ class LocalStore(Store):
 
     # -- reads ------------------------------------------------------------------------
 
-    def _open(self, key: str) -> int | None:
-        """A descriptor of the object's regular file, or None if it is absent.
+    def _open(self, key: str) -> tuple[int, int] | None:
+        """A descriptor of the object's regular file and its size, or None if it is absent.
 
         Opened without following a link at any component, and checked on the descriptor
         (UCP-1.0-R089): what was opened is what is read, whatever replaced the path since.
+        The size is that of the check's ``fstat``: reads bound themselves by it instead of
+        asking again (a system call each).
         """
         fd_fast = self._open_beneath(key, READ_FLAGS)
         try:
@@ -391,68 +393,68 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None  # (a file where a directory is expected is an error: UCP-1.0-R099)
         try:
-            mode = os.fstat(fd).st_mode
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise UnsafePathError(f"{key!r} is not a regular file", rule="UCP-1.0-R091",
                                   path=self.location)
-        return fd
+        return fd, st.st_size
 
     @contextlib.contextmanager
-    def _reading(self, key: str) -> Iterator[int | None]:
-        """The object's file opened as :meth:`_open` opens it (None: absent), closed when
-        the block ends."""
-        fd = self._open(key)
+    def _reading(self, key: str) -> Iterator[tuple[int, int] | None]:
+        """The object's file opened as :meth:`_open` opens it, with its size (None:
+        absent), closed when the block ends."""
+        opened = self._open(key)
         try:
-            yield fd
+            yield opened
         finally:
-            if fd is not None:
-                os.close(fd)
+            if opened is not None:
+                os.close(opened[0])
 
     def get(self, key: str) -> bytes | None:
-        fd = self._open(key)
-        if fd is None:
-            return None
-        with open(fd, "rb") as f:
-            return f.read()
+        with self._reading(key) as opened:
+            return None if opened is None else pread_all(opened[0], opened[1], 0)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        with self._reading(key) as fd:
-            if fd is None:
+        with self._reading(key) as opened:
+            if opened is None:
                 return None
+            fd, size = opened
             # Never allocate for more than the file holds: a hostile shard index may ask
             # for 2**60 bytes (UCP-1.0-R094).
-            length = max(0, min(length, os.fstat(fd).st_size - offset))
-            return pread_all(fd, length, offset)
+            return pread_all(fd, max(0, min(length, size - offset)), offset)
 
     def get_suffix(self, key: str, length: int) -> bytes | None:
-        with self._reading(key) as fd:
-            if fd is None:
+        with self._reading(key) as opened:
+            if opened is None:
                 return None
-            size = os.fstat(fd).st_size
+            fd, size = opened
             start = max(0, size - length)
             return pread_all(fd, size - start, start)
 
     def get_suffix_and_size(self, key: str, length: int) -> tuple[bytes, int | None] | None:
         if type(self) is not LocalStore:  # a subclass that overrides reads sees each call
             return super().get_suffix_and_size(key, length)
-        with self._reading(key) as fd:
-            if fd is None:
+        with self._reading(key) as opened:
+            if opened is None:
                 return None
-            size = os.fstat(fd).st_size
+            fd, size = opened
             start = max(0, size - length)
             return pread_all(fd, size - start, start), size
 
     def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        with self._reading(key) as fd:
-            if fd is None:
+        """:meth:`Store.read_into`, up to the end the file had when it was opened: a
+        short read there ends it, without a last call that reads nothing."""
+        with self._reading(key) as opened:
+            if opened is None:
                 return None
+            fd, size = opened
             views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
             total = 0
-            while views:
+            while views and offset + total < size:
                 n = os.preadv(fd, views[:1024], offset + total)
                 if n == 0:
                     break
@@ -469,10 +471,10 @@ class LocalStore(Store):
         overrides reads gets None (its reads must see every access)."""
         if type(self) is not LocalStore:
             return None
-        with self._reading(key) as fd:
-            if fd is None or os.fstat(fd).st_size != size:
+        with self._reading(key) as opened:
+            if opened is None or opened[1] != size:
                 return None
-            return posix.map_private(fd, size)
+            return posix.map_private(opened[0], size)
 
     def size(self, key: str) -> int | None:
         try:
