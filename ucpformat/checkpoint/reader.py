@@ -141,6 +141,7 @@ class Checkpoint:
         self._workers = workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._readers: dict[str, ArrayReader] = {}
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -264,15 +265,13 @@ class Checkpoint:
                          np.ndarray[Any, Any]]] = []
         sizes: list[int] = []  # the bytes of ``out`` each job fills, about
         for region in regions:
-            tensor = self[region.path]
-            out = tensor._prepare(region.starts, region.stops, region.out)
+            meta = self._meta(region.path)
+            out, lo, hi = self._prepare(meta, region.starts, region.stops, region.out)
             outs.append(out)
             if out.size == 0:
                 continue
-            lo = tuple(int(a) for a in region.starts)
-            hi = tuple(int(b) for b in region.stops)
-            reader = ArrayReader(self.store, tensor.meta, self._count)
-            objects = objects_overlapping(tensor.meta, lo, hi)
+            reader = self._reader(meta)
+            objects = objects_overlapping(meta, lo, hi)
             jobs.extend((reader, coords, lo, hi, out) for coords in objects)
             sizes.extend([out.nbytes // len(objects)] * len(objects))
         # one batch of the store: what it opens once (a LocalStore: the location's
@@ -282,7 +281,7 @@ class Checkpoint:
             planned = self._map(_plan, jobs, sizes=sizes, serial=serial)
             runs = [
                 (job[0], run, job[2], job[3], job[4])
-                for job, reads in zip(jobs, planned, strict=True)
+                for job, reads in zip(jobs, planned, strict=True) if reads
                 for run in group_runs(reads, self.RUN_BYTES)
             ]
             self._map(lambda r: r[0].read_run(r[1], r[2], r[3], r[4]), runs,
@@ -301,21 +300,92 @@ class Checkpoint:
         CRC32C has been checked over the mapping (:meth:`ArrayReader.map_whole`): no copy,
         and writes to it never reach the file. It relies on the checkpoint's files not
         being changed in place while it lives (UCP-1.0-R053)."""
-        metas = [self[path].meta for path in paths]
+        metas = [self._meta(path) for path in paths]
         self.check_new_arrays([(m.path, m.nbytes) for m in metas])
         arrays: list[np.ndarray[Any, Any] | None] = [None] * len(metas)
         if mapped:
-            readers = [ArrayReader(self.store, m, self._count) for m in metas]
+            readers = [self._reader(m) for m in metas]
+            maps = [i for i, r in enumerate(readers) if r.mappable]
             with self.store.batch():
-                arrays = self._map(ArrayReader.map_whole, readers,
-                                   sizes=[m.nbytes for m in metas],
-                                   serial=sum(m.nbytes for m in metas) <= self.SERIAL_BYTES)
+                mapped_arrays = self._map(
+                    ArrayReader.map_whole, [readers[i] for i in maps],
+                    sizes=[metas[i].nbytes for i in maps],
+                    serial=sum(metas[i].nbytes for i in maps) <= self.SERIAL_BYTES)
+            for i, array in zip(maps, mapped_arrays, strict=True):
+                arrays[i] = array
         rest = [i for i, a in enumerate(arrays) if a is None]
         read = self.read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
                                          metas[i].shape) for i in rest])
         for i, array in zip(rest, read, strict=True):
             arrays[i] = array
         return [a for a in arrays if a is not None]
+
+    def _meta(self, path: str) -> ArrayMeta:
+        meta = self.arrays.get(path)
+        if meta is None:
+            raise TensorNotFoundError(f"no tensor {path!r}", path=self.location)
+        return meta
+
+    def _reader(self, meta: ArrayMeta) -> ArrayReader:
+        """The reader of an array of this checkpoint, made once: what it works out about
+        the array's layout serves every read of it."""
+        reader = self._readers.get(meta.path)
+        if reader is None:
+            reader = self._readers[meta.path] = ArrayReader(self.store, meta, self._count)
+        return reader
+
+    def _prepare(
+        self, meta: ArrayMeta, starts: Sequence[int], stops: Sequence[int],
+        out: np.ndarray[Any, Any] | None,
+    ) -> tuple[np.ndarray[Any, Any], tuple[int, ...], tuple[int, ...]]:
+        """Check a region request; the array it is read into (``out`` or a new one) and
+        the region's bounds as integers."""
+        shape = meta.shape
+        if len(starts) != len(shape) or len(stops) != len(shape):
+            raise SelectionError(f"a region of rank {len(shape)} is needed", tensor=meta.path)
+        zeros = (0,) * len(shape)
+        if stops is shape and starts == zeros:  # the whole tensor (read_whole, Tensor.read)
+            lo, hi = zeros, shape
+        else:
+            for a, b, n in zip(starts, stops, shape, strict=True):
+                if not 0 <= a <= b <= n:
+                    raise SelectionError(
+                        f"region [{list(starts)}, {list(stops)}) is outside shape {list(shape)}",
+                        tensor=meta.path,
+                    )
+            lo = tuple(int(a) for a in starts)
+            hi = tuple(int(b) for b in stops)
+        out_shape = tuple(b - a for a, b in zip(lo, hi, strict=True))
+        nbytes = math.prod(out_shape) * meta.dtype.itemsize
+        if out is not None:
+            if tuple(out.shape) != out_shape or out.dtype != meta.dtype.numpy:
+                raise SelectionError(
+                    f"out is {out.dtype} of shape {list(out.shape)}; the region needs "
+                    f"{meta.dtype.numpy} of shape {list(out_shape)}",
+                    tensor=meta.path,
+                )
+            if not out.flags.writeable:
+                raise SelectionError("out is read-only", tensor=meta.path)
+        elif nbytes > self.max_read_bytes:
+            raise ResourceLimitError(
+                f"reading region of shape {list(out_shape)} needs {nbytes} bytes, over the "
+                f"limit of {self.max_read_bytes} (read a smaller slice, or raise "
+                "max_read_bytes)",
+                rule="UCP-1.0-R090",
+                tensor=meta.path,
+            )
+        chunk_nbytes = math.prod(meta.chunk_shape) * meta.dtype.itemsize
+        if nbytes and chunk_nbytes > self.max_read_bytes:
+            raise ResourceLimitError(
+                f"its chunks of shape {list(meta.chunk_shape)} decode to {chunk_nbytes} bytes "
+                f"each, over the limit of {self.max_read_bytes} (raise "
+                "max_read_bytes to read it)",
+                rule="UCP-1.0-R090",
+                tensor=meta.path,
+            )
+        if out is None:
+            out = new_array(out_shape, meta.dtype.numpy)
+        return out, lo, hi
 
     def _map(self, fn: Any, items: Sequence[Any], *, sizes: Sequence[int] | None = None,
              serial: bool = False) -> list[Any]:
@@ -451,7 +521,7 @@ class Tensor:
 
     def read(self) -> np.ndarray[Any, Any]:
         """The whole tensor."""
-        return self.read_region([0] * self.ndim, list(self.shape))
+        return self.read_region((0,) * self.ndim, self.shape)
 
     def __getitem__(self, selection: Any) -> np.ndarray[Any, Any]:
         starts, stops, post = _parse_selection(selection, self.shape, self.path)
@@ -471,51 +541,6 @@ class Tensor:
         C-contiguous, uncompressed row blocks go from storage straight into it.
         """
         return self.checkpoint.read_regions([Region(self.path, starts, stops, out)])[0]
-
-    def _prepare(
-        self, starts: Sequence[int], stops: Sequence[int], out: np.ndarray[Any, Any] | None
-    ) -> np.ndarray[Any, Any]:
-        """Check a region request; the array it is read into (``out`` or a new one)."""
-        meta = self.meta
-        if len(starts) != self.ndim or len(stops) != self.ndim:
-            raise SelectionError(f"a region of rank {self.ndim} is needed", tensor=self.path)
-        for a, b, n in zip(starts, stops, self.shape, strict=True):
-            if not 0 <= a <= b <= n:
-                raise SelectionError(
-                    f"region [{list(starts)}, {list(stops)}) is outside shape {list(self.shape)}",
-                    tensor=self.path,
-                )
-        out_shape = tuple(b - a for a, b in zip(starts, stops, strict=True))
-        nbytes = math.prod(out_shape) * meta.dtype.itemsize
-        if out is not None:
-            if tuple(out.shape) != out_shape or out.dtype != meta.dtype.numpy:
-                raise SelectionError(
-                    f"out is {out.dtype} of shape {list(out.shape)}; the region needs "
-                    f"{meta.dtype.numpy} of shape {list(out_shape)}",
-                    tensor=self.path,
-                )
-            if not out.flags.writeable:
-                raise SelectionError("out is read-only", tensor=self.path)
-        elif nbytes > self.checkpoint.max_read_bytes:
-            raise ResourceLimitError(
-                f"reading region of shape {list(out_shape)} needs {nbytes} bytes, over the "
-                f"limit of {self.checkpoint.max_read_bytes} (read a smaller slice, or raise "
-                "max_read_bytes)",
-                rule="UCP-1.0-R090",
-                tensor=self.path,
-            )
-        chunk_nbytes = math.prod(meta.chunk_shape) * meta.dtype.itemsize
-        if nbytes and chunk_nbytes > self.checkpoint.max_read_bytes:
-            raise ResourceLimitError(
-                f"its chunks of shape {list(meta.chunk_shape)} decode to {chunk_nbytes} bytes "
-                f"each, over the limit of {self.checkpoint.max_read_bytes} (raise "
-                "max_read_bytes to read it)",
-                rule="UCP-1.0-R090",
-                tensor=self.path,
-            )
-        if out is not None:
-            return out
-        return new_array(out_shape, meta.dtype.numpy)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ import numpy as np
 
 from ucpformat.engine.checksum import CRC_BYTES, crc32c
 from ucpformat.engine.grid import inner_chunk_ranges
-from ucpformat.engine.shard_index import EMPTY, decode_index, index_nbytes
+from ucpformat.engine.shard_index import EMPTY, decode_index, encode_index, index_nbytes
 from ucpformat.errors import ChecksumError, CorruptDataError, MissingChunkError
 from ucpformat.store import ReadOnceStore, Store
 
@@ -44,9 +45,9 @@ WHOLE_OBJECT_BYTES = 512 << 10
 
 
 def packed_index(chunks: int, stored: int) -> bytes:
-    """The body of the shard index (no CRC) of ``chunks`` inner chunks of ``stored`` bytes
-    each, stored back to back from byte 0 in grid order: what this library writes. The
-    indexes of up to 4,096 chunks (64 KiB) are remembered, the last 256 of them."""
+    """The shard index, its CRC32C included, of ``chunks`` inner chunks of ``stored``
+    bytes each, stored back to back from byte 0 in grid order: what this library writes.
+    The indexes of up to 4,096 chunks (64 KiB) are remembered, the last 256 of them."""
     return _packed_index(chunks, stored) if chunks <= 4096 else _pack_index(chunks, stored)
 
 
@@ -59,7 +60,7 @@ def _pack_index(chunks: int, stored: int) -> bytes:
     entries = np.empty((chunks, 2), dtype="<u8")
     entries[:, 0] = np.arange(chunks, dtype="<u8") * stored
     entries[:, 1] = stored
-    return entries.tobytes()
+    return encode_index(entries)
 
 
 #: An array smaller than this is read, not mapped (:meth:`ArrayReader.map_whole`): a
@@ -454,29 +455,34 @@ class ArrayReader:
             held.read_run(run, req_lo, req_hi, out)
         return []
 
+    @property
+    def mappable(self) -> bool:
+        """Whether :meth:`map_whole` may map the array: one uncompressed, unsharded chunk
+        of a non-empty tensor of at least :data:`MAP_MIN_BYTES` (a smaller one is read)."""
+        meta = self.meta
+        return not (
+            meta.compression is not None
+            or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
+            or meta.shard_shape is not None
+            or meta.chunk_shape != meta.shape
+            or meta.nbytes < MAP_MIN_BYTES
+        )
+
     def map_whole(self) -> np.ndarray[Any, Any] | None:
         """The whole array as a view of its stored object mapped copy-on-write
         (:meth:`Store.map_copy_on_write`), once the CRC32C of its chunk has been checked
         over the mapping (UCP-1.0-R041; the check reads every page, which the caller's
-        first touch would otherwise fault in): where the array is one uncompressed,
-        unsharded chunk of a non-empty tensor and the store maps. A write to the array
-        changes this process's copy only. None otherwise, and for an array under
-        :data:`MAP_MIN_BYTES` (read it instead); a failed check is raised as a read
-        raises it.
+        first touch would otherwise fault in): where the array is :attr:`mappable` and the
+        store maps. A write to the array changes this process's copy only. None
+        otherwise (read it instead); a failed check is raised as a read raises it.
 
         The chunk's bytes start at byte 0 of its file, so the view is aligned for any
         data type. A sharded array's chunks are each followed by their CRC32C: its values
         are never contiguous in the file, and are read (:meth:`read_object_in_one`)."""
+        if not self.mappable:
+            return None
         meta = self.meta
         shape = meta.shape
-        if (
-            meta.compression is not None
-            or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
-            or meta.shard_shape is not None
-            or meta.chunk_shape != shape
-            or meta.nbytes < MAP_MIN_BYTES
-        ):
-            return None
         payload = math.prod(shape) * meta.dtype.itemsize
         coords = tuple(0 for _ in shape)
         key = meta.object_key(coords)
@@ -513,66 +519,74 @@ class ArrayReader:
         request and checks from memory instead of an index read, a plan and a read per
         run: for thousands of small tensors, the Python around each read cost more than
         the read."""
+        layout = self._in_one
+        shape = self.meta.shape
+        if layout is None or any(req_lo) or req_hi != shape or not out.flags.c_contiguous:
+            return False
+        row, rows, chunks, isize = layout
+        payload = rows * row
+        first = coords[0] * chunks * rows if shape else 0  # the object's first row
+        end = shape[0] if shape else 1
+        if chunks * payload > IN_ONE_BYTES or first + (chunks - 1) * rows >= end:
+            return False  # a chunk wholly beyond the array's edge: the slow path decides
+        data = out.reshape(-1).view(np.uint8).data
+        start = first * row
+        stop = start + chunks * payload
+        extra = bytearray(CRC_BYTES * chunks + isize + 1)  # the CRCs, the index, one more
+        crcs = memoryview(extra)
+        bodies = [data[lo : lo + payload] for lo in range(start, stop, payload)]
+        buffers: list[Any] = [b for i, body in enumerate(bodies)
+                              for b in (body, crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)])]
+        beyond = None
+        if stop > end * row:  # the last chunk's rows beyond the array's edge: scratch
+            beyond = bytearray(stop - end * row)
+            buffers.insert(len(buffers) - 1, beyond)
+        buffers.append(crcs[CRC_BYTES * chunks :])
+        key = self.meta.object_key(coords)
+        got = self._read_into(key, 0, buffers)
+        stored = payload + CRC_BYTES
+        if got != chunks * stored + isize:
+            return False
+        if isize:
+            raw = crcs[CRC_BYTES * chunks : CRC_BYTES * chunks + isize]
+            if raw != packed_index(chunks, stored):  # (equal: its CRC32C is right too)
+                cps = self.meta.chunks_per_shard
+                decode_index(raw, cps, tensor=self.path, shard=key)  # its CRC (UCP-1.0-R041)
+                return False
+        computed = [crc32c(body) for body in bodies]
+        if beyond is not None:
+            computed[-1] = crc32c(beyond, computed[-1])
+        if crcs[: CRC_BYTES * chunks] != struct.pack(f"<{chunks}I", *computed):
+            cps = self.meta.chunks_per_shard
+            for i, crc in enumerate(computed):  # the first chunk that fails, named
+                local = (i, *(0 for _ in shape[1:])) if shape else ()
+                chunk = tuple(c * n + j for c, n, j in zip(coords, cps, local, strict=True))
+                self._check_crc(chunk, key, crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)], crc)
+        return True
+
+    @functools.cached_property
+    def _in_one(self) -> tuple[int, int, int, int] | None:
+        """What :meth:`read_object_in_one` needs of the array, worked out once: the bytes
+        of a row, the rows of a chunk, the chunks of an object and the bytes of its index
+        (0: unsharded); None where its objects are not read so."""
         meta = self.meta
         shape = meta.shape
         cps = meta.chunks_per_shard
         if (
             meta.compression is not None
             or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
-            or any(req_lo)
-            or req_hi != shape
-            or not out.flags.c_contiguous
             or meta.chunk_shape[1:] != shape[1:]
             or any(n != 1 for n in cps[1:])
         ):
-            return False
-        itemsize = meta.dtype.itemsize
-        row = math.prod(shape[1:]) * itemsize
+            return None
+        row = math.prod(shape[1:]) * meta.dtype.itemsize
         rows = meta.chunk_shape[0] if shape else 1
-        payload = rows * row if shape else itemsize
         chunks = cps[0] if shape else 1
-        first = coords[0] * chunks * rows if shape else 0  # the object's first row
-        end = shape[0] if shape else 1
-        if chunks * payload > IN_ONE_BYTES or first + (chunks - 1) * rows >= end:
-            return False  # a chunk wholly beyond the array's edge: the slow path decides
-        sharded = meta.shard_shape is not None
-        isize = index_nbytes(cps) if sharded else 0
-        if sharded and 20 * chunks > max(payload * chunks, 4096):
-            return False  # an index far larger than the data: read it bounded, as planned
-        data = out.reshape(-1).view(np.uint8).data
-        extra = bytearray(CRC_BYTES * chunks + isize + 1)  # the CRCs, the index, one more
-        crcs = memoryview(extra)
-        buffers: list[Any] = []
-        parts: list[tuple[Any, Any]] = []
-        for i in range(chunks):
-            lo = (first + i * rows) * row
-            hi = min(lo + payload, end * row)
-            body = data[lo:hi]
-            beyond = bytearray(payload - (hi - lo)) if hi - lo < payload else None
-            buffers.append(body)
-            if beyond is not None:
-                buffers.append(beyond)
-            buffers.append(crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)])
-            parts.append((body, beyond))
-        buffers.append(crcs[CRC_BYTES * chunks :])
-        key = meta.object_key(coords)
-        got = self._read_into(key, 0, buffers)
-        stored = payload + CRC_BYTES
-        if got != chunks * stored + isize:
-            return False
-        if sharded:
-            raw = crcs[CRC_BYTES * chunks : CRC_BYTES * chunks + isize]
-            decode_index(raw, cps, tensor=self.path, shard=key)  # its CRC (UCP-1.0-R041)
-            if raw[:-CRC_BYTES] != packed_index(chunks, stored):
-                return False
-        for i, (body, beyond) in enumerate(parts):
-            crc = crc32c(body)
-            if beyond is not None:
-                crc = crc32c(beyond, crc)
-            local = (i, *(0 for _ in shape[1:])) if shape else ()
-            chunk = tuple(c * n + j for c, n, j in zip(coords, cps, local, strict=True))
-            self._check_crc(chunk, key, crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)], crc)
-        return True
+        if meta.shard_shape is None:
+            return row, rows, chunks, 0
+        if 20 * chunks > max(rows * row * chunks, 4096):
+            return None  # an index far larger than the data: read it bounded, as planned
+        return row, rows, chunks, index_nbytes(cps)
 
     def read_run(
         self,

@@ -47,6 +47,9 @@ from ucpformat.store.posix import (
     walk,
 )
 
+#: Buffers one ``preadv`` takes (Linux's IOV_MAX).
+IOV_MAX = 1024
+
 
 class _HeldLocation:
     """A :meth:`LocalStore.batch`: the location's descriptor (-1 until a call needs it),
@@ -446,16 +449,22 @@ class LocalStore(Store):
             return pread_all(fd, size - start, start), size
 
     def read_into(self, key: str, offset: int, buffers: Sequence[Any]) -> int | None:
-        """:meth:`Store.read_into`, up to the end the file had when it was opened: a
-        short read there ends it, without a last call that reads nothing."""
+        """:meth:`Store.read_into`, up to the end the file had when it was opened: one
+        ``preadv`` of the buffers as they are, unless it stopped short of both that end
+        and the buffers' end (then read on, the buffers' bytes counted)."""
         with self._reading(key) as opened:
             if opened is None:
                 return None
             fd, size = opened
+            if offset >= size:
+                return 0
+            total = os.preadv(fd, buffers, offset) if len(buffers) <= IOV_MAX else 0
+            if offset + total >= size:
+                return total
             views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-            total = 0
+            advance_views(views, total)
             while views and offset + total < size:
-                n = os.preadv(fd, views[:1024], offset + total)
+                n = os.preadv(fd, views[:IOV_MAX], offset + total)
                 if n == 0:
                     break
                 total += n
