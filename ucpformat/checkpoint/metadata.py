@@ -49,6 +49,8 @@ RESERVED_GROUPS: Final = ("model", "optimizer", "training")
 #: Largest number of bytes an array may describe: numpy and most languages index with int64.
 MAX_ARRAY_BYTES: Final = 2**63 - 1
 MAX_NDIM: Final = 64
+#: Largest value of a shape or chunk shape entry.
+MAX_INT: Final = 2**63 - 1
 #: Largest number of inner chunks per shard (the shard index must stay small to read).
 MAX_CHUNKS_PER_SHARD: Final = 2**24
 
@@ -163,18 +165,20 @@ class ArrayMeta:
 
 
 def _int_list(value: Any, what: str, where: str, *, minimum: int) -> tuple[int, ...]:
+    if type(value) is list and len(value) <= MAX_NDIM:
+        ints = tuple(value)
+        if all(type(v) is int and minimum <= v <= MAX_INT for v in ints):
+            return ints  # the common case; the checks below name what is wrong
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise _fail(f"{what} must be a list of at most {MAX_NDIM} integers", "UCP-1.0-R027", where)
-    out = []
     for v in value:
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v > 2**63 - 1:
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v > MAX_INT:
             raise _fail(
                 f"{what} must hold integers >= {minimum} (and < 2**63), got {value!r}",
                 "UCP-1.0-R027",
                 where,
             )
-        out.append(v)
-    return tuple(out)
+    return tuple(value)
 
 
 #: The one chunk key encoding of format 1.0, in its three spellings (UCP-1.0-R035: zarr v3
@@ -390,16 +394,17 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         _check_keys(cfg, _SHARDING_KEYS, "the sharding_indexed configuration", "UCP-1.0-R022",
                     where)
         chunk_shape = _int_list(cfg.get("chunk_shape"), "inner chunk_shape", where, minimum=1)
-        if len(chunk_shape) != len(shape) or any(
-            g % c for g, c in zip(grid_shape, chunk_shape, strict=True)
-        ):
+        per_dim = [g // c for g, c in zip(grid_shape, chunk_shape, strict=False)]
+        if len(chunk_shape) != len(shape) or [
+            n * c for n, c in zip(per_dim, chunk_shape, strict=True)
+        ] != list(grid_shape):
             raise _fail(
                 f"shard shape {list(grid_shape)} must be a multiple of the inner chunk shape "
                 f"{list(chunk_shape)}",
                 "UCP-1.0-R028",
                 where,
             )
-        per_shard = math.prod(g // c for g, c in zip(grid_shape, chunk_shape, strict=True))
+        per_shard = math.prod(per_dim)
         if per_shard > MAX_CHUNKS_PER_SHARD:
             raise _fail(
                 f"a shard holds more than {MAX_CHUNKS_PER_SHARD} inner chunks", "UCP-1.0-R028",

@@ -845,13 +845,14 @@ def parse_consolidated(
         )
     arrays: dict[str, ArrayMeta] = {}
     groups: dict[str, GroupMeta] = {}
+    here = f"{where}: consolidated metadata"
     for path, node in cm["metadata"].items():
         if path == "":  # the root's own path: never one of its nodes (a node has a name)
             raise UnsafePathError(
                 "the consolidated metadata has an entry for the empty path; every node "
-                "there has a name", rule="UCP-1.0-R010", path=f"{where}: consolidated metadata",
+                "there has a name", rule="UCP-1.0-R010", path=here,
             )
-        names.check_path(path, where=f"{where}: consolidated metadata")
+        names.check_path(path, where=here)
         if not isinstance(node, Mapping):
             raise FormatError(f"metadata of {path!r} is not an object", rule="UCP-1.0-R001",
                               path=where)

@@ -150,12 +150,34 @@ def _hex_bits(scalar: np.ndarray[Any, Any]) -> str:
     return "0x" + raw[::-1].hex()  # most significant byte first
 
 
+#: Fill values parsed so far, by (data type, JSON type, value; a float by its repr, which
+#: tells -0.0 from 0.0): the arrays of a checkpoint share a few, and an open parses each
+#: array's. Numpy scalars are immutable, so one serves every array.
+_FILL_VALUES: dict[tuple[str, type, Any], Any] = {}
+_MAX_FILL_VALUES = 4096
+
+
 def fill_value_from_json(dt: DataType, data: Any, *, tensor: str | None = None) -> Any:
     """Parse a zarr v3 JSON fill value for ``dt`` into a numpy scalar of that type.
 
     Hex strings are the raw bits *of this type* (``"0x3f80"`` is bfloat16 1.0, not
     float16 1.875).
     """
+    kind = type(data)
+    if (kind is not str and kind is not int and kind is not float) or BY_NAME.get(
+            dt.name) is not dt:
+        return _fill_value_from_json(dt, data, tensor)
+    key = (dt.name, kind, repr(data) if kind is float else data)
+    value = _FILL_VALUES.get(key)
+    if value is None:
+        value = _fill_value_from_json(dt, data, tensor)
+        if len(_FILL_VALUES) < _MAX_FILL_VALUES:
+            _FILL_VALUES[key] = value
+    return value
+
+
+def _fill_value_from_json(dt: DataType, data: Any, tensor: str | None) -> Any:
+    """:func:`fill_value_from_json`, parsed."""
 
     def bad(why: str, rule: str = "UCP-1.0-R026") -> FormatError:
         return FormatError(

@@ -22,6 +22,13 @@ ZARR_JSON_NAME = "zarr.json"
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _ALL_SAFE_RE = re.compile(r"[A-Za-z0-9._-]+")
 _NODE_NAME_RE = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
+#: A node name that is its own escape, the common case: unreserved characters only (no
+#: ``%``), not only dots, not starting with ``__``, not ``zarr.json`` in any case, at most
+#: 255 bytes. Matching it (or a path of such names) is :func:`unescape`'s whole check.
+_PLAIN_NAME = (r"(?!\.*(?:/|\Z))(?!__)(?!(?i:zarr\.json)(?:/|\Z))"
+               r"[A-Za-z0-9._-]{1,255}(?=/|\Z)")
+_PLAIN_NAME_RE = re.compile(_PLAIN_NAME)
+_PLAIN_PATH_RE = re.compile(rf"{_PLAIN_NAME}(?:/{_PLAIN_NAME})*")
 
 
 def check_name(name: str, *, where: str | None = None) -> None:
@@ -85,6 +92,8 @@ def escape(name: str, *, where: str | None = None) -> str:
 
 def unescape(node_name: str, *, where: str | None = None) -> str:
     """The logical name stored as ``node_name``; refuses anything not canonical."""
+    if isinstance(node_name, str) and _PLAIN_NAME_RE.fullmatch(node_name):
+        return node_name
     if not isinstance(node_name, str) or not _NODE_NAME_RE.match(node_name):
         raise UnsafePathError(
             f"node name {node_name!r} is not a canonical escaped name",
@@ -147,6 +156,8 @@ def split_path(path: str, *, where: str | None = None) -> list[str]:
         return []
     if not isinstance(path, str):
         raise UnsafePathError(f"path {path!r} is not a string", rule="UCP-1.0-R010", path=where)
+    if _PLAIN_PATH_RE.fullmatch(path):
+        return path.split("/")
     try:
         return [unescape(part, where=where or path) for part in path.split("/")]
     except UnsafePathError as exc:
