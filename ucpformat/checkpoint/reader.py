@@ -260,6 +260,10 @@ class Checkpoint:
         for their own round trip. Inner chunks that lie back to back in a shard are read
         with one request (up to :attr:`RUN_BYTES`) and checked one by one.
         """
+        with gc_paused():  # (thousands of small objects, no cycles: see gc_paused)
+            return self._read_regions(regions)
+
+    def _read_regions(self, regions: Sequence[Region]) -> list[np.ndarray[Any, Any]]:
         outs: list[np.ndarray[Any, Any]] = []
         jobs: list[tuple[ArrayReader, tuple[int, ...], tuple[int, ...], tuple[int, ...],
                          np.ndarray[Any, Any]]] = []
@@ -300,6 +304,10 @@ class Checkpoint:
         CRC32C has been checked over the mapping (:meth:`ArrayReader.map_whole`): no copy,
         and writes to it never reach the file. It relies on the checkpoint's files not
         being changed in place while it lives (UCP-1.0-R053)."""
+        with gc_paused():
+            return self._read_whole(paths, mapped)
+
+    def _read_whole(self, paths: Sequence[str], mapped: bool) -> list[np.ndarray[Any, Any]]:
         metas = [self._meta(path) for path in paths]
         self.check_new_arrays([(m.path, m.nbytes) for m in metas])
         arrays: list[np.ndarray[Any, Any] | None] = [None] * len(metas)
