@@ -251,6 +251,23 @@ def test_bfloat16_hex_fill_value_is_bfloat16_bits(tmp_path: Path) -> None:
     assert raw(t.read().result()) == raw(expected)
 
 
+def test_fill_values_parsed_once_stay_those_of_their_type_and_exact_value() -> None:
+    """An open parses each array's fill value through one cache: -0.0 stays apart from 0.0,
+    1 from 1.0, a hex string of one type from the same string of another, and a refused
+    value is refused every time."""
+    f32, i8 = BY_NAME["float32"], BY_NAME["int8"]
+    bf16, f16 = BY_NAME["bfloat16"], BY_NAME["float16"]
+    for _ in range(2):
+        assert np.signbit(dtypes.fill_value_from_json(f32, -0.0))
+        assert not np.signbit(dtypes.fill_value_from_json(f32, 0.0))
+        assert float(dtypes.fill_value_from_json(bf16, "0x3f80")) == 1.0
+        assert float(dtypes.fill_value_from_json(f16, "0x3f80")) == 1.875
+        assert dtypes.fill_value_from_json(i8, 1).dtype == np.int8
+        for bad, dt in ((1.0, i8), (1000, i8), ("0x3f8", bf16), (True, f32)):
+            with pytest.raises(ucpformat.errors.FormatError):
+                dtypes.fill_value_from_json(dt, bad)
+
+
 @pytest.mark.parametrize("dt", DATA_TYPES, ids=lambda d: d.name)
 def test_bytes_codec_declares_endian_only_for_multibyte_types(tmp_path: Path, dt: DataType) -> None:
     x = random_array(np.random.default_rng(1), dt, (9,))

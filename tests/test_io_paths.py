@@ -22,6 +22,7 @@ from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, ZARR_JSON
 from ucpformat.checkpoint.reader import Checkpoint, Region
 from ucpformat.engine import read as read_engine
 from ucpformat.engine.compression import Compression
+from ucpformat.engine.shard_index import encode_index
 from ucpformat.format.dtypes import by_name
 from ucpformat.store import LocalStore
 
@@ -183,6 +184,83 @@ def test_a_shard_cut_short_inside_a_run_is_an_error(
     shard.write_bytes(data[: 9 * ((16 << 10) + 4)] + index)  # chunks 9.. gone, index kept
     with ucpformat.open(path) as ckpt, pytest.raises(errors.CorruptDataError):
         ckpt["model/w"].read()
+
+
+#: Damage to a shard of 16 chunks of 4 rows (the last one past the array's edge) and how
+#: to do it: (shard bytes, chunk size with its CRC32C, index size) -> damaged bytes.
+SHARD_DAMAGE: dict[str, Any] = {
+    "a chunk's byte": lambda d, c, i: flip(d, 7 * c + 100),
+    "a chunk's CRC32C": lambda d, c, i: flip(d, 4 * c - 2),
+    "a byte past the array's edge": lambda d, c, i: flip(d, 16 * c - 8),
+    "the index's CRC32C": lambda d, c, i: flip(d, len(d) - 1),
+    "an index entry beyond the shard": lambda d, c, i: d[:-i] + encode_index(
+        np.array([[k * c, c] for k in range(15)] + [[16 * c, c]], dtype="<u8")),
+    "the shard cut short": lambda d, c, i: d[:-1],
+    "a byte more": lambda d, c, i: d + b"\0",
+    "the chunks in another order": lambda d, c, i: d[c:16 * c] + d[:c] + encode_index(
+        np.array([[15 * c, c]] + [[k * c, c] for k in range(15)], dtype="<u8")),
+}
+
+
+def flip(data: bytes, offset: int) -> bytes:
+    return data[:offset] + bytes([data[offset] ^ 0x01]) + data[offset + 1:]
+
+
+def read_error(path: Path) -> tuple[Any, ...]:
+    """What a whole read of ``model/w`` raises (type, rule, tensor, message), or its values;
+    and the requests it made."""
+    with ucpformat.open(path) as ckpt:
+        try:
+            got: Any = ckpt["model/w"].read().tobytes()
+        except errors.UCPError as exc:
+            got = (type(exc), exc.rule, exc.tensor, str(exc))
+        return got, ckpt.stats.requests
+
+
+@pytest.mark.parametrize("damage", SHARD_DAMAGE)
+def test_the_read_in_one_request_refuses_damage_as_the_chunk_by_chunk_read_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    # 61 rows: the 16th chunk holds one row of the array and three past its edge
+    a = np.arange(61 * 1024, dtype=np.float32).reshape(61, 1024)
+    ucpformat.save(tmp_path / "c", {"model": {"w": a}}, chunk_bytes=16 << 10, durable=False)
+    assert read_error(tmp_path / "c") == (a.tobytes(), 1)  # one request, every check passed
+    shard = tmp_path / "c" / "model" / "w" / "c" / "0" / "0"
+    shard.write_bytes(SHARD_DAMAGE[damage](shard.read_bytes(), (16 << 10) + 4, 16 * 16 + 4))
+    in_one, requests = read_error(tmp_path / "c")
+    with monkeypatch.context() as m:
+        read_by("run", m)
+        by_chunks, _ = read_error(tmp_path / "c")
+    assert in_one == by_chunks
+    if damage == "the chunks in another order":
+        assert in_one == a.tobytes() and requests > 1  # read again, chunk by chunk
+    else:
+        assert in_one[0] in (errors.ChecksumError, errors.CorruptDataError)
+
+
+def test_a_small_object_wanted_whole_is_read_with_one_system_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a shard of 8 chunks, an unsharded chunk, a scalar: each read with one preadv (the
+    # file's size, from the check of the descriptor, says that nothing is left to read)
+    model = {"w": np.arange(64 * 300, dtype=np.float32).reshape(64, 300),
+             "b": np.arange(300, dtype=np.float32), "s": np.float32(4.5)}
+    ucpformat.save(tmp_path / "c", {"model": model}, chunk_bytes=8 * 1200, durable=False)
+    calls: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        calls.append(fd)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with ucpformat.open(tmp_path / "c") as ckpt:
+        assert ckpt.arrays["model/w"].chunks_per_shard == (8, 1)
+        got = ckpt.read_whole(sorted(ckpt.arrays))
+        assert ckpt.stats.requests == 3
+    assert len(calls) == 3
+    for path, value in zip(sorted(ckpt.arrays), got, strict=True):
+        assert np.array_equal(value, model[path.split("/")[1]])
 
 
 def test_read_regions_reads_many_tensors_in_one_batch(

@@ -131,6 +131,41 @@ def test_names_and_paths(name: str) -> None:
         assert "/" not in escaped and escaped not in (".", "..")
 
 
+#: Node paths at the edges of what a name that is its own escape may be.
+PLAIN_EDGES = ["zarr.json", "ZaRr.JsOn", "x/zarr.json", "x/zarr.jsonx", ".", "..", "...",
+               "a/./b", "a/../b", "__a", "_a", "a__", "a/__b", "a" * 255, "a" * 256,
+               "x/" + "a" * 256, "a//b", "/a", "a/", "", "é", "a\x00b", "a.b/c-d_e"]
+
+
+@_fast
+@given(st.one_of(st.sampled_from(PLAIN_EDGES),
+                 st.text(alphabet="aZ09._-/zarjsonZARJSON_é\x00", max_size=14)))
+def test_a_path_without_percent_is_valid_exactly_when_each_name_is_its_own_escape(
+        path: str) -> None:
+    """UCP-1.0-R010, UCP-1.0-R012: split_path's one-match check of a path without ``%``
+    (the common case) agrees with the rule itself: each of its names is valid exactly
+    when it escapes to itself, and is then its own logical name."""
+
+    def own_escape(part: str) -> bool:
+        try:
+            return names.escape(part) == part
+        except UCPError:
+            return False
+
+    expected = path == "" or all(own_escape(p) for p in path.split("/"))
+    try:
+        got = names.split_path(path)
+    except UnsafePathError:
+        assert not expected
+    else:
+        assert expected and got == (path.split("/") if path else [])
+    for part in path.split("/"):
+        try:
+            assert names.unescape(part) == part and own_escape(part)
+        except UnsafePathError:
+            assert not own_escape(part)
+
+
 @_fast
 @given(hostile.mutated({"tp": {"dim": 0}, "parts": [{"name": "q", "size": 4}],
                         "vocab": {"dim": 0}, "experts": {"dim": 0, "count": 2}, "layer": 1}))
