@@ -535,8 +535,9 @@ class ArrayReader:
         extra = bytearray(CRC_BYTES * chunks + isize + 1)  # the CRCs, the index, one more
         crcs = memoryview(extra)
         bodies = [data[lo : lo + payload] for lo in range(start, stop, payload)]
-        buffers: list[Any] = [b for i, body in enumerate(bodies)
-                              for b in (body, crcs[CRC_BYTES * i : CRC_BYTES * (i + 1)])]
+        buffers: list[Any] = [None] * (2 * chunks)  # each chunk's rows, then its CRC32C
+        buffers[0::2] = bodies
+        buffers[1::2] = [crcs[i : i + CRC_BYTES] for i in range(0, CRC_BYTES * chunks, CRC_BYTES)]
         beyond = None
         if stop > end * row:  # the last chunk's rows beyond the array's edge: scratch
             beyond = bytearray(stop - end * row)
