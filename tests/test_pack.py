@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint import pack as pack_module
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
 from ucpformat.cli import main
 from ucpformat.distributed import Fragment, TensorSpec, save_fragments
@@ -221,6 +222,23 @@ def test_an_existing_destination_is_refused_unless_overwrite(tmp_path: Path) -> 
         ucpformat.unpack(tmp_path / "one.ucpz", tmp_path / "mine", overwrite=True)
     assert (tmp_path / "notes.ucpz").read_text() == "mine"
     assert files(tmp_path / "mine") == {"notes.txt": b"mine"}
+
+
+def test_an_existing_destination_is_refused_before_the_source_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "src")
+    ucpformat.pack(src, tmp_path / "one.ucpz", durable=False)
+    ucpformat.unpack(src, tmp_path / "back", durable=False)
+
+    def no_validation(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the source was validated before the destination was checked")
+
+    monkeypatch.setattr(pack_module, "validate", no_validation)
+    with pytest.raises(CheckpointExistsError):
+        ucpformat.pack(src, tmp_path / "one.ucpz")
+    with pytest.raises(CheckpointExistsError):
+        ucpformat.unpack(tmp_path / "one.ucpz", tmp_path / "back")
+    assert left_over(tmp_path) == ["back", "one.ucpz", "src"]
 
 
 def test_a_destination_that_overlaps_the_source_is_refused(tmp_path: Path) -> None:

@@ -174,6 +174,16 @@ def unmark_destination(store: Store, claim: WriteClaim) -> None:
         release(store, claim)
 
 
+def check_destination(store: Store, *, overwrite: bool) -> None:
+    """Refuse, changing nothing, a location that a save must not write (step 1 of
+    UCP-1.0-R065): a committed checkpoint without ``overwrite``, files that are not a
+    checkpoint's, names the writer could not remove. For a writer with long work before
+    its claim (``ucpformat.unpack`` validates its source first), so that it is refused
+    at once; :func:`mark_destination` checks again once it holds the location, and only
+    that check decides that the save goes ahead."""
+    _check_destination(store, overwrite=overwrite)
+
+
 def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str]]:
     """(whether a checkpoint is committed here, every key here), or the refusal."""
     keys = list(store.list())

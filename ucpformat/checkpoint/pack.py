@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,7 @@ from typing import Any
 
 from ucpformat.checkpoint.commit import (
     WriteClaim,
+    check_destination,
     create_owned,
     explain_failure,
     prepare_destination,
@@ -68,6 +69,7 @@ from ucpformat.progress import ProgressCallback, byte_progress
 from ucpformat.store import (
     ArchiveStore,
     ArchiveWriter,
+    LocalStore,
     ReadGuard,
     Store,
     is_archive_path,
@@ -117,12 +119,17 @@ def pack(
     callable given each increment of bytes (verified, then copied).
     """
     target = Path(os.fspath(archive).removeprefix("file://"))
-    checked = _checked_source(source, verify=verify, progress=progress)
-    _refuse_overlap(checked.store, target.absolute(), into_archive=True)
-    with ArchiveWriter(target, overwrite=overwrite, durable=durable) as writer:
-        result = _copy(checked, writer, overwrite=overwrite, workers=workers,
-                       progress=progress, label="packing")
-        writer.commit()
+    store = read_guarded(source)
+    try:
+        _refuse_overlap(store, target.absolute(), into_archive=True)
+        # the writer refuses what is at the path at once, before the source is read
+        with ArchiveWriter(target, overwrite=overwrite, durable=durable) as writer:
+            checked = _checked_source(store, verify=verify, progress=progress)
+            result = _copy(checked, writer, overwrite=overwrite, workers=workers,
+                           progress=progress, label="packing")
+            writer.commit()
+    finally:
+        _close(store, source)
     return result
 
 
@@ -150,11 +157,17 @@ def unpack(
             "unpack writes a directory, and this path names a file (or ends in .ucpz): "
             "give a directory path (ucp pack writes one file)", rule="UCP-1.0-R074",
             path=os.fspath(directory))
-    checked = _checked_source(source, verify=verify, progress=progress)
-    store = open_store(directory, durable=durable)
-    _refuse_overlap(checked.store, None, destination=store)
-    return _copy(checked, store, overwrite=overwrite, workers=workers, progress=progress,
-                 label="unpacking")
+    reads = read_guarded(source)
+    try:
+        store = open_store(directory, durable=durable)
+        _refuse_overlap(reads, None, destination=store)
+        with storage_errors(store, untouched=True):
+            check_destination(store, overwrite=overwrite)  # at once, before the source is read
+        checked = _checked_source(reads, verify=verify, progress=progress)
+        return _copy(checked, store, overwrite=overwrite, workers=workers, progress=progress,
+                     label="unpacking")
+    finally:
+        _close(reads, source)
 
 
 # -- the source -----------------------------------------------------------------------
@@ -176,11 +189,10 @@ class _Source:
     tensor_bytes: int
 
 
-def _checked_source(location: str | os.PathLike[str] | Store, *, verify: bool,
-                    progress: bool | ProgressCallback) -> _Source:
-    """Open ``location`` as a committed checkpoint, validate it (deeply if ``verify``) and
+def _checked_source(store: Store, *, verify: bool, progress: bool | ProgressCallback
+                    ) -> _Source:
+    """Open ``store`` as a committed checkpoint, validate it (deeply if ``verify``) and
     refuse it on any error; list what is copied of it."""
-    store = read_guarded(location)
     limit = metadata_limit(None, None)
     root = read_root(store, limit=limit)  # a location with no root: refused (UCP-1.0-R051)
     doc = loads(root, what=f"{store.location}/{ZARR_JSON}")
@@ -226,6 +238,13 @@ def _manifest(store: Store, root: Mapping[str, Any], *, limit: int
     return raw, {str(k): int(e["nbytes"]) for k, e in files.items()}
 
 
+def _close(store: Store, given: object) -> None:
+    """Close the archive this module opened to read (not one the caller gave)."""
+    inner = store.inner if isinstance(store, ReadGuard) else store
+    if isinstance(inner, ArchiveStore) and not isinstance(given, Store):
+        inner.close()
+
+
 def _size_of(store: Store, key: str) -> int:
     size = store.size(key)
     if size is None:
@@ -243,8 +262,7 @@ def _local_path(store: Store) -> Path | None:
     inner = store.inner if isinstance(store, ReadGuard) else store
     if isinstance(inner, ArchiveStore):
         return inner.path.resolve()
-    root = getattr(inner, "root", None)  # LocalStore
-    return Path(root).resolve() if isinstance(root, Path) else None
+    return inner.root.resolve() if isinstance(inner, LocalStore) else None
 
 
 def _refuse_overlap(source: Store, archive: Path | None, *, into_archive: bool = False,
@@ -279,10 +297,13 @@ def _copy(source: _Source, store: Store, *, overwrite: bool, workers: int | None
             claim = prepare_destination(store, overwrite=overwrite)
         with explain_failure(store, claim), storage_errors(store), \
                 byte_progress(progress, total, label) as advance:
-            for key, pieces in _read_ahead(source.store, source.objects,
-                                           workers or DEFAULT_WORKERS):
-                _create(store, claim, key, pieces)
-                advance(sum(len(p) for p in pieces))
+            reads = _read_ahead(source.store, source.objects, workers or DEFAULT_WORKERS)
+            try:
+                for key, pieces in reads:
+                    _create(store, claim, key, pieces)
+                    advance(sum(len(p) for p in pieces))
+            finally:
+                reads.close()  # a failed write: the reads ahead stop before the clean-up
             _create(store, claim, MANIFEST_KEY, [source.manifest])
             store.flush()  # everything before the root is durable before it (UCP-1.0-R050)
             write_root(store, source.root, written=[k for k, _ in source.objects],
@@ -298,7 +319,7 @@ def _create(store: Store, claim: WriteClaim, key: str, buffers: Sequence[Any]) -
 
 
 def _read_ahead(store: Store, objects: Sequence[tuple[str, int]], workers: int
-                ) -> Iterator[tuple[str, list[bytearray]]]:
+                ) -> Generator[tuple[str, list[bytearray]], None, None]:
     """(key, its bytes in pieces) of every object, in the order given, read on
     ``workers`` threads at most :data:`READ_AHEAD_BYTES` ahead of the caller."""
     pending: deque[tuple[str, int, Future[list[bytearray]]]] = deque()
