@@ -297,3 +297,38 @@ def test_deep_validation_checks_every_members_zip_crc32(tmp_path: Path) -> None:
     assert [(i.rule, i.path) for i in report.errors] == [("UCP-1.0-R075", "zarr.json")]
     with ucpformat.open(path) as ckpt:  # a reader may skip it: the digests protect the root
         assert np.array_equal(ckpt["model/b"][...], state()["model"]["b"])
+
+
+# -- the key rule every member name is checked against -------------------------------------
+
+
+def _key_by_components(key: str) -> bool:
+    """UCP-1.0-R091 and R012 for one key, component by component (the rule's words)."""
+    import re
+
+    return bool(key) and all(
+        part not in ("", ".", "..") and len(part) <= 255
+        and re.fullmatch(r"[A-Za-z0-9._%-]+", part) is not None for part in key.split("/"))
+
+
+@pytest.mark.parametrize("key", ["a", "a/b", "...", "a/...", ".a", "a.", "%", "a%2F", "x" * 255,
+                                 ".", "..", "a/.", "a/..", "../a", "a//b", "/a", "a/", "a b",
+                                 "a\n", "a\n/b", "x" * 256, "a/" + "y" * 256, "caf\u00e9"])
+def test_check_key_takes_exactly_the_keys_of_the_rule(key: str) -> None:
+    from ucpformat.store import is_safe_key
+
+    assert is_safe_key(key) == _key_by_components(key)
+
+
+def test_check_key_takes_exactly_the_keys_of_the_rule_at_random() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ucpformat.store import is_safe_key
+
+    @settings(max_examples=2000, deadline=None)
+    @given(st.text(alphabet="ab./%\n -\u00e9", max_size=12))
+    def check(key: str) -> None:
+        assert is_safe_key(key) == _key_by_components(key)
+
+    check()

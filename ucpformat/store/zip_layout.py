@@ -122,11 +122,16 @@ def read_directory(
     file. The directory is refused unread beyond ``limit`` bytes (UCP-1.0-R098); a
     member that is compressed, encrypted, named twice or by a name no checkpoint key has,
     or that starts outside the file is refused (UCP-1.0-R075, UCP-1.0-R091)."""
-    tail_len = min(file_size, END_SEARCH_BYTES)
-    tail = read(file_size - tail_len, tail_len)
-    at = tail.rfind(struct.pack("<I", END_SIGNATURE))
-    while at >= 0 and at + _END.size + struct.unpack_from("<H", tail, at + 20)[0] != tail_len:
-        at = tail.rfind(struct.pack("<I", END_SIGNATURE), 0, at)
+    signature = struct.pack("<I", END_SIGNATURE)
+    at = -1
+    for tail_len in (min(file_size, _END.size), min(file_size, END_SEARCH_BYTES)):
+        tail = read(file_size - tail_len, tail_len)  # first the end record of no comment
+        at = tail.rfind(signature)
+        while at >= 0 and at + _END.size + struct.unpack_from("<H", tail, at + 20)[0] \
+                != tail_len:
+            at = tail.rfind(signature, 0, at)
+        if at >= 0:
+            break
     if at < 0:
         raise _damage("no end of central directory record (the file is not a ZIP archive, "
                       "or is cut short)", where)
