@@ -5,7 +5,8 @@ where a size, an offset or the member count outgrows the 32- and 16-bit fields, 
 each member's data started on a multiple of :data:`ALIGNMENT` by padding in its local
 header (an extra field of the kind Android's ``zipalign`` writes, ID 0xD935), so that a
 reader can use the bytes of an uncompressed chunk in place. Dates are all 1980-01-01:
-the same checkpoint makes the same archive (UCP-1.0-R075, UCP-1.0-R076).
+an archive's bytes depend only on its members and their order (UCP-1.0-R075,
+UCP-1.0-R076).
 
 :func:`member_header` and :func:`directory` write; :func:`read_directory` and
 :func:`data_offset` read, checking what they rely on (UCP-1.0-R077).
