@@ -154,7 +154,7 @@ def test_missing_or_unusable_path_exits_2(
     a_file.write_text("x")
     code, _, err = ucp(capsys, command, str(a_file))
     assert code == 2
-    assert "not a directory" in one_error_line(err)
+    assert "a checkpoint is a directory, or one file" in one_error_line(err)
     code, out, _ = ucp(capsys, command, "--json", str(tmp_path / "nope"))
     assert code == 2 and out == ""  # no half document on stdout
     (tmp_path / "empty").mkdir()

@@ -17,6 +17,7 @@ from ucpformat import compat, errors
 from ucpformat._version import __version__
 from ucpformat.checkpoint.adopt import adopt
 from ucpformat.checkpoint.metadata import FORMAT_VERSION
+from ucpformat.checkpoint.pack import PackResult, pack, unpack
 from ucpformat.checkpoint.reader import Checkpoint, Tensor, open_checkpoint
 from ucpformat.checkpoint.tree import Group
 from ucpformat.checkpoint.validation import Issue, Report, validate
@@ -40,6 +41,7 @@ __all__ = [
     "DataType",
     "Group",
     "Issue",
+    "PackResult",
     "Report",
     "SaveResult",
     "Tensor",
@@ -49,6 +51,8 @@ __all__ = [
     "errors",
     "open",
     "open_checkpoint",
+    "pack",
     "save",
+    "unpack",
     "validate",
 ]

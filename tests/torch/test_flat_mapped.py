@@ -181,3 +181,56 @@ def test_a_mapped_tensor_outlives_the_exit_handlers_registered_before_it(
     assert done.returncode == 0, done.stderr
     assert "mapped True" in done.stdout  # the case this is about
     assert "sum 96.0" in done.stdout
+
+
+# -- save_file's chunking, and a checkpoint in one file ---------------------------------
+
+
+def test_save_file_stores_each_tensor_as_one_chunk_unless_told(tmp_path: Path) -> None:
+    src = {"w": torch.randn(512, 256), "b": torch.randn(256)}  # 512 KiB: 8 chunks before
+    ucpt.save_file(src, tmp_path / "one", durable=False)
+    with ucpformat.open(tmp_path / "one") as ckpt:
+        assert ckpt.arrays["model/w"].chunk_shape == (512, 256)
+        assert ckpt.arrays["model/w"].shard_shape is None
+    back = ucpt.load_file(tmp_path / "one")
+    assert mapped_file(back["w"]) == str(tmp_path / "one" / "model" / "w" / "c" / "0" / "0")
+    ucpt.save_file(src, tmp_path / "small", durable=False, chunk_bytes=64 << 10)
+    with ucpformat.open(tmp_path / "small") as ckpt:
+        assert ckpt.arrays["model/w"].chunk_shape == (64, 256)  # the size cap alone
+    ucpt.save_file(src, tmp_path / "tp", durable=False, chunk_bytes=1 << 20, chunk_splits=8)
+    with ucpformat.open(tmp_path / "tp") as ckpt:
+        assert ckpt.arrays["model/w"].chunk_shape == (64, 256)  # edges for 8-way splits
+    with pytest.raises(ucpformat.UCPError, match="chunk_splits must be at least 1"):
+        ucpt.save_file(src, tmp_path / "bad", durable=False, chunk_splits=0)
+
+
+def test_one_file_tensors_are_checked_mappings_of_the_archive(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    src = {"w": torch.randn(256, 128, generator=g), "e": torch.randn(300, 64, generator=g),
+           "n": torch.randn(7, generator=g).to(torch.bfloat16)}
+    path = tmp_path / "model.ucpz"
+    ucpt.save_file(src, path, durable=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ucpz"]
+    before = path.read_bytes()
+    back = ucpt.load_file(path)
+    assert all(torch.equal(back[k], src[k]) for k in src)
+    assert mapped_file(back["w"]) == str(path) and mapped_file(back["e"]) == str(path)
+    assert mapped_file(back["n"]) is None  # small: read
+    again = ucpt.load_file(path)
+    back["w"].add_(1)  # this process's copy only: the file and another load are unchanged
+    assert torch.equal(again["w"], src["w"]) and path.read_bytes() == before
+    with ucpt.safe_open(path) as f:
+        assert f.keys() == ["e", "n", "w"]
+        assert torch.equal(f.get_slice("e")[10:20], src["e"][10:20])
+    # a flipped byte of a mapped tensor is refused before any value is handed out
+    import struct
+    import zipfile
+
+    header = zipfile.ZipFile(path).getinfo("model/e/c/0/0").header_offset
+    start = header + 30 + sum(struct.unpack_from("<HH", before, header + 26))
+    data = bytearray(before)
+    data[start + 1000] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError) as info:
+        ucpt.load_file(path)
+    assert info.value.rule == "UCP-1.0-R041" and info.value.tensor == "model/e"

@@ -20,7 +20,8 @@ order:
    save, which fails unless this save still holds the location).
 4. :func:`commit_checkpoint` - node metadata, the manifest, and last the root, written
    only while the claim still holds the location; then the marker is removed and the
-   location released.
+   location released. (Its last step, :func:`write_root`, serves a writer that has the
+   documents' bytes already: ``ucpformat.pack`` copies a checkpoint byte for byte.)
 
 On any failure after step 1, :func:`explain_failure` (a context manager around the
 steps) calls :func:`abandon`: before step 2 it only withdraws the marker (a checkpoint
@@ -42,7 +43,7 @@ import os
 import socket
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -171,6 +172,16 @@ def unmark_destination(store: Store, claim: WriteClaim) -> None:
     finally:
         claim.done = True
         release(store, claim)
+
+
+def check_destination(store: Store, *, overwrite: bool) -> None:
+    """Refuse, changing nothing, a location that a save must not write (step 1 of
+    UCP-1.0-R065): a committed checkpoint without ``overwrite``, files that are not a
+    checkpoint's, names the writer could not remove. For a writer with long work before
+    its claim (``ucpformat.unpack`` validates its source first), so that it is refused
+    at once; :func:`mark_destination` checks again once it holds the location, and only
+    that check decides that the save goes ahead."""
+    _check_destination(store, overwrite=overwrite)
 
 
 def _check_destination(store: Store, *, overwrite: bool) -> tuple[bool, list[str]]:
@@ -357,10 +368,37 @@ def commit_checkpoint(
         },
     }
     body = encode_root(root)  # sealed by its digest (UCP-1.0-R058)
+    write_root(store, body, written=files, claim=claim, replace=replace)
+    return root
+
+
+def write_root(
+    store: Store,
+    body: bytes,
+    *,
+    written: Iterable[str],
+    claim: WriteClaim | None = None,
+    replace: bool = False,
+) -> None:
+    """The last steps of a save (spec section 11.1, steps 6 and 7): write the root
+    ``zarr.json`` (``body``, its bytes, sealed), which commits the checkpoint, then remove
+    the in-progress marker and release the location.
+
+    The caller has written every other file of the checkpoint (``written``: their keys,
+    but the manifest's) and made them durable (``store.flush()``, UCP-1.0-R050).
+    :func:`commit_checkpoint` calls it with the documents it built; ``ucpformat.pack`` and
+    ``unpack`` with a committed checkpoint's root, copied byte for byte. ``claim``
+    (default: the one :func:`mark_destination` took on ``store``) is checked before the
+    root is written (UCP-1.0-R059), which then replaces no root (UCP-1.0-R064): on a store
+    without a lock, the location must hold nothing but ``written``, the manifest and the
+    marker.
+    """
+    if claim is None:
+        claim = claim_of(store)
     if claim is None:
         store.put(ZARR_JSON, [body], atomic=True)
     else:
-        _commit_root(store, claim, body, expected={*files, MANIFEST_KEY, IN_PROGRESS_KEY},
+        _commit_root(store, claim, body, expected={*written, MANIFEST_KEY, IN_PROGRESS_KEY},
                      replace=replace)
     try:
         if claim is None or claim.held.locked or _owns(store, claim):
@@ -373,7 +411,6 @@ def commit_checkpoint(
         ) from exc
     finally:
         release(store, claim)
-    return root
 
 
 def _commit_root(store: Store, claim: WriteClaim, body: bytes, *, expected: set[str],

@@ -18,6 +18,7 @@ from ucpformat.engine.chunking import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MIN_SHARD_BYTES,
     DEFAULT_SHARD_BYTES,
+    DEFAULT_SPLITS,
 )
 from ucpformat.errors import InvalidValueError
 
@@ -33,6 +34,12 @@ class SaveOptions:
       object (``{"name": "zstd", "configuration": {"level": 3}}``);
     - ``chunk_bytes``: the target size of an inner chunk, the unit of reading (1 MiB);
     - ``shard_bytes``: the target size of a shard, the unit of writing (1 GiB);
+    - ``chunk_splits``: single-process saves cut inner chunks smaller than
+      ``chunk_bytes`` so that splitting a dimension into up to this many equal parts
+      (tensor parallelism, FSDP) falls on chunk boundaries (8); 1 keeps every chunk as
+      large as ``chunk_bytes`` allows (``save_file``: each tensor one chunk, which a
+      reader can use in place). Distributed saves cut chunks on the fragments' grid and
+      refuse another value;
     - ``min_shard_bytes``: distributed saves only: shards smaller than this are
       assembled by one rank from cells the others send (1 MiB; 0: no minimum);
     - ``hash_algorithm``: ``"sha256"`` to record each file's digest in the manifest (any
@@ -48,6 +55,7 @@ class SaveOptions:
     compression: str | Mapping[str, Any] | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    chunk_splits: int = DEFAULT_SPLITS
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
     hash_algorithm: str | None = None
     overwrite: bool = False
@@ -63,6 +71,8 @@ class SaveOptions:
         for name in ("chunk_bytes", "shard_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise InvalidValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if int(self.chunk_splits) < 1:
+            raise InvalidValueError(f"chunk_splits must be at least 1, not {self.chunk_splits}")
         if self.min_shard_bytes < 0:
             raise InvalidValueError(f"min_shard_bytes must be >= 0, not {self.min_shard_bytes}")
         if self.workers is not None and self.workers < 0:

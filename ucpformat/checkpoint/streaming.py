@@ -82,6 +82,7 @@ class StreamingWriter:
         self.compression = opts.compression
         self.hash_algorithm = opts.hash_algorithm
         self.chunk_bytes = opts.chunk_bytes
+        self.chunk_splits = opts.chunk_splits
         self.shard_bytes = opts.shard_bytes
         self._arrays: dict[str, ArrayMeta] = {}
         self._pending: dict[str, set[tuple[int, ...]]] = {}
@@ -135,6 +136,7 @@ class StreamingWriter:
         ucp = encoded_attrs.get("ucp", {})
         ch = chunking.choose(
             dims, dt.itemsize, chunk_bytes=self.chunk_bytes, shard_bytes=self.shard_bytes,
+            splits=self.chunk_splits,
             split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
         )
         meta = ArrayMeta(

@@ -87,6 +87,7 @@ def plan(
     chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
     shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
     array_attributes: ArrayAttributes | None = None,
+    chunk_splits: int = chunking.DEFAULT_SPLITS,
 ) -> TreePlan:
     """Turn a nested mapping into the arrays and groups of a checkpoint.
 
@@ -128,7 +129,8 @@ def plan(
                 arr = value if isinstance(value, feeds.Deferred) else np.asarray(value)
                 attrs = dict(array_attributes(path, arr) or {}) if array_attributes else {}
                 result.arrays.append(
-                    (array_meta_of(path, arr, compression, chunk_bytes, shard_bytes, attrs), arr)
+                    (array_meta_of(path, arr, compression, chunk_bytes, shard_bytes, attrs,
+                                   chunk_splits), arr)
                 )
                 node_names.append(node)
             elif isinstance(value, Mapping) and (reserved_group or _has_array(value)):
@@ -176,6 +178,7 @@ def array_meta_of(
     chunk_bytes: int,
     shard_bytes: int,
     attributes: Mapping[str, Any],
+    chunk_splits: int = chunking.DEFAULT_SPLITS,
 ) -> ArrayMeta:
     dt = dtypes.from_numpy(arr.dtype, tensor=path)
     ucp = attributes.get("ucp", {})
@@ -185,6 +188,7 @@ def array_meta_of(
         chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes,
         split_dims=chunking.split_dims_of(ucp if isinstance(ucp, Mapping) else {}),
+        splits=chunk_splits,
     )
     meta = ArrayMeta(
         path=path,

@@ -28,7 +28,7 @@ from ucpformat.checkpoint.metadata import (
     build_root_ucp,
 )
 from ucpformat.checkpoint.options import SaveOptions
-from ucpformat.checkpoint.tree import ArrayAttributes, ArrayValue, plan
+from ucpformat.checkpoint.tree import ArrayAttributes, ArrayValue, TreePlan, plan
 from ucpformat.checkpoint.write_loop import write_objects
 from ucpformat.engine import chunking
 from ucpformat.engine.grid import object_coords, object_region
@@ -37,7 +37,13 @@ from ucpformat.errors import (
     InvalidValueError,
 )
 from ucpformat.progress import ProgressCallback
-from ucpformat.store import Store, open_store
+from ucpformat.store import (
+    ArchiveWriter,
+    Store,
+    has_archive_suffix,
+    is_archive_path,
+    open_store,
+)
 
 # -- save ------------------------------------------------------------------------------------
 
@@ -64,6 +70,7 @@ def save(
     overwrite: bool = False,
     chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
     shard_bytes: int = chunking.DEFAULT_SHARD_BYTES,
+    chunk_splits: int = chunking.DEFAULT_SPLITS,
     workers: int | None = None,
     durable: bool = True,
     progress: bool | ProgressCallback = False,
@@ -79,6 +86,8 @@ def save(
     gives them; any other key is stored as an extension group. ``metadata`` is free-form
     JSON kept in the root (``attributes.ucp.metadata``). A failed save leaves nothing
     that opens as a checkpoint and never touches a committed one unless ``overwrite``.
+    A local path whose name ends in ``.ucpz`` (or a regular file) is written as a
+    checkpoint in one file, a ZIP archive (:mod:`ucpformat.store.archive`).
 
     ``created`` (an RFC 3339 date-time, default: now) and ``producer`` (an object with
     ``name`` and ``version``, default: this library) are stored in the root as given,
@@ -92,12 +101,14 @@ def save(
     never starts it).
 
     The settings (``compression``, ``hash_algorithm``, ``overwrite``, ``chunk_bytes``,
-    ``shard_bytes``, ``workers``, ``durable``, ``progress``) may instead be given as one
-    :class:`~ucpformat.checkpoint.options.SaveOptions` (``options=``), not both.
+    ``shard_bytes``, ``chunk_splits``, ``workers``, ``durable``, ``progress``) may
+    instead be given as one :class:`~ucpformat.checkpoint.options.SaveOptions`
+    (``options=``), not both.
     """
     opts = SaveOptions.merged(
         options, compression=compression, hash_algorithm=hash_algorithm, overwrite=overwrite,
-        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, workers=workers, durable=durable,
+        chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, chunk_splits=chunk_splits,
+        workers=workers, durable=durable,
         progress=progress)
     the_plan = plan(
         state,
@@ -105,10 +116,22 @@ def save(
         chunk_bytes=opts.chunk_bytes,
         shard_bytes=opts.shard_bytes,
         array_attributes=array_attributes,
+        chunk_splits=opts.chunk_splits,
     )
     ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
                          created=created)
-    store = open_store(path, durable=opts.durable)
+    if not isinstance(path, Store) and (has_archive_suffix(path) or is_archive_path(path)):
+        # one file (spec §11.5): written beside the path, renamed onto it at the end
+        with ArchiveWriter(path, overwrite=opts.overwrite, durable=opts.durable) as archive:
+            result = _write(archive, the_plan, ucp, opts, feed)
+            archive.commit()
+        return result
+    return _write(open_store(path, durable=opts.durable), the_plan, ucp, opts, feed)
+
+
+def _write(store: Store, the_plan: TreePlan, ucp: dict[str, Any], opts: SaveOptions,
+           feed: feeds.Feed | None) -> SaveResult:
+    """Claim ``store``, write the planned arrays and commit them."""
     # the whole save in one batch: every write, the commit and a failure's clean-up go
     # to the directory it claimed (Store.batch), whatever is put at the path meanwhile
     with storage_errors(store), store.batch():

@@ -1,4 +1,4 @@
-"""The ``ucp`` command: inspect, validate and diff checkpoints, and a demo.
+"""The ``ucp`` command: inspect, validate, diff, pack and unpack checkpoints, and a demo.
 
 Each subcommand lives in its own module with ``register(subparsers, parent)`` and a
 ``run(args) -> int``; ``main`` only parses arguments and turns errors into one line on
@@ -7,6 +7,8 @@ stderr and an exit status (0 ok, 1 invalid or different, 2 could not run)::
     ucp inspect CKPT [--json] [--all]
     ucp validate CKPT [--json] [--deep] [--quiet]
     ucp diff A B [--json] [--atol X] [--rtol X] [--all]
+    ucp pack SRC DST.ucpz [--overwrite] [--no-verify]
+    ucp unpack SRC.ucpz DST [--overwrite] [--no-verify]
     ucp tour [--dir DIR]
     ucp demo [--out DIR] [--quick]
     ucp conformance check|reader|writer ...
@@ -21,7 +23,18 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from ucpformat._version import __version__
-from ucpformat.cli import conformance, convert, demo, diff, export, inspect, tour, validate
+from ucpformat.cli import (
+    conformance,
+    convert,
+    demo,
+    diff,
+    export,
+    inspect,
+    pack,
+    tour,
+    unpack,
+    validate,
+)
 from ucpformat.cli.common import ERROR, FOUND, CommandError, as_flags, long_options
 from ucpformat.errors import (
     CheckpointNotFoundError,
@@ -33,7 +46,7 @@ from ucpformat.errors import (
 #: The subcommands, in the order ``ucp --help`` lists them. The demo is one module, so
 #: that a fuller demo can replace it without touching anything else.
 COMMANDS: tuple[ModuleType, ...] = (
-    inspect, validate, diff, conformance, convert, export, tour, demo
+    inspect, validate, diff, pack, unpack, conformance, convert, export, tour, demo
 )
 
 
@@ -49,9 +62,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ucp",
-        description="Inspect, validate and compare UCP (universal checkpoint) checkpoints.",
-        epilog="Exit status: 0 ok, 1 invalid (validate, inspect) or different (diff), "
-        "2 could not run.",
+        description="Inspect, validate, compare, pack and unpack UCP (universal checkpoint) "
+        "checkpoints.",
+        epilog="Exit status: 0 ok, 1 invalid (validate, inspect; the source of pack and "
+        "unpack) or different (diff), 2 could not run.",
     )
     parser.add_argument("--version", action="version", version=f"ucp (ucpformat) {__version__}")
     parser.add_argument("--debug", action="store_true", default=False,

@@ -83,8 +83,11 @@ def check_location(location: str) -> None:
     path = local_path(location)
     if not os.path.lexists(path):
         raise CheckpointNotFoundError("no such file or directory", rule="UCP-1.0-R051", path=path)
+    if os.path.isfile(path):
+        return  # a checkpoint in one file: the archive store says whether it is one
     if not os.path.isdir(path):
-        raise CommandError("not a directory: a checkpoint is a directory", path=path)
+        raise CommandError("neither a directory nor a file: a checkpoint is a directory, or "
+                           "one file (.ucpz)", path=path)
     if not os.access(path, os.R_OK | os.X_OK):
         raise CommandError("permission denied", path=path)
     if not os.listdir(path):

@@ -146,8 +146,10 @@ from ucpformat.distributed.save_plan import (
     class_members,
     plan_from_descriptions,
 )
+from ucpformat.engine.chunking import DEFAULT_SPLITS
 from ucpformat.engine.write import StoredObject
 from ucpformat.errors import (
+    InvalidValueError,
     UCPError,
     WriteError,
     error_document,
@@ -537,6 +539,11 @@ class DistributedSave:
                  options: SaveOptions | None = None, *, coordinator: bool | None = None
                  ) -> None:
         self.options = options or SaveOptions()
+        if self.options.chunk_splits != DEFAULT_SPLITS:
+            raise InvalidValueError(
+                f"chunk_splits={self.options.chunk_splits}: a distributed save cuts inner "
+                "chunks on the fragments' grid; chunk_splits applies to single-process saves",
+                path=os.fspath(path) if not isinstance(path, Store) else path.location)
         self.comm = comm
         self.store = open_store(path, durable=self.options.durable)
         #: The rank that claims and commits: rank 0 of ``comm`` unless the framework names

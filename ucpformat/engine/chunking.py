@@ -107,12 +107,13 @@ def choose(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     split_dims: Iterable[int] = (0,),
+    splits: int = DEFAULT_SPLITS,
 ) -> Chunking:
-    """Chunking for a tensor written by a single writer."""
+    """Chunking for a tensor written by a single writer (``splits``: :func:`tile_shape`'s)."""
     shape = tuple(shape)
     if len(shape) == 0:
         return Chunking((), None)
-    chunk = tile_shape(shape, itemsize, chunk_bytes, split_dims=split_dims)
+    chunk = tile_shape(shape, itemsize, chunk_bytes, split_dims=split_dims, splits=splits)
     # an empty dimension still has one (empty) row of chunks: shard edges must be >= 1
     grid = [max(1, -(-s // c)) for s, c in zip(shape, chunk, strict=True)]
     if all(g <= 1 for g in grid):

@@ -4,8 +4,9 @@ One backend per module: :mod:`~ucpformat.store.base` (the :class:`Store` interfa
 rules, the claim), :mod:`~ucpformat.store.local` (a local directory, links never
 followed), :mod:`~ucpformat.store.fsspec_store` (object stores through fsspec),
 :mod:`~ucpformat.store.forwarding` (the base of wrappers), :mod:`~ucpformat.store.guard`
-(reads whose OS failures name the file) and :mod:`~ucpformat.store.read_once` (what
-validation reads, each stored object once).
+(reads whose OS failures name the file), :mod:`~ucpformat.store.read_once` (what
+validation reads, each stored object once) and :mod:`~ucpformat.store.archive` (a
+checkpoint in one file, whose ZIP records are :mod:`~ucpformat.store.zip_layout`'s).
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ucpformat.store.archive import (
+    ArchiveStore,
+    ArchiveWriter,
+    has_archive_suffix,
+    is_archive_path,
+)
 from ucpformat.store.base import Store, StoreClaim, check_key, close_quietly, is_safe_key
 from ucpformat.store.forwarding import ForwardingStore
 from ucpformat.store.guard import ReadGuard, read_guarded
@@ -31,7 +38,9 @@ def open_store(
 
     A URL such as ``s3://bucket/prefix`` (any protocol fsspec knows, with its package
     installed: s3fs for S3) gives an :class:`~ucpformat.store.fsspec_store.FsspecStore`;
-    ``storage_options`` go to fsspec (credentials, ``client_kwargs``, ...).
+    ``storage_options`` go to fsspec (credentials, ``client_kwargs``, ...). A local path
+    that :func:`is_archive_path` calls a checkpoint in one file (a name ending in
+    ``.ucpz``, or a regular file) gives an :class:`ArchiveStore`, which reads only.
     """
     if isinstance(location, Store):
         return location
@@ -42,10 +51,14 @@ def open_store(
         return FsspecStore(text, storage_options=storage_options)
     if text.startswith("file://"):
         text = text[len("file://") :]
+    if is_archive_path(text):
+        return ArchiveStore(text)
     return LocalStore(text, durable=durable)
 
 
 __all__ = [
+    "ArchiveStore",
+    "ArchiveWriter",
     "ForwardingStore",
     "LocalStore",
     "ReadGuard",
@@ -54,6 +67,8 @@ __all__ = [
     "StoreClaim",
     "check_key",
     "close_quietly",
+    "has_archive_suffix",
+    "is_archive_path",
     "is_safe_key",
     "open_store",
     "read_guarded",

@@ -20,7 +20,11 @@ from ucpformat.errors import (
     UnsafePathError,
 )
 
-_KEY_PART = re.compile(r"^[A-Za-z0-9._%-]+$")
+_KEY_PART = re.compile(r"[A-Za-z0-9._%-]+\Z")  # \Z: "$" would accept a final newline
+# a whole key that check_key accepts, in one match: components of 1 to 255 safe
+# characters, none of them "." or ".." (the per-component checks below say why not)
+_PART = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9._%-]{1,255}"
+_SAFE_KEY = re.compile(rf"{_PART}(?:/{_PART})*")
 
 
 def is_safe_key_part(part: str) -> bool:
@@ -30,6 +34,8 @@ def is_safe_key_part(part: str) -> bool:
 
 def check_key(key: str) -> None:
     """Refuse keys that are empty, absolute, or contain ``.``/``..``/odd characters."""
+    if isinstance(key, str) and _SAFE_KEY.fullmatch(key) is not None:
+        return
     if not isinstance(key, str) or not key:
         raise UnsafePathError(f"storage key {key!r} is empty or not a string", rule="UCP-1.0-R091")
     for part in key.split("/"):

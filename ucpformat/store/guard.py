@@ -33,7 +33,8 @@ class ReadGuard(Store):
     def _error(self, key: str, exc: OSError) -> UCPError:
         if isinstance(exc, NotADirectoryError) and key.count("/") == 0:
             return CheckpointNotFoundError(
-                "not a directory: a checkpoint is a directory", rule="UCP-1.0-R051",
+                "not a directory: a checkpoint is a directory, or one file (.ucpz)",
+                rule="UCP-1.0-R051",
                 path=self.location,
             )
         reason = exc.strerror or str(exc) or type(exc).__name__

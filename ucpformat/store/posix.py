@@ -241,10 +241,11 @@ _mappings = 0
 _mappings_lock = threading.Lock()
 
 
-def _mapped(flags: int, fd: int, length: int) -> Any | None:
-    """``mmap`` of ``length`` bytes (``PROT_READ | PROT_WRITE``) as a writable buffer that
-    unmaps itself once nothing refers to it, counted against :data:`MAX_MAPPINGS`; None
-    where the system cannot map or the count is reached."""
+def _mapped(flags: int, fd: int, length: int, offset: int = 0) -> Any | None:
+    """``mmap`` of ``length`` bytes from ``offset`` (a multiple of the page size;
+    ``PROT_READ | PROT_WRITE``) as a writable buffer that unmaps itself once nothing
+    refers to it, counted against :data:`MAX_MAPPINGS`; None where the system cannot map
+    or the count is reached."""
     global _mappings
     if _MMAP is None or length <= 0:
         return None
@@ -253,7 +254,7 @@ def _mapped(flags: int, fd: int, length: int) -> Any | None:
         if _mappings >= MAX_MAPPINGS:
             return None
         _mappings += 1
-    address = mmap(None, length, _PROT_READ | _PROT_WRITE, flags, fd, 0)
+    address = mmap(None, length, _PROT_READ | _PROT_WRITE, flags, fd, offset)
     if address is None or address == _MAP_FAILED:
         _unmapped()
         return None
@@ -275,8 +276,9 @@ def _unmapped() -> None:
         _mappings -= 1
 
 
-def map_private(fd: int, length: int) -> Any | None:
-    """The first ``length`` bytes of the file ``fd`` mapped copy-on-write (``MAP_PRIVATE``,
+def map_private(fd: int, length: int, offset: int = 0) -> Any | None:
+    """``length`` bytes of the file ``fd`` from ``offset`` (a multiple of
+    :data:`mmap.ALLOCATIONGRANULARITY`) mapped copy-on-write (``MAP_PRIVATE``,
     readable and writable: a write changes this process's copy, never the file), as a
     writable buffer that unmaps itself once nothing refers to it; ``fd`` may be closed
     at once. None where the system cannot map it (the caller reads instead).
@@ -284,7 +286,7 @@ def map_private(fd: int, length: int) -> Any | None:
     Through the C library, not Python's ``mmap`` module: that one keeps a duplicate of
     the descriptor open for as long as the mapping lives (before Python 3.13), and a
     load of thousands of mapped tensors would run out of descriptors."""
-    return _mapped(_MAP_PRIVATE, fd, length)
+    return _mapped(_MAP_PRIVATE, fd, length, offset)
 
 
 def start_writeback(fd: int) -> None:

@@ -35,6 +35,9 @@ from ucpformat.torch.numpy_bridge import from_numpy
 from ucpformat.torch.reads import TensorRead, read_tensors
 
 Device = str | int | torch.device
+#: ``save_file``'s inner chunk size: a tensor up to this size is one chunk, which
+#: ``load_file`` hands out in place (a mapping of its file, checked first).
+FLAT_CHUNK_BYTES = 1 << 30
 #: ``framework`` values of :func:`safe_open`, and whether each gives numpy arrays.
 FRAMEWORKS = {"pt": False, "torch": False, "np": True, "numpy": True}
 
@@ -56,6 +59,11 @@ def save_file(
     same tensor (one memory, viewed the same way: a tied weight) are stored once, the
     others as aliases (UCP-1.0-R108), and load as one tensor again. ``save_kwargs`` go to
     ``ucpformat.save`` (``overwrite=True`` to replace a checkpoint, ``compression``, ...).
+
+    A ``path`` ending in ``.ucpz`` is written as one file (a ZIP archive, spec §11.5),
+    any other as a directory. Each tensor of up to :data:`FLAT_CHUNK_BYTES` is one
+    chunk (``chunk_bytes=`` and ``chunk_splits=`` choose smaller ones, which a slice
+    reads less of), so that :func:`load_file` can use it in place.
     """
     from ucpformat.torch.state import save
 
@@ -72,6 +80,9 @@ def save_file(
                 f"a {type(value).__name__}, not a tensor (save_file stores tensors only; "
                 "other values go in metadata=)", tensor=f"model/{name}",
             )
+    if "options" not in save_kwargs:
+        save_kwargs.setdefault("chunk_bytes", FLAT_CHUNK_BYTES)
+        save_kwargs.setdefault("chunk_splits", 1)
     return save(path, model=tensors, metadata=metadata, **save_kwargs)
 
 
@@ -271,5 +282,5 @@ def safe_open(
     return SafeOpen(path, framework, device, prefix=prefix)
 
 
-__all__ = ["FRAMEWORKS", "SafeOpen", "TensorSlice", "load_file", "safe_open", "save_file",
-           "tensor_names"]
+__all__ = ["FLAT_CHUNK_BYTES", "FRAMEWORKS", "SafeOpen", "TensorSlice", "load_file",
+           "safe_open", "save_file", "tensor_names"]
