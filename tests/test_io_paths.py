@@ -7,8 +7,10 @@ test could catch reliably.
 
 from __future__ import annotations
 
+import gc
 import os
 import tracemalloc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +263,24 @@ def test_a_small_object_wanted_whole_is_read_with_one_system_call(
     assert len(calls) == 3
     for path, value in zip(sorted(ckpt.arrays), got, strict=True):
         assert np.array_equal(value, model[path.split("/")[1]])
+
+
+def test_a_checkpoint_that_has_read_is_freed_as_soon_as_it_is_let_go(
+    many_chunks: tuple[Path, np.ndarray[Any, Any]]
+) -> None:
+    # it keeps a reader per array read: none may hold it back (a cycle waits for the
+    # cyclic collector, and a checkpoint's metadata can be hundreds of MiB)
+    path, a = many_chunks
+    ckpt = ucpformat.open(path)
+    assert np.array_equal(ckpt.read_whole(["model/w"])[0], a) and ckpt.stats.requests == 1
+    ckpt.close()
+    gone = weakref.ref(ckpt)
+    gc.disable()
+    try:
+        del ckpt
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_read_regions_reads_many_tensors_in_one_batch(

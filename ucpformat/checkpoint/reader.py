@@ -15,7 +15,7 @@ import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,13 @@ class ReadStats:
 
     bytes_read: int = 0
     requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, nbytes: int) -> None:
+        """One request of ``nbytes`` (from any thread)."""
+        with self._lock:
+            self.bytes_read += nbytes
+            self.requests += 1
 
     def reset(self) -> None:
         self.bytes_read = 0
@@ -137,7 +144,6 @@ class Checkpoint:
         self.groups = dict(groups)
         self.max_read_bytes = max_read_bytes if max_read_bytes is not None else physical_memory()
         self.stats = ReadStats()
-        self._stats_lock = threading.Lock()
         self._workers = workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -246,11 +252,6 @@ class Checkpoint:
                     f"{self.max_read_bytes} (read a slice, load into existing tensors, or "
                     "open with a larger max_read_bytes)", rule="UCP-1.0-R090", tensor=path)
 
-    def _count(self, nbytes: int) -> None:
-        with self._stats_lock:
-            self.stats.bytes_read += nbytes
-            self.stats.requests += 1
-
     def read_regions(self, regions: Sequence[Region]) -> list[np.ndarray[Any, Any]]:
         """Read many boxes, of one tensor or many, as one batch; the arrays, in order.
 
@@ -336,10 +337,12 @@ class Checkpoint:
 
     def _reader(self, meta: ArrayMeta) -> ArrayReader:
         """The reader of an array of this checkpoint, made once: what it works out about
-        the array's layout serves every read of it."""
+        the array's layout serves every read of it. (It counts into :attr:`stats`, not
+        through the checkpoint: a checkpoint that held its readers and was held by them
+        would be freed only by the cyclic collector.)"""
         reader = self._readers.get(meta.path)
         if reader is None:
-            reader = self._readers[meta.path] = ArrayReader(self.store, meta, self._count)
+            reader = self._readers[meta.path] = ArrayReader(self.store, meta, self.stats.count)
         return reader
 
     def _prepare(
