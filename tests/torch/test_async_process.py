@@ -156,6 +156,22 @@ def test_what_cannot_travel_is_refused_before_the_child_hears_of_it(tmp_path: Pa
     assert _same_model(tmp_path / "a", model.state_dict())
 
 
+def test_an_object_store_travels_as_its_url_and_storage_options() -> None:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from ucpformat.store import open_store
+    from ucpformat.testing.s3 import BUCKET, s3_server
+
+    model = w.build("plain")
+    with s3_server() as options, AsyncSaver(writer="process") as saver:
+        store = open_store(f"s3://{BUCKET}/proc-{os.getpid()}", storage_options=options)
+        saver.save(store, model=model, step=3).result()  # rebuilt in the child, from JSON
+        ck = ucpformat.open_checkpoint(store)
+        assert ck.values("training")["step"] == 3
+        assert all(ck.tensor("model", k).read().tobytes() == _raw(v)
+                   for k, v in model.state_dict().items())
+
+
 def test_the_childs_other_errors_name_their_class_and_message(tmp_path: Path) -> None:
     arena = SharedArena()
     writer = WriterProcess()
