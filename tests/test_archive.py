@@ -166,9 +166,17 @@ def test_a_distributed_save_to_one_file_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "d.ucpz").exists()
 
 
-def test_archive_paths() -> None:
+def test_archive_paths(tmp_path: Path) -> None:
     assert is_archive_path("x/model.ucpz") and is_archive_path("file:///x/M.UCPZ")
     assert not is_archive_path("x/model") and not is_archive_path("s3://b/model.ucpz")
+    from ucpformat.store import LocalStore
+
+    save(LocalStore(tmp_path / "old.ucpz"))  # a directory checkpoint named so: read as one
+    assert not is_archive_path(tmp_path / "old.ucpz")
+    with ucpformat.open(tmp_path / "old.ucpz") as ckpt:
+        assert "model/w" in ckpt.arrays
+    (tmp_path / "file").write_bytes(b"x")
+    assert is_archive_path(tmp_path / "file")
 
 
 # -- what a reader refuses ---------------------------------------------------------------

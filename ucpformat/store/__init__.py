@@ -14,7 +14,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ucpformat.store.archive import ArchiveStore, ArchiveWriter, is_archive_path
+from ucpformat.store.archive import (
+    ArchiveStore,
+    ArchiveWriter,
+    has_archive_suffix,
+    is_archive_path,
+)
 from ucpformat.store.base import Store, StoreClaim, check_key, close_quietly, is_safe_key
 from ucpformat.store.forwarding import ForwardingStore
 from ucpformat.store.guard import ReadGuard, read_guarded
@@ -62,6 +67,7 @@ __all__ = [
     "StoreClaim",
     "check_key",
     "close_quietly",
+    "has_archive_suffix",
     "is_archive_path",
     "is_safe_key",
     "open_store",

@@ -50,19 +50,26 @@ _ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
 _ROOT_KEY = "zarr.json"
 
 
-def is_archive_path(location: str | os.PathLike[str]) -> bool:
-    """Whether a local path names a checkpoint in the single-file form: its name ends in
-    :data:`ARCHIVE_SUFFIX`, or it is a regular file (a directory is the other form)."""
+def has_archive_suffix(location: str | os.PathLike[str]) -> bool:
+    """Whether a local path's name ends in :data:`ARCHIVE_SUFFIX` (a save there writes
+    one file, UCP-1.0-R078)."""
     text = os.fspath(location)
     if "://" in text and not text.startswith("file://"):
         return False
-    text = text.removeprefix("file://")
-    if text.lower().endswith(ARCHIVE_SUFFIX):
-        return True
-    try:
-        return stat.S_ISREG(os.stat(text).st_mode)
-    except (OSError, ValueError):
+    return text.lower().endswith(ARCHIVE_SUFFIX)
+
+
+def is_archive_path(location: str | os.PathLike[str]) -> bool:
+    """Whether a local path is read as a checkpoint in one file: a regular file is
+    (whatever its name, UCP-1.0-R078), a directory is not (whatever its name), and a
+    path with nothing there is if its name ends in :data:`ARCHIVE_SUFFIX`."""
+    text = os.fspath(location)
+    if "://" in text and not text.startswith("file://"):
         return False
+    try:
+        return stat.S_ISREG(os.stat(text.removeprefix("file://")).st_mode)
+    except (OSError, ValueError):
+        return has_archive_suffix(text)
 
 
 def _read_only(location: str) -> WriteError:
@@ -319,8 +326,13 @@ class ArchiveWriter(Store):
         self.durable = durable
         self._check_target()
         self._partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.partial")
-        self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                           0o644)
+        try:
+            self._fd = os.open(self._partial,
+                               os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot create the new file {self._partial.name!r} beside "
+                               f"it: {exc.strerror or exc}", rule="UCP-1.0-R074",
+                               path=self.location) from exc
         self._finalizer = weakref.finalize(self, _remove, self._fd, str(self._partial))
         self._lock = threading.Lock()
         self._end = 0
@@ -446,6 +458,11 @@ class ArchiveWriter(Store):
                 raise CheckpointExistsError(
                     "a directory appeared at this path during the save; nothing was "
                     "replaced", rule="UCP-1.0-R066", path=self.location) from exc
+            except OSError as exc:  # no hard links here, a full disk, ...
+                raise StorageError(
+                    f"cannot put the new file at this path: {exc.strerror or exc}; nothing "
+                    "was replaced (overwrite=True renames instead of linking)",
+                    rule="UCP-1.0-R074", path=self.location) from exc
             if self.durable:
                 _fsync_directory(self.path.parent)
             self.committed = True
@@ -526,4 +543,4 @@ def _remove(fd: int, path: str) -> None:
 
 
 __all__ = ["ARCHIVE_SUFFIX", "MAX_DIRECTORY_BYTES", "ArchiveStore", "ArchiveWriter",
-           "is_archive_path"]
+           "has_archive_suffix", "is_archive_path"]
