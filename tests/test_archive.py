@@ -281,10 +281,7 @@ def test_zip64_records_for_sizes_and_offsets_beyond_4_gib(tmp_path: Path) -> Non
         f.seek(at)
         f.write(second + b"abc")
         f.write(zip_layout.directory(members, end))
-    try:
-        infos = {i.filename: i for i in zipfile.ZipFile(path).infolist()}
-    except OSError:  # a file system without sparse files
-        pytest.skip("no sparse files here")
+    infos = {i.filename: i for i in zipfile.ZipFile(path).infolist()}
     assert infos["model/a/c/0"].file_size == size
     assert infos["model/b/c/0"].header_offset == at
     store = ArchiveStore(path)

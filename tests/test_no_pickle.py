@@ -23,13 +23,27 @@ EXCLUDED = ("torch", "importers", "exporters", "megatron")
 FORBIDDEN_NAMES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal",
                    "shelve", "eval", "exec", "__import__"}
 FORBIDDEN_CALLS = {("torch", "load"), ("np", "load"), ("numpy", "load")}
+#: Modules of the excluded integrations that never unpickle either: the writer process
+#: reads its parent's messages as JSON (``multiprocessing.connection.Connection``'s
+#: ``send``/``recv``, which pickle, are forbidden there too; ``send_bytes`` is bytes).
+PICKLE_FREE = ("torch/writer_process.py", "torch/writer_wire.py")
+CONNECTION_PICKLING = {"send", "recv"}
 
 
 def core_sources() -> Iterator[Path]:
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] not in EXCLUDED:
+        if rel.parts[0] not in EXCLUDED or rel.as_posix() in PICKLE_FREE:
             yield path
+
+
+def connection_pickling(source: str) -> list[str]:
+    """Calls of a ``Connection``'s pickling ``.send(`` / ``.recv(`` among the code tokens."""
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+              if t.type in (tokenize.NAME, tokenize.OP)]
+    return [f"line {tok.start[0]}: .{tok.string}(" for i, tok in enumerate(tokens[1:-1], 1)
+            if tok.string in CONNECTION_PICKLING and tokens[i - 1].string == "."
+            and tokens[i + 1].string == "("]
 
 
 def forbidden_uses(source: str) -> list[str]:
@@ -56,9 +70,17 @@ def test_the_scanner_finds_what_it_looks_for() -> None:
 
 def test_core_sources_use_no_pickle_eval_or_exec() -> None:
     sources = list(core_sources())
-    assert {p.name for p in sources} >= {"reader.py", "writer.py", "codecs.py", "validation.py"}
+    assert {p.name for p in sources} >= {"reader.py", "writer.py", "codecs.py", "validation.py",
+                                         "writer_process.py", "writer_wire.py"}
     problems = {str(p.relative_to(PACKAGE)): forbidden_uses(p.read_text()) for p in sources}
     assert {k: v for k, v in problems.items() if v} == {}
+
+
+def test_the_writer_process_sends_no_pickles_over_its_connection() -> None:
+    assert connection_pickling("conn.send((1,))\nx = c.recv()\nc.send_bytes(b)\nsend(m)\n") \
+        == ["line 1: .send(", "line 2: .recv("]
+    for rel in PICKLE_FREE:
+        assert connection_pickling((PACKAGE / rel).read_text()) == [], rel
 
 
 def test_core_text_mentions_no_torch_load() -> None:

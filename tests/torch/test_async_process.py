@@ -1,16 +1,19 @@
 """AsyncSaver(writer="process"): the write runs in a child process over shared memory.
 
-Bit-equal round trips; a failure in the child (a store that raises, the child killed)
-raised by ``wait()`` with the previous checkpoint intact; nothing left behind after
-``close()`` (no process, no shared memory); the CheckpointManager's async saves.
+Bit-equal round trips; a failure in the child (a write that fails, the child killed)
+raised by ``wait()`` with the previous checkpoint intact; what cannot travel to the child
+as JSON refused before it hears of it; nothing left behind after ``close()`` (no
+process, no shared memory); the CheckpointManager's async saves.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import signal
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,11 +22,15 @@ torch = pytest.importorskip("torch")
 import ucpformat  # noqa: E402
 import ucpformat.torch as ucpt  # noqa: E402
 from tests.torch import dist_workers as w  # noqa: E402
-from tests.torch.writer_stores import DiskFullStore, StallingStore  # noqa: E402
 from ucpformat.checkpoint.manager import CheckpointManager  # noqa: E402
-from ucpformat.errors import UCPError, WriteError  # noqa: E402
+from ucpformat.errors import InvalidValueError, UCPError, WriteError  # noqa: E402
+from ucpformat.store import LocalStore  # noqa: E402
 from ucpformat.torch.async_save import AsyncSaver, close_async, save_async  # noqa: E402
-from ucpformat.torch.writer_process import WriterProcessError  # noqa: E402
+from ucpformat.torch.writer_process import (  # noqa: E402
+    SharedArena,
+    WriterProcess,
+    WriterProcessError,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -100,10 +107,20 @@ def test_a_failure_in_the_child_is_raised_by_wait_and_the_previous_checkpoint_st
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with AsyncSaver(writer="process") as saver:
         saver.save(tmp_path / "a", model=model, durable=False).result()
-        saver.save(DiskFullStore(tmp_path / "b", durable=False), model=model)
-        with pytest.raises(WriteError, match="No space left") as info:
-            saver.wait()
-        assert any("in the writer process" in note for note in info.value.__notes__)
+        pid = saver.writer_pid
+        assert pid is not None
+        # the child's writes past 128 bytes fail (EFBIG: Python ignores SIGXFSZ), as a
+        # full disk's would, part way through the save
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (128, hard))
+        try:
+            saver.save(tmp_path / "b", model=model, durable=False)
+            with pytest.raises(WriteError, match=os.strerror(errno.EFBIG)) as info:
+                saver.wait()
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+        assert any(f"in the writer process (pid {pid})" in note
+                   for note in info.value.__notes__)
         with pytest.raises(UCPError):
             ucpformat.open_checkpoint(tmp_path / "b")  # nothing committed
         # a UCPError keeps its class and rule: a committed checkpoint without overwrite
@@ -111,22 +128,77 @@ def test_a_failure_in_the_child_is_raised_by_wait_and_the_previous_checkpoint_st
         with pytest.raises(ucpformat.errors.CheckpointExistsError, match=r"UCP-1\.0-R053"):
             saver.wait()
         saver.save(tmp_path / "c", model=model, durable=False).result()  # it goes on
+        assert saver.writer_pid == pid
     assert _same_model(tmp_path / "a", state) and _same_model(tmp_path / "c", state)
+
+
+class _FullDisk(LocalStore):
+    """A store whose behaviour is code: it cannot travel to a writer process."""
+
+    def create(self, key: str, buffers: Any, *, atomic: bool = False) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", key)
+
+
+def test_what_cannot_travel_is_refused_before_the_child_hears_of_it(tmp_path: Path) -> None:
+    model = w.build("plain")
+    with AsyncSaver(writer="process") as saver:
+        pid = saver.writer_pid
+        with pytest.raises(InvalidValueError, match=r"_FullDisk cannot be sent to the writer "
+                                                    r"process.*pass a path or URL"):
+            saver.save(_FullDisk(tmp_path / "a"), model=model)
+        with pytest.raises(InvalidValueError, match=r"progress=.*progress=True"):
+            saver.save(tmp_path / "a", model=model, progress=lambda n: None)
+        assert not (tmp_path / "a").exists() and saver.wait() is None  # nothing started
+        # a plain store travels (as its location and settings), a path too
+        saver.save(LocalStore(tmp_path / "a", durable=False), model=model).result()
+        saver.save(tmp_path / "b", model=model, durable=False, progress=True).result()
+        assert saver.writer_pid == pid
+    assert _same_model(tmp_path / "a", model.state_dict())
+
+
+def test_an_object_store_travels_as_its_url_and_storage_options() -> None:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from ucpformat.store import open_store
+    from ucpformat.testing.s3 import BUCKET, s3_server
+
+    model = w.build("plain")
+    with s3_server() as options, AsyncSaver(writer="process") as saver:
+        store = open_store(f"s3://{BUCKET}/proc-{os.getpid()}", storage_options=options)
+        saver.save(store, model=model, step=3).result()  # rebuilt in the child, from JSON
+        ck = ucpformat.open_checkpoint(store)
+        assert ck.values("training")["step"] == 3
+        assert all(ck.tensor("model", k).read().tobytes() == _raw(v)
+                   for k, v in model.state_dict().items())
+
+
+def test_the_childs_other_errors_name_their_class_and_message(tmp_path: Path) -> None:
+    arena = SharedArena()
+    writer = WriterProcess()
+    try:
+        arena.reserve(4096)
+        # an argument save_fragments does not take: a TypeError in the child
+        with pytest.raises(WriteError, match=r"the writer process failed: TypeError: .*"
+                                             r"unexpected keyword argument 'colour'") as info:
+            writer.save(arena, tmp_path / "a", specs=[], fragments=[], colour="red")
+        assert type(info.value) is WriteError
+        assert "Traceback" in info.value.__notes__[0] and "save_fragments" in \
+            info.value.__notes__[0]
+        assert writer.alive() and not (tmp_path / "a").exists()
+    finally:
+        writer.close()
+        arena.close()
 
 
 def test_a_killed_child_is_an_error_naming_it_and_a_new_one_takes_over(tmp_path: Path) -> None:
     model = w.build("plain")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    started, go = tmp_path / "started", tmp_path / "go"
     with AsyncSaver(writer="process") as saver:
         saver.save(tmp_path / "a", model=model, durable=False).result()
         pid = saver.writer_pid
         assert pid is not None
-        future = saver.save(StallingStore(tmp_path / "b", started, go), model=model)
-        deadline = time.monotonic() + 120
-        while not started.exists():  # the child is writing tensor data
-            assert time.monotonic() < deadline, "the writer process never started writing"
-            time.sleep(0.05)
+        os.kill(pid, signal.SIGSTOP)  # the save below is in flight until the child dies
+        future = saver.save(tmp_path / "b", model=model)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WriterProcessError, match=f"pid {pid}.*SIGKILL"):
             saver.wait()

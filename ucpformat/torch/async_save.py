@@ -45,8 +45,11 @@ Where the write runs (``writer=``):
   copies into host memory shared with it (:class:`~ucpformat.torch.staging.SharedBuffers`,
   page-locked when CUDA is available; no file name, so nothing can leak), and the
   background thread only waits for the child, which writes and commits through the same
-  pipeline. Its errors are raised by the future with their class and the child's
-  traceback; a child that died is a
+  pipeline. What the child is sent travels as JSON (never pickle): the location is a
+  path or URL (or a plain ``LocalStore``/``FsspecStore``), and a ``progress`` callback
+  cannot go (``progress=True`` can). Its errors are raised by the future (a
+  :class:`~ucpformat.errors.UCPError` with its class, another as a ``WriteError``
+  naming it) with the child's traceback; a child that died is a
   :class:`~ucpformat.torch.writer_process.WriterProcessError` naming its exit
   (the next save of a one-process saver starts a new child). With several ranks, each
   rank's child joins a gloo group of the children
@@ -94,6 +97,7 @@ from ucpformat.torch.staging import (
 )
 from ucpformat.torch.state import Stateful
 from ucpformat.torch.writer_process import SharedArena, WriterProcess, WriterProcessError
+from ucpformat.torch.writer_wire import location_to_json, save_kwargs_to_json
 
 #: Where an :class:`AsyncSaver` writes: a thread of this process, or a process of its own.
 Writer = Literal["thread", "process"]
@@ -203,11 +207,17 @@ class AsyncSaver:
         Arguments as for :func:`ucpformat.torch.save_distributed`, ``rng`` and
         ``rank_state`` (this rank's own state, ``training/ranks/<rank>``) included: they
         are taken now, with the snapshot. Waits for the previous save first and raises
-        its error if it failed (nothing of this one has started).
+        its error if it failed (nothing of this one has started). With
+        ``writer="process"``, a location or option that cannot travel to the writer
+        process as JSON (a store object other than a ``LocalStore`` or ``FsspecStore``, a
+        ``progress`` callback) raises :class:`~ucpformat.errors.InvalidValueError` first.
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
         save_kwargs = _background(save_kwargs)
+        if self.writer == "process":  # what cannot travel to the child: refused now
+            location_to_json(path)
+            save_kwargs_to_json(save_kwargs)
         with self._lock:
             t0 = time.perf_counter()
             self.wait()

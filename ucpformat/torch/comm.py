@@ -185,7 +185,8 @@ class GlooConnector:
     (:class:`ucpformat.torch.writer_process.WriterProcess`): each joins as its
     parent's rank in the saver's group, by a TCP rendezvous at ``address:port`` (on the
     group's rank 0; :func:`writer_connector`). ``timeout_s``: how long a child waits in
-    a collective for the others (a peer that died)."""
+    a collective for the others (a peer that died). It travels to the child as JSON, its
+    fields (:mod:`ucpformat.torch.writer_wire`)."""
 
     address: str
     port: int

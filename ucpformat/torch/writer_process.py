@@ -13,15 +13,18 @@ happen there, and it commits.
   descriptor goes to the child over their socket (``SCM_RIGHTS``), so nothing is ever in
   ``/dev/shm`` and nothing outlives both processes, whatever way they end.
 * **Several ranks.** Each rank has its own child; the children take part in the save's
-  collectives over a communicator of their own, made in the child by ``connect`` (a
-  picklable object whose ``connect()`` returns a
-  :class:`~ucpformat.distributed.comm.Communicator`; ``ucpformat.torch`` gives a gloo
-  group of the children). Without one, the child saves as a single process.
+  collectives over a communicator of their own, made in the child by ``connector``
+  (an object whose ``connect()`` returns a
+  :class:`~ucpformat.distributed.comm.Communicator`, of a kind that travels as JSON:
+  :data:`~ucpformat.torch.writer_wire.CONNECTOR_KINDS`; ``ucpformat.torch`` gives a
+  :class:`~ucpformat.torch.comm.GlooConnector`, a gloo group of the children). Without
+  one, the child saves as a single process.
 * **Failures.** An error in the child is raised by :meth:`WriterProcess.save` with its
-  class (a :class:`~ucpformat.errors.UCPError` as it was, another error pickled, or a
-  :class:`~ucpformat.errors.WriteError` naming it) and the child's traceback as a note.
-  A child that dies is a :class:`WriterProcessError` naming its exit code or signal. The
-  pipeline's guarantees are the child's: a failed save commits nothing.
+  class (a :class:`~ucpformat.errors.UCPError` as it was; another error as a
+  :class:`~ucpformat.errors.WriteError` naming its class and message) and the child's
+  traceback as a note. A child that dies is a :class:`WriterProcessError` naming its
+  exit code or signal. The pipeline's guarantees are the child's: a failed save commits
+  nothing.
 * **Lifetime.** The child starts with :class:`WriterProcess`, serves one save after
   another, and ends at :meth:`WriterProcess.close` (asked to stop, then killed if it
   does not), when the object is collected or the interpreter exits, or, on its own,
@@ -32,11 +35,18 @@ The child is started with ``sys.executable -c`` (no ``multiprocessing`` main-mod
 import, so a training script needs no ``if __name__ == "__main__"`` guard) and the
 parent's ``sys.path``. Linux only (``os.memfd_create``).
 
-The two processes speak pickle over their private socket (the save's arguments, its
-result, an error): they are the same user's, and a store object or an error travels
-whole. That is why this module lives with the torch integration, outside the format
-core, which never unpickles (``tests/test_no_pickle.py``); it needs nothing of torch
-itself, but the child imports ``ucpformat.torch`` (and so torch) to reach it.
+The two processes speak JSON over their private socket, one message per frame
+(:mod:`ucpformat.torch.writer_wire` gives every object that travels its JSON form: the
+save's arguments, its result, an error), never pickle: the child reads what it is sent
+as a reader reads a checkpoint, with no way to make it run code, and the format's rule
+(nothing is ever unpickled, ``tests/test_no_pickle.py``) holds here too. What has no JSON
+form is refused in the parent before the child does anything: a store other than a
+path, a URL, a plain ``LocalStore`` or an ``FsspecStore`` with JSON storage options (pass
+a path or URL), a connector of an unknown kind, a ``progress`` callback. The arena's
+file descriptor goes as ``SCM_RIGHTS`` ancillary data
+(:func:`multiprocessing.reduction.send_handle`, a one-byte message, no pickle). The
+module lives with the torch integration: it needs nothing of torch itself, but the
+child imports ``ucpformat.torch`` (and so torch) to reach it.
 """
 
 from __future__ import annotations
@@ -44,13 +54,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import traceback
 import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -65,7 +73,20 @@ from ucpformat.distributed.exchange import Fragment
 from ucpformat.distributed.fragments import save_fragments
 from ucpformat.distributed.pipeline import DistributedSaveResult
 from ucpformat.distributed.rank_description import MeshPosition, MeshTensor
-from ucpformat.errors import UCPError, WriteError, error_document, error_from_document
+from ucpformat.errors import WriteError
+from ucpformat.torch.writer_wire import (
+    FragmentPlace,
+    SaveRequest,
+    connector_from_json,
+    connector_to_json,
+    decode_message,
+    encode_message,
+    error_from_json,
+    error_to_json,
+    request_to_json,
+    result_from_json,
+    result_to_json,
+)
 
 #: Seconds :meth:`WriterProcess.close` waits for the child to stop before terminating it.
 STOP_TIMEOUT_S = 30.0
@@ -76,7 +97,8 @@ class WriterProcessError(WriteError):
 
 
 class Connector(Protocol):
-    """Makes the child's communicator, in the child (picklable: it travels there)."""
+    """Makes the child's communicator, in the child (of a kind in
+    :data:`~ucpformat.torch.writer_wire.CONNECTOR_KINDS`: it travels there as JSON)."""
 
     def connect(self) -> Communicator: ...
 
@@ -174,7 +196,7 @@ def _shutdown(proc: subprocess.Popen[bytes], conn: Connection, owner: int) -> No
     try:
         if proc.poll() is None:
             with contextlib.suppress(OSError):
-                conn.send(("stop",))
+                conn.send_bytes(encode_message({"kind": "stop"}))
             try:
                 proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -187,13 +209,17 @@ def _shutdown(proc: subprocess.Popen[bytes], conn: Connection, owner: int) -> No
 class WriterProcess:
     """A child process that writes saves from a :class:`SharedArena` (one at a time).
 
-    ``connector``: makes the child's communicator (several ranks); None: one process.
+    ``connector``: makes the child's communicator (several ranks; of a kind that
+    travels, else :class:`~ucpformat.errors.InvalidValueError` before anything starts);
+    None: one process.
     ``nice``: added to the child's niceness (``os.nice``): a positive value lets the
     training process have the CPU first where both want it. :meth:`save` blocks until
     the child reports (call it from a background thread).
     """
 
     def __init__(self, connector: Connector | None = None, *, nice: int = 0) -> None:
+        start = encode_message({"kind": "init", "sys_path": list(sys.path),
+                                "connector": connector_to_json(connector), "nice": int(nice)})
         parent, child = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the directory holding ucpformat
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -215,7 +241,7 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._ready = False
         self._generation = -1  # the arena generation the child has mapped
-        self._conn.send(("init", list(sys.path), connector, nice))
+        self._conn.send_bytes(start)
 
     @property
     def pid(self) -> int:
@@ -233,19 +259,20 @@ class WriterProcess:
             f"the writer process (pid {self._proc.pid}) ended ({_how_it_ended(code)}) "
             f"{during}")
 
-    def _receive(self, during: str) -> Any:
+    def _receive(self, during: str) -> dict[str, Any]:
         """The child's next message (WriterProcessError if it died first)."""
         while not self._conn.poll(0.2):
             if self._proc.poll() is not None and not self._conn.poll(0):
                 raise self._died(during)
         try:
-            return self._conn.recv()
+            data = self._conn.recv_bytes()
         except (EOFError, OSError):
             raise self._died(during) from None
+        return decode_message(data)
 
-    def _send(self, message: Any, during: str) -> None:
+    def _send(self, message: dict[str, Any], during: str) -> None:
         try:
-            self._conn.send(message)
+            self._conn.send_bytes(encode_message(message))
         except (BrokenPipeError, ConnectionError):
             raise self._died(during) from None
 
@@ -254,7 +281,7 @@ class WriterProcess:
         if self._ready:
             return
         reply = self._receive("while starting")
-        if reply[0] != "ready":
+        if reply["kind"] != "ready":
             raise _raised(reply, self._proc.pid)
         self._ready = True
 
@@ -272,32 +299,28 @@ class WriterProcess:
         **save_kwargs: Any,
     ) -> DistributedSaveResult:
         """:func:`ucpformat.distributed.save_fragments` in the child, on ``fragments``
-        whose values are views of ``arena``; raises the child's error."""
+        whose values are views of ``arena``; raises the child's error. What cannot
+        travel as JSON (:mod:`~ucpformat.torch.writer_wire`: a store object other than
+        a LocalStore or FsspecStore, a ``progress`` callback) raises
+        :class:`~ucpformat.errors.InvalidValueError` before the child hears of it."""
         where = f"before it reported the save to {path} (nothing says it committed)"
         with self._lock:
             if self._finalizer.alive is False:
                 raise WriterProcessError("the writer process was closed")
+            places = [FragmentPlace(f.path, f.box, arena.offset_of(f.data), f.data.shape,
+                                    f.data.strides, f.data.dtype) for f in fragments]
+            request = request_to_json(
+                path, specs=specs, fragments=places, group_attributes=group_attributes,
+                meshes=meshes, on_mesh=on_mesh, metadata=metadata, save_kwargs=save_kwargs)
             self.wait_ready()
             if arena.generation != self._generation:
-                self._send(("arena", arena.size), where)
+                self._send({"kind": "arena", "size": arena.size}, where)
                 send_handle(self._conn, arena.fd, self._proc.pid)
                 self._generation = arena.generation
-            described = [(f.path, f.box, arena.offset_of(f.data), f.data.shape,
-                          f.data.strides, f.data.dtype) for f in fragments]
-            request = {"path": path, "specs": list(specs), "fragments": described,
-                       "group_attributes": group_attributes, "meshes": list(meshes),
-                       "on_mesh": list(on_mesh), "metadata": metadata,
-                       "save_kwargs": save_kwargs}
-            try:
-                payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise WriteError(f"the save's arguments cannot be sent to the writer "
-                                 f"process: {exc}") from exc
-            self._send(("save", payload), where)
+            self._send({"kind": "save", "request": request}, where)
             reply = self._receive(where)
-            if reply[0] == "done":
-                result: DistributedSaveResult = reply[1]
-                return result
+            if reply["kind"] == "done":
+                return result_from_json(reply["result"])
             raise _raised(reply, self._proc.pid)
 
     def close(self) -> None:
@@ -306,53 +329,30 @@ class WriterProcess:
         self._finalizer()
 
 
-def _raised(reply: Any, pid: int) -> BaseException:
-    """The error of a ``("failed", kind, body, traceback)`` reply."""
-    if reply[0] != "failed":
-        return WriterProcessError(f"the writer process (pid {pid}) answered {reply[0]!r}")
-    _, kind, body, tb = reply
-    error: BaseException
-    if kind == "ucp":
-        error = error_from_document(body)
-    elif kind == "pickled":
-        try:
-            error = pickle.loads(body)
-        except Exception:
-            error = WriteError(f"the writer process failed: {tb.strip().splitlines()[-1]}")
-    else:
-        error = WriteError(f"the writer process failed: {body}")
-    if isinstance(error, BaseException):
-        error.add_note(f"in the writer process (pid {pid}):\n{tb}")
-    return error
+def _raised(reply: dict[str, Any], pid: int) -> BaseException:
+    """The error of a ``failed`` reply (:func:`~ucpformat.torch.writer_wire.error_to_json`)."""
+    if reply["kind"] != "failed":
+        return WriterProcessError(f"the writer process (pid {pid}) answered {reply['kind']!r}")
+    return error_from_json(reply, pid)
 
 
 # -- the child's side ------------------------------------------------------------------------------
 
 
-def _failure(exc: BaseException) -> tuple[str, str, Any, str]:
-    tb = "".join(traceback.format_exception(exc))
-    if isinstance(exc, UCPError):
-        return ("failed", "ucp", error_document(exc), tb)
-    try:
-        return ("failed", "pickled", pickle.dumps(exc), tb)
-    except Exception:
-        return ("failed", "text", f"{type(exc).__name__}: {exc}", tb)
-
-
-def _run_save(arena: mmap.mmap | None, comm: Communicator, payload: bytes
+def _run_save(arena: mmap.mmap | None, comm: Communicator, doc: dict[str, Any]
               ) -> DistributedSaveResult:
-    request = pickle.loads(payload)
+    request = SaveRequest.from_json(doc)
     frags = []
-    for path, box, offset, shape, strides, dtype in request["fragments"]:
+    for place in request.fragments:
         if arena is None:
             raise WriterProcessError("a save arrived before its shared memory")
-        data: np.ndarray[Any, Any] = np.ndarray(shape, dtype=dtype, buffer=arena,
-                                                offset=offset, strides=strides)
-        frags.append(Fragment(path, box, data))
+        data: np.ndarray[Any, Any] = np.ndarray(place.shape, dtype=place.dtype, buffer=arena,
+                                                offset=place.offset, strides=place.strides)
+        frags.append(Fragment(place.path, place.box, data))
     return save_fragments(
-        request["path"], comm, specs=request["specs"], fragments=frags,
-        group_attributes=request["group_attributes"], meshes=request["meshes"],
-        on_mesh=request["on_mesh"], metadata=request["metadata"], **request["save_kwargs"])
+        request.location, comm, specs=request.specs, fragments=frags,
+        group_attributes=request.group_attributes, meshes=request.meshes,
+        on_mesh=request.on_mesh, metadata=request.metadata, **request.save_kwargs)
 
 
 def serve(fd: int) -> None:
@@ -364,38 +364,46 @@ def serve(fd: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
     conn = Connection(fd)
     arena: mmap.mmap | None = None
+
+    def send(message: dict[str, Any]) -> None:
+        conn.send_bytes(encode_message(message))
+
     try:
-        _, sys_path, connector, nice = conn.recv()
-        sys.path.extend(p for p in sys_path if p not in sys.path)
-        if nice:
-            os.nice(nice)
         try:
+            start = decode_message(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the parent is gone
+        sys.path.extend(p for p in start["sys_path"] if p not in sys.path)
+        if start["nice"]:
+            os.nice(int(start["nice"]))
+        try:
+            connector = connector_from_json(start["connector"])
             comm: Communicator = connector.connect() if connector is not None \
                 else SingleProcess()
         except BaseException as exc:
-            conn.send(_failure(exc))
+            send(error_to_json(exc))
             return
-        conn.send(("ready", os.getpid()))
+        send({"kind": "ready", "pid": os.getpid()})
         while True:
             try:
-                message = conn.recv()
+                message = decode_message(conn.recv_bytes())
             except (EOFError, OSError):
                 return  # the parent is gone
-            if message[0] == "stop":
+            if message["kind"] == "stop":
                 return
-            if message[0] == "arena":
+            if message["kind"] == "arena":
                 new_fd = recv_handle(conn)
                 try:
-                    arena = mmap.mmap(new_fd, message[1])
+                    arena = mmap.mmap(new_fd, int(message["size"]))
                 finally:
                     os.close(new_fd)
                 continue
             try:
-                result = _run_save(arena, comm, message[1])
+                result = _run_save(arena, comm, message["request"])
             except BaseException as exc:
-                conn.send(_failure(exc))
+                send(error_to_json(exc))
             else:
-                conn.send(("done", result))
+                send({"kind": "done", "result": result_to_json(result)})
     finally:
         conn.close()
         sys.stdout.flush()
