@@ -312,19 +312,18 @@ class Checkpoint:
         metas = [self._meta(path) for path in paths]
         self.check_new_arrays([(m.path, m.nbytes) for m in metas])
         arrays: list[np.ndarray[Any, Any] | None] = [None] * len(metas)
-        if mapped:
-            readers = [self._reader(m) for m in metas]
-            maps = [i for i, r in enumerate(readers) if r.mappable]
-            with self.store.batch():
+        maps = [i for i, m in enumerate(metas) if self._reader(m).mappable] if mapped else []
+        with self.store.batch():  # (one for both passes: read_regions' nests in it)
+            if maps:
                 mapped_arrays = self._map(
-                    ArrayReader.map_whole, [readers[i] for i in maps],
+                    ArrayReader.map_whole, [self._reader(metas[i]) for i in maps],
                     sizes=[metas[i].nbytes for i in maps],
                     serial=sum(metas[i].nbytes for i in maps) <= self.SERIAL_BYTES)
-            for i, array in zip(maps, mapped_arrays, strict=True):
-                arrays[i] = array
-        rest = [i for i, a in enumerate(arrays) if a is None]
-        read = self.read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
-                                         metas[i].shape) for i in rest])
+                for i, array in zip(maps, mapped_arrays, strict=True):
+                    arrays[i] = array
+            rest = [i for i, a in enumerate(arrays) if a is None]
+            read = self._read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
+                                              metas[i].shape) for i in rest])
         for i, array in zip(rest, read, strict=True):
             arrays[i] = array
         return [a for a in arrays if a is not None]
