@@ -394,17 +394,16 @@ def parse_array(path: str, doc: Any) -> ArrayMeta:
         _check_keys(cfg, _SHARDING_KEYS, "the sharding_indexed configuration", "UCP-1.0-R022",
                     where)
         chunk_shape = _int_list(cfg.get("chunk_shape"), "inner chunk_shape", where, minimum=1)
-        per_dim = [g // c for g, c in zip(grid_shape, chunk_shape, strict=False)]
-        if len(chunk_shape) != len(shape) or [
-            n * c for n, c in zip(per_dim, chunk_shape, strict=True)
-        ] != list(grid_shape):
+        if len(chunk_shape) != len(shape) or any(
+            g % c for g, c in zip(grid_shape, chunk_shape, strict=True)
+        ):
             raise _fail(
                 f"shard shape {list(grid_shape)} must be a multiple of the inner chunk shape "
                 f"{list(chunk_shape)}",
                 "UCP-1.0-R028",
                 where,
             )
-        per_shard = math.prod(per_dim)
+        per_shard = math.prod(g // c for g, c in zip(grid_shape, chunk_shape, strict=True))
         if per_shard > MAX_CHUNKS_PER_SHARD:
             raise _fail(
                 f"a shard holds more than {MAX_CHUNKS_PER_SHARD} inner chunks", "UCP-1.0-R028",
