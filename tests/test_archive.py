@@ -412,3 +412,16 @@ def test_writers_of_directories_refuse_a_one_file_path_before_they_start(
     with pytest.raises(WriteError, match=r"ucp pack DIRECTORY FILE\.ucpz") as err:
         DistributedSave(tmp_path / "d.ucpz", SingleProcess())
     assert err.value.rule == "UCP-1.0-R074" and list(tmp_path.iterdir()) == []
+
+
+def test_an_archive_of_the_checkpoints_folder_says_how_to_make_one(tmp_path: Path) -> None:
+    save(tmp_path / "ckpt")
+    with zipfile.ZipFile(tmp_path / "folder.zip", "w") as z:
+        for p in sorted((tmp_path / "ckpt").rglob("*")):
+            if p.is_file():
+                z.write(p, str(p.relative_to(tmp_path)))
+    with pytest.raises(CheckpointNotFoundError, match=r"ucp pack ckpt FILE\.ucpz") as err:
+        ucpformat.open(tmp_path / "folder.zip")
+    assert err.value.rule == "UCP-1.0-R051" and "under 'ckpt/'" in str(err.value)
+    report = ucpformat.validate(tmp_path / "folder.zip")
+    assert not report.valid and "under 'ckpt/'" in report.errors[0].message

@@ -24,7 +24,7 @@ import threading
 import uuid
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,22 @@ def _read_only(location: str) -> WriteError:
         "`ucp pack`), whole; this writer writes a directory: save to a directory, then "
         "`ucp pack DIRECTORY FILE.ucpz`",
         rule="UCP-1.0-R074", path=location)
+
+
+def _check_not_a_folder(members: Mapping[str, Member], location: str) -> None:
+    """Refuse the commonest mistake, an archive of a checkpoint's folder (every member
+    under ``<folder>/``, the root at ``<folder>/zarr.json``), saying how to make one."""
+    if _ROOT_KEY in members or not members:
+        return
+    folders = {name.split("/", 1)[0] for name in members}
+    folder = folders.pop()
+    if not folders and f"{folder}/{_ROOT_KEY}" in members:
+        raise CheckpointNotFoundError(
+            f"no root zarr.json: every member is under {folder + '/'!r}, so this is an "
+            "archive of a checkpoint's folder, not of the checkpoint; make one with "
+            f"`ucp pack {folder} FILE.ucpz` (or zip from inside the folder: "
+            f"`cd {folder} && zip -r -0 ../FILE.ucpz .`)",
+            rule="UCP-1.0-R051", path=location)
 
 
 def check_directory_location(location: str | os.PathLike[str] | Store) -> None:
@@ -155,6 +171,7 @@ class ArchiveStore(Store):
                     members, directory = zip_layout.read_directory(
                         lambda offset, n: pread_all(fd, n, offset), st.st_size,
                         where=self.location, limit=self.max_directory_bytes)
+                    _check_not_a_folder(members, self.location)
                 except BaseException:
                     os.close(fd)
                     raise
