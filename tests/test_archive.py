@@ -158,7 +158,7 @@ def test_a_failed_save_leaves_the_previous_archive_and_no_partial_file(
 def test_a_distributed_save_to_one_file_is_refused(tmp_path: Path) -> None:
     data = np.arange(48, dtype=np.float32).reshape(6, 8)
     frags = FragmentList([Fragment("model/w", ((0, 6), (0, 8)), data)])
-    with pytest.raises(WriteError, match="written whole") as err:
+    with pytest.raises(WriteError, match="this writer writes a directory") as err:
         save_fragments(tmp_path / "d.ucpz", SingleProcess(),
                        specs=[TensorSpec("model/w", (6, 8), "float32")], fragments=frags,
                        durable=False)
@@ -259,7 +259,7 @@ def test_archive_store_reads_only(tmp_path: Path) -> None:
     assert sorted(store.list("model/b")) == ["model/b/c/0", "model/b/zarr.json"]
     assert store.get_range("model/b/c/0", 8, 8) == np.int64(1).tobytes()
     assert store.get_suffix("model/b/c/0", 4) == store.get("model/b/c/0")[-4:]  # type: ignore[index]
-    with pytest.raises(WriteError, match="never changed in place"):
+    with pytest.raises(WriteError, match=r"ucp pack DIRECTORY FILE\.ucpz"):
         store.put("x", [b"1"])
     with pytest.raises(WriteError):
         store.delete("zarr.json")
@@ -339,3 +339,89 @@ def test_check_key_takes_exactly_the_keys_of_the_rule_at_random() -> None:
         assert is_safe_key(key) == _key_by_components(key)
 
     check()
+
+
+def test_a_killed_writers_file_is_removed_and_a_live_writers_refuses_a_second(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "one.ucpz"
+    code = ("import os, signal, sys\n"
+            "from ucpformat.store import ArchiveWriter\n"
+            f"w = ArchiveWriter({str(path)!r}, durable=False)\n"
+            "w.put('model/x/c/0', [b'1' * 1000])\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        partial = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+        assert len(partial) == 1
+        with pytest.raises(ucpformat.errors.ConcurrentWriteError) as err:
+            save(path)  # the child still writes this path
+        assert err.value.rule == "UCP-1.0-R059" and not path.exists()
+        assert [p for p in tmp_path.iterdir()] == partial  # its file untouched, none of ours
+    finally:
+        assert child.stdin is not None
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert child.returncode == -9 and partial[0].exists()  # killed: its file stays ...
+    save(path)  # ... until the next writer to the path removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.ucpz"]
+
+
+def test_missing_parents_are_made_and_a_compressed_zip_is_never_replaced(
+        tmp_path: Path) -> None:
+    save(tmp_path / "a" / "b" / "one.ucpz")
+    assert ucpformat.validate(tmp_path / "a" / "b" / "one.ucpz").valid
+    save(tmp_path / "dir")
+    rezip(tmp_path / "dir", tmp_path / "zipped.ucpz", compress="model/w/c/0/0")
+    before = (tmp_path / "zipped.ucpz").read_bytes()
+    with pytest.raises(CheckpointExistsError, match="remove it first") as err:
+        save(tmp_path / "zipped.ucpz", overwrite=True)
+    assert err.value.rule == "UCP-1.0-R066" and "compressed" in str(err.value)
+    assert (tmp_path / "zipped.ucpz").read_bytes() == before
+
+
+def test_the_streaming_writer_and_convert_write_one_file(tmp_path: Path) -> None:
+    from ucpformat.checkpoint.streaming import StreamingWriter
+
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with StreamingWriter(tmp_path / "s.ucpz", durable=False) as w:
+        w.declare("model/w", data.shape, data.dtype)
+        w.write("model/w", data)
+        assert not (tmp_path / "s.ucpz").exists()  # nothing at the path before the commit
+        w.commit(root_values={"step": 3})
+    with ucpformat.open(tmp_path / "s.ucpz") as ckpt:
+        assert np.array_equal(ckpt["model/w"][...], data)
+    with pytest.raises(RuntimeError), StreamingWriter(tmp_path / "t.ucpz", durable=False) as w:
+        w.declare("model/w", data.shape, data.dtype)
+        w.write("model/w", data)
+        raise RuntimeError("the import failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.ucpz"]
+
+
+def test_writers_of_directories_refuse_a_one_file_path_before_they_start(
+        tmp_path: Path) -> None:
+    from ucpformat.distributed.pipeline import DistributedSave
+
+    with pytest.raises(WriteError, match=r"ucp pack DIRECTORY FILE\.ucpz") as err:
+        DistributedSave(tmp_path / "d.ucpz", SingleProcess())
+    assert err.value.rule == "UCP-1.0-R074" and list(tmp_path.iterdir()) == []
+
+
+def test_an_archive_of_the_checkpoints_folder_says_how_to_make_one(tmp_path: Path) -> None:
+    save(tmp_path / "ckpt")
+    with zipfile.ZipFile(tmp_path / "folder.zip", "w") as z:
+        for p in sorted((tmp_path / "ckpt").rglob("*")):
+            if p.is_file():
+                z.write(p, str(p.relative_to(tmp_path)))
+    with pytest.raises(CheckpointNotFoundError, match=r"ucp pack ckpt FILE\.ucpz") as err:
+        ucpformat.open(tmp_path / "folder.zip")
+    assert err.value.rule == "UCP-1.0-R051" and "under 'ckpt/'" in str(err.value)
+    report = ucpformat.validate(tmp_path / "folder.zip")
+    assert not report.valid and "under 'ckpt/'" in report.errors[0].message

@@ -63,6 +63,18 @@ def test_a_failed_save_is_reported_by_the_next_call(tmp_path: Path) -> None:
         saver.save(tmp_path / "c", model=model)
 
 
+def test_a_one_file_path_is_refused_at_the_call(tmp_path: Path) -> None:
+    """A background save writes a directory: a .ucpz path is refused before the snapshot,
+    not by the save in the background (whose error the next call would raise)."""
+    model = w.build("plain")
+    with AsyncSaver() as saver:
+        with pytest.raises(ucpformat.errors.WriteError, match="ucp pack") as err:
+            saver.save(tmp_path / "a.ucpz", model=model)
+        assert err.value.rule == "UCP-1.0-R074"
+        saver.save(tmp_path / "b", model=model).result()  # the next save is not affected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
 def test_background_saves_leave_training_its_cores(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """An async save writes on half the CPUs' threads (``background_workers``) unless the

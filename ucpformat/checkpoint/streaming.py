@@ -39,7 +39,13 @@ from ucpformat.errors import (
     WriteError,
 )
 from ucpformat.format import dtypes, jsonvalues, names
-from ucpformat.store import Store, open_store
+from ucpformat.store import (
+    ArchiveWriter,
+    Store,
+    has_archive_suffix,
+    is_archive_path,
+    open_store,
+)
 
 
 class StreamingWriter:
@@ -78,7 +84,12 @@ class StreamingWriter:
             compression=compression, hash_algorithm=hash_algorithm, chunk_bytes=chunk_bytes,
             shard_bytes=shard_bytes, durable=durable)
         overwrite = opts.overwrite
-        self.store = open_store(path, durable=opts.durable)
+        #: One file (a name ending in .ucpz): written beside its path, renamed onto it by
+        #: the commit (spec section 11.5); else None.
+        self._archive = (ArchiveWriter(path, overwrite=overwrite, durable=opts.durable)
+                         if not isinstance(path, Store)
+                         and (has_archive_suffix(path) or is_archive_path(path)) else None)
+        self.store = self._archive or open_store(path, durable=opts.durable)
         self.compression = opts.compression
         self.hash_algorithm = opts.hash_algorithm
         self.chunk_bytes = opts.chunk_bytes
@@ -315,6 +326,8 @@ class StreamingWriter:
                 hash_algorithm=self.hash_algorithm,
                 claim=self._claim,
             )
+            if self._archive is not None:
+                self._archive.commit()
         self._committed = True
         return SaveResult(
             self.store.location,
@@ -332,6 +345,9 @@ class StreamingWriter:
         if self._committed:
             return ""
         fate = abandon(self.store, self._claim)
+        if self._archive is not None:
+            self._archive.discard()
+            fate = "its new file was removed; nothing at its path changed"
         if self._claim.replaced:
             fate = f"the checkpoint that was here is gone (overwrite=True); {fate}"
         return fate

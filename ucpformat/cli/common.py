@@ -17,7 +17,7 @@ from ucpformat.checkpoint.reader import Checkpoint, open_checkpoint
 from ucpformat.engine.compression import Compression
 from ucpformat.errors import CheckpointNotFoundError, UCPError
 from ucpformat.format import jsonvalues
-from ucpformat.store import open_store
+from ucpformat.store import has_archive_suffix, open_store
 
 #: The command did what was asked and found nothing wrong (valid, identical).
 OK: Final = 0
@@ -138,16 +138,18 @@ def resolve_location(location: str) -> str:
 def _checkpoints_inside(location: str) -> list[str]:
     """Names of the directories directly in a local ``location`` holding a committed
     checkpoint, a root zarr.json beside a manifest (sorted; a group of an uncommitted
-    checkpoint has no manifest; none for a URL: listing an object store reads every key)."""
+    checkpoint has no manifest; none for a URL: listing an object store reads every key),
+    and of the checkpoints in one file there (named ``*.ucpz``)."""
     if "://" in location and not location.startswith("file://"):
         return []
     path = local_path(location)
     try:
         with os.scandir(path) as entries:
             return sorted(e.name for e in entries
-                          if e.is_dir(follow_symlinks=False)
-                          and os.path.isfile(os.path.join(path, e.name, "zarr.json"))
-                          and os.path.isfile(os.path.join(path, e.name, MANIFEST_KEY)))
+                          if (e.is_dir(follow_symlinks=False)
+                              and os.path.isfile(os.path.join(path, e.name, "zarr.json"))
+                              and os.path.isfile(os.path.join(path, e.name, MANIFEST_KEY)))
+                          or (e.is_file() and has_archive_suffix(e.name)))
     except OSError:
         return []
 

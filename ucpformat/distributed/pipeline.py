@@ -157,7 +157,7 @@ from ucpformat.errors import (
 )
 from ucpformat.layout.boxes import Box, as_slices, box_shape, box_size, contains, intersect
 from ucpformat.progress import ProgressCallback
-from ucpformat.store import Store, open_store
+from ucpformat.store import Store, check_directory_location, open_store
 
 # -- the destination: marked after step 2, un-committed in step 5 ---------------------------
 
@@ -544,6 +544,7 @@ class DistributedSave:
                 f"chunk_splits={self.options.chunk_splits}: a distributed save cuts inner "
                 "chunks on the fragments' grid; chunk_splits applies to single-process saves",
                 path=os.fspath(path) if not isinstance(path, Store) else path.location)
+        check_directory_location(path)
         self.comm = comm
         self.store = open_store(path, durable=self.options.durable)
         #: The rank that claims and commits: rank 0 of ``comm`` unless the framework names

@@ -17,6 +17,7 @@ from typing import Any
 from ucpformat.store.archive import (
     ArchiveStore,
     ArchiveWriter,
+    check_directory_location,
     has_archive_suffix,
     is_archive_path,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "ReadOnceStore",
     "Store",
     "StoreClaim",
+    "check_directory_location",
     "check_key",
     "close_quietly",
     "has_archive_suffix",

@@ -24,15 +24,17 @@ import threading
 import uuid
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ucpformat.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConcurrentWriteError,
     CorruptDataError,
     StorageError,
+    UCPError,
     WriteError,
 )
 from ucpformat.store import posix, zip_layout
@@ -44,6 +46,8 @@ from ucpformat.store.zip_layout import Member
 ARCHIVE_SUFFIX = ".ucpz"
 #: The largest central directory read (a metadata document, UCP-1.0-R098).
 MAX_DIRECTORY_BYTES = 256 << 20
+#: The name ending of the new file a writer writes beside its path.
+PARTIAL_SUFFIX = ".partial"
 #: The first bytes of a ZIP archive: a member's local header, or the end record of none.
 _ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
 #: The key of the root metadata, which only a committed archive holds.
@@ -74,10 +78,36 @@ def is_archive_path(location: str | os.PathLike[str]) -> bool:
 
 def _read_only(location: str) -> WriteError:
     return WriteError(
-        "a checkpoint in one file is written whole and never changed in place: write it "
-        "with ucpformat.save or save_file (one process), or save to a directory and run "
-        "`ucp pack` (distributed saves write directories)",
+        "this path names a checkpoint in one file (.ucpz), which only a save from one "
+        "process writes (ucpformat.save, save_file, the streaming writer, `ucp convert`, "
+        "`ucp pack`), whole; this writer writes a directory: save to a directory, then "
+        "`ucp pack DIRECTORY FILE.ucpz`",
         rule="UCP-1.0-R074", path=location)
+
+
+def _check_not_a_folder(members: Mapping[str, Member], location: str) -> None:
+    """Refuse the commonest mistake, an archive of a checkpoint's folder (every member
+    under ``<folder>/``, the root at ``<folder>/zarr.json``), saying how to make one."""
+    if _ROOT_KEY in members or not members:
+        return
+    folders = {name.split("/", 1)[0] for name in members}
+    folder = folders.pop()
+    if not folders and f"{folder}/{_ROOT_KEY}" in members:
+        raise CheckpointNotFoundError(
+            f"no root zarr.json: every member is under {folder + '/'!r}, so this is an "
+            "archive of a checkpoint's folder, not of the checkpoint; make one with "
+            f"`ucp pack {folder} FILE.ucpz` (or zip from inside the folder: "
+            f"`cd {folder} && zip -r -0 ../FILE.ucpz .`)",
+            rule="UCP-1.0-R051", path=location)
+
+
+def check_directory_location(location: str | os.PathLike[str] | Store) -> None:
+    """Refuse, before anything starts, a path that names a checkpoint in one file, for a
+    writer that writes directories (a distributed save, DCP's, the async saver's): its
+    error says to save to a directory and pack it (UCP-1.0-R074)."""
+    if not isinstance(location, Store) and (
+            has_archive_suffix(location) or is_archive_path(location)):
+        raise _read_only(os.fspath(location))
 
 
 class _Members:
@@ -141,6 +171,7 @@ class ArchiveStore(Store):
                     members, directory = zip_layout.read_directory(
                         lambda offset, n: pread_all(fd, n, offset), st.st_size,
                         where=self.location, limit=self.max_directory_bytes)
+                    _check_not_a_folder(members, self.location)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -315,7 +346,10 @@ class ArchiveWriter(Store):
     than a checkpoint in one file is never replaced (UCP-1.0-R066).
 
     The claim of the save pipeline is the new file itself (created exclusively, seen by
-    no one else): :meth:`claim` keeps its marker in memory, never in the archive.
+    no one else): :meth:`claim` keeps its marker in memory, never in the archive. The new
+    file is locked (``flock``) while it is written: a writer to the same path that finds
+    a locked one refuses to start (UCP-1.0-R059), and one left by a writer that was
+    killed (unlocked) is removed.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
@@ -325,7 +359,8 @@ class ArchiveWriter(Store):
         self.overwrite = overwrite
         self.durable = durable
         self._check_target()
-        self._partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.partial")
+        self._partial = self.path.with_name(
+            f".{self.path.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
         try:
             self._fd = os.open(self._partial,
                                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -334,18 +369,47 @@ class ArchiveWriter(Store):
                                f"it: {exc.strerror or exc}", rule="UCP-1.0-R074",
                                path=self.location) from exc
         self._finalizer = weakref.finalize(self, _remove, self._fd, str(self._partial))
+        posix.try_lock(self._fd)  # held until the commit or the discard, or the process ends
+        self._clear_partials()
         self._lock = threading.Lock()
         self._end = 0
         self._members: dict[str, tuple[Member, int]] = {}  # name -> (member, data start)
         self._claims: dict[str, bytes] = {}
         self.committed = False
 
+    def _clear_partials(self) -> None:
+        """Remove the new files of earlier writers to this path that were killed (their
+        lock went with their process); refuse if one is still writing (UCP-1.0-R059)."""
+        prefix = f".{self.path.name}."
+        for entry in os.scandir(self.path.parent):
+            if not (entry.name.startswith(prefix) and entry.name.endswith(PARTIAL_SUFFIX)) \
+                    or entry.name == self._partial.name or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                if posix.try_lock(fd) is False:
+                    self.discard()
+                    raise ConcurrentWriteError(
+                        f"another writer is writing this file now ({entry.name!r} is "
+                        "locked); at most one save writes a path at a time",
+                        rule="UCP-1.0-R059", path=self.location)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)  # a killed writer's: no process holds it
+            finally:
+                os.close(fd)
+
     def _check_target(self) -> None:
-        """Refuse a path whose parent is missing, or that holds what this save must not
-        replace: a checkpoint (unless ``overwrite``), a directory, or another file."""
-        if not self.path.parent.is_dir():
-            raise StorageError(f"no directory {str(self.path.parent)!r} to write the "
-                               "checkpoint in", path=self.location)
+        """Make the parent directory if it is missing, and refuse a path that holds what
+        this save must not replace: a checkpoint (unless ``overwrite``), a directory, or
+        another file."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot make the directory {str(self.path.parent)!r}: "
+                               f"{exc.strerror or exc}", path=self.location) from exc
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -362,7 +426,7 @@ class ArchiveWriter(Store):
         existing = ArchiveStore(self.path)
         try:
             holds = existing.exists(_ROOT_KEY)
-        except (CorruptDataError, StorageError) as exc:
+        except UCPError as exc:
             holds, why = False, f" ({exc.message})"
         else:
             why = "" if holds else " (it has no root zarr.json)"
@@ -371,8 +435,8 @@ class ArchiveWriter(Store):
         if not holds:
             raise CheckpointExistsError(
                 f"the file at this path is not a checkpoint in one file{why}; refusing to "
-                "replace it (even with overwrite=True)", rule="UCP-1.0-R066",
-                path=self.location)
+                "replace it (even with overwrite=True): remove it first, or save to "
+                "another path", rule="UCP-1.0-R066", path=self.location)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -542,5 +606,6 @@ def _remove(fd: int, path: str) -> None:
         os.unlink(path)
 
 
-__all__ = ["ARCHIVE_SUFFIX", "MAX_DIRECTORY_BYTES", "ArchiveStore", "ArchiveWriter",
-           "has_archive_suffix", "is_archive_path"]
+__all__ = ["ARCHIVE_SUFFIX", "MAX_DIRECTORY_BYTES", "PARTIAL_SUFFIX", "ArchiveStore",
+           "ArchiveWriter", "check_directory_location", "has_archive_suffix",
+           "is_archive_path"]

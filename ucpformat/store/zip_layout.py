@@ -181,7 +181,9 @@ def read_directory(
         if method != _STORED or flags & _ENCRYPTED or csize != usize:
             raise UnsupportedFeatureError(
                 f"member {name!r} is compressed or encrypted (ZIP method {method}, flags "
-                f"{flags:#06x}): a checkpoint's members are stored as they are",
+                f"{flags:#06x}): a checkpoint's members are stored as they are; unzip it "
+                "and run `ucp pack DIRECTORY FILE.ucpz`, or zip without compression "
+                "(`zip -r -0`)",
                 rule=RULE_FORM, path=where)
         if not is_safe_key(name):
             raise UnsafePathError(f"the archive has a member named {name!r}, which no "

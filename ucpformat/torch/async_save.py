@@ -77,7 +77,7 @@ from ucpformat.checkpoint.options import SaveOptions
 from ucpformat.checkpoint.write_loop import background_workers
 from ucpformat.distributed import DistributedSaveResult
 from ucpformat.distributed.comm import Communicator
-from ucpformat.store import Store
+from ucpformat.store import Store, check_directory_location
 from ucpformat.torch.comm import ProcessGroup, checkpoint_group, communicator, writer_connector
 from ucpformat.torch.distributed import (
     collect_state,
@@ -214,6 +214,7 @@ class AsyncSaver:
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
+        check_directory_location(path)  # refused now, not by the background save
         save_kwargs = _background(save_kwargs)
         if self.writer == "process":  # what cannot travel to the child: refused now
             location_to_json(path)

@@ -95,7 +95,7 @@ from ucpformat.errors import (
 )
 from ucpformat.format import dtypes, names, schemas
 from ucpformat.layout.boxes import Box, box_shape, box_size
-from ucpformat.store import Store, open_store
+from ucpformat.store import Store, check_directory_location, open_store
 from ucpformat.torch.comm import TorchCommunicator
 from ucpformat.torch.dcp_keys import (
     MAX_VALUE_TENSOR,
@@ -275,6 +275,7 @@ class UCPWriter(StorageWriter):
         # built here, on every rank (DCP gathers a failure here): never in write_data,
         # where a rank that failed before the exchange would leave its peers waiting
         self._save_options = self._options()
+        check_directory_location(self.path)
         self._store = open_store(self.path, durable=self.durable)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
