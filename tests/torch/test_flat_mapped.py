@@ -222,6 +222,10 @@ def test_one_file_tensors_are_checked_mappings_of_the_archive(tmp_path: Path) ->
     with ucpt.safe_open(path) as f:
         assert f.keys() == ["e", "n", "w"]
         assert torch.equal(f.get_slice("e")[10:20], src["e"][10:20])
+        first, second = f.get_tensor("w"), f.get_tensor("w")  # one mapping, then its own
+        assert mapped_file(first) == mapped_file(second) == str(path)
+        first.zero_()
+        assert torch.equal(second, src["w"]) and not torch.equal(first, second)
     # a flipped byte of a mapped tensor is refused before any value is handed out
     import struct
     import zipfile

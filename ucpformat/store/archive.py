@@ -144,6 +144,8 @@ class ArchiveStore(Store):
         self._members: _Members | None = None
         self._lock = threading.Lock()
         self._close: Any = None
+        self._whole: Any = None  # the whole archive mapped copy-on-write, once
+        self._handed_out: set[str] = set()  # members handed out as views of it
 
     # -- the file ---------------------------------------------------------------------
 
@@ -186,6 +188,7 @@ class ArchiveStore(Store):
             if self._close is not None:
                 self._close()
             self._close, self._fd, self._members = None, -1, None
+            self._whole, self._handed_out = None, set()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (to another process): the path, nothing open."""
@@ -265,12 +268,27 @@ class ArchiveStore(Store):
         """The member mapped privately in place (a write changes this process's copy,
         never the file), if it holds exactly ``size`` bytes and its data starts on a
         multiple of :data:`~ucpformat.store.zip_layout.ALIGNMENT` (so that a view of it
-        is aligned for every data type); None otherwise (the caller reads it). Each
-        call maps anew: two tensors never share memory."""
+        is aligned for every data type); None otherwise (the caller reads it).
+
+        A member's first mapping is a view of one mapping of the whole archive, made
+        once per store (one system call for a load of thousands of tensors, as
+        safetensors maps its file); a member mapped again gets a mapping of its own, so
+        that two tensors never share memory."""
         found = self._locate(key)
         if found is None or found[1] != size or found[0] % zip_layout.ALIGNMENT:
             return None
         start = found[0]
+        with self._lock:
+            whole = None
+            if key not in self._handed_out and self._members is not None:
+                if self._whole is None:
+                    self._whole = posix.map_private(self._fd,
+                                                    self._members.directory_offset)
+                whole = self._whole
+                if whole is not None:
+                    self._handed_out.add(key)
+        if whole is not None:
+            return memoryview(whole)[start:start + size]
         page = start - start % mmap.ALLOCATIONGRANULARITY
         mapped = posix.map_private(self._fd, start - page + size, page)
         return None if mapped is None else memoryview(mapped)[start - page:]
