@@ -9,6 +9,7 @@ and the chunk. This module holds the API: opening, selections, limits, batching.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -67,9 +68,12 @@ MIN_METADATA_BYTES = 64 << 10
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
 
+@functools.cache
 def physical_memory() -> int:
     """The memory this process can have: the physical memory, or less where an address
-    space limit (RLIMIT_AS) or a cgroup's memory.max says so."""
+    space limit (RLIMIT_AS) or a cgroup's memory.max says so. Found once per process:
+    every open asked, and reading the cgroup's file twice cost more than opening a
+    checkpoint of a few tensors."""
     try:
         memory = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
