@@ -1557,9 +1557,10 @@ ALSO: dict[str, list[str]] = {
 
 def invalid(name: str, stage: str, violates: Sequence[str], description: str,
             *, arrays: Callable[[], list[Arr]] | None = None,
-            groups: Callable[[], list[Group]] | None = None,
+            groups: Callable[[], list[Group]] | None = None, feature: str | None = None,
             **write_kw: Any) -> Callable[[Callable[[Damage], Any]], Callable[[Damage], Any]]:
-    """Register an invalid case: a base checkpoint, then ``fn(Damage)`` breaks it."""
+    """Register an invalid case: a base checkpoint, then ``fn(Damage)`` breaks it
+    (``feature``: the optional form an implementation must declare to be given it)."""
 
     def register(fn: Callable[[Damage], Any]) -> Callable[[Damage], Any]:
         def build(dest: Path) -> dict[str, Any]:
@@ -1580,6 +1581,8 @@ def invalid(name: str, stage: str, violates: Sequence[str], description: str,
             }
             if name in ALSO:
                 doc["also"] = [R + v for v in ALSO[name]]
+            if feature is not None:
+                doc["feature"] = feature
             return doc
 
         INVALID[name] = build
@@ -2567,6 +2570,143 @@ def _(d: Damage) -> None:
 
 
 # rule files (R120-R122): a rule file and the tensor names it is applied to
+
+# -- the checkpoint in one file (spec section 11.5): cases given to "archive" readers -----------
+
+
+def _archive_order(root: Path) -> list[str]:
+    """The keys of a committed checkpoint in the order of the commit protocol: stored
+    objects, node documents, the manifest, the root last (each group sorted)."""
+    keys = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    rank = {"zarr.json": 3, "manifest.ucp.json": 2}
+    return sorted(keys, key=lambda k: (rank.get(k, 1 if k.endswith("/zarr.json") else 0), k))
+
+
+def archive_bytes(root: Path, *, aligned: bool = True, compress: str | None = None,
+                  rename: Mapping[str, str] | None = None, duplicate: str | None = None,
+                  folder: str = "") -> bytes:
+    """The checkpoint directory ``root`` as one ZIP file: written as the reference writer
+    writes it (``aligned``: every member's data on a 64-byte boundary) or as Python's
+    zipfile does (unaligned, with directory entries), with one member compressed,
+    renamed, stored twice, or every member put under ``folder``."""
+    import io
+    import warnings
+    import zipfile
+    import zlib
+
+    from ucpformat.store import zip_layout
+
+    keys = _archive_order(root)
+    data = {k: root.joinpath(*k.split("/")).read_bytes() for k in keys}
+    named = {k: folder + (rename or {}).get(k, k) for k in keys}
+    if aligned and compress is None and duplicate is None:
+        out, members = bytearray(), []
+        for k in keys:
+            crc = zlib.crc32(data[k])
+            members.append(zip_layout.Member(named[k], len(out), len(data[k]), crc))
+            out += zip_layout.member_header(named[k], len(out), len(data[k]), crc) + data[k]
+        return bytes(out + zip_layout.directory(members, len(out)))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate
+        dirs = sorted({k.rsplit("/", 1)[0] + "/" for k in keys if "/" in k}) if not aligned \
+            else []
+        for d in dirs:
+            z.writestr(zipfile.ZipInfo(folder + d, date_time=(1980, 1, 1, 0, 0, 0)), b"")
+        for k in keys:
+            for _ in range(2 if k == duplicate else 1):
+                info = zipfile.ZipInfo(named[k], date_time=(1980, 1, 1, 0, 0, 0))
+                info.compress_type = zipfile.ZIP_DEFLATED if k == compress else \
+                    zipfile.ZIP_STORED
+                z.writestr(info, data[k])
+    return buffer.getvalue()
+
+
+def as_archive(root: Path, **kw: Any) -> None:
+    """Replace the checkpoint directory ``root`` by one file of the same name."""
+    body = archive_bytes(root, **kw)
+    shutil.rmtree(root)
+    root.write_bytes(body)
+
+
+@valid("archive")
+def _archive(dest: Path) -> dict[str, Any]:
+    doc = _basic(dest)
+    as_archive(dest)
+    doc["description"] = (
+        "valid/basic in one file (spec section 11.5): a ZIP archive as the reference writer "
+        "makes it, every member stored and its data on a 64-byte boundary, the root last; "
+        "the file's name has no .ucpz: a reader knows it by its content.")
+    doc["feature"] = "archive"
+    doc["exercises"] = sorted({*doc["exercises"], R + "074", R + "077", R + "078"})
+    return doc
+
+
+@valid("archive-unaligned")
+def _archive_unaligned(dest: Path) -> dict[str, Any]:
+    doc = _basic(dest)
+    as_archive(dest, aligned=False)
+    doc["description"] = (
+        "valid/basic in one file as Python's zipfile writes it: members stored but not "
+        "aligned, directory entries: a reader must not rely on the alignment.")
+    doc["feature"] = "archive"
+    doc["exercises"] = sorted({*doc["exercises"], R + "076", R + "077"})
+    return doc
+
+
+@invalid("archive-compressed-member", "open", ["075"],
+         "The checkpoint in one file, one member (a node's zarr.json) compressed (deflate): "
+         "every member is stored.", feature="archive")
+def _(d: Damage) -> None:
+    as_archive(d.root, aligned=False, compress="model/fc.bias/zarr.json")
+
+
+@invalid("archive-duplicate-member", "open", ["075"],
+         "The checkpoint in one file with the member model/fc.bias/zarr.json twice.",
+         feature="archive")
+def _(d: Damage) -> None:
+    as_archive(d.root, aligned=False, duplicate="model/fc.bias/zarr.json")
+
+
+ALSO["archive-member-not-a-key"] = ["075"]
+
+
+@invalid("archive-member-not-a-key", "open", ["091"],
+         "The checkpoint in one file with a member named model/../fc.bias/zarr.json: no key "
+         "has a '..' component.", feature="archive")
+def _(d: Damage) -> None:
+    as_archive(d.root, aligned=False,
+               rename={"model/fc.bias/zarr.json": "model/../fc.bias/zarr.json"})
+
+
+@invalid("archive-of-a-folder", "open", ["051"],
+         "A ZIP archive of the checkpoint's folder: every member under ckpt/, the root at "
+         "ckpt/zarr.json, none at zarr.json.", feature="archive")
+def _(d: Damage) -> None:
+    as_archive(d.root, folder="ckpt/")
+
+
+@invalid("archive-cut-short", "open", ["077"],
+         "The checkpoint in one file without its last 22 bytes: no end of central directory "
+         "record, so no member can be found.", feature="archive")
+def _(d: Damage) -> None:
+    as_archive(d.root)
+    d.root.write_bytes(d.root.read_bytes()[:-22])
+
+
+@invalid("archive-local-header-mismatch", "read", ["077"],
+         "The checkpoint in one file whose member model/fc.weight/c/0/0 has a local header "
+         "naming model/fc.weight/c/0/9, not the name of its central directory entry.",
+         feature="archive")
+def _(d: Damage) -> None:
+    as_archive(d.root)
+    raw = bytearray(d.root.read_bytes())
+    name = b"model/fc.weight/c/0/0"
+    at = raw.find(name)  # its local header's copy: the chunks come first in the file
+    assert raw[at - 30:at - 26] == b"PK\x03\x04", "not a local header"
+    raw[at + len(name) - 1] = ord("9")
+    d.root.write_bytes(bytes(raw))
+
 
 RULES_CASES: list[tuple[str, str, list[str], str, dict[str, Any], dict[str, Any]]] = [
     ("rules-schema", "invalid", ["120"], "A rule file without rules.",

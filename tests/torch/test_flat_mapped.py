@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -238,3 +239,26 @@ def test_one_file_tensors_are_checked_mappings_of_the_archive(tmp_path: Path) ->
     with pytest.raises(ChecksumError) as info:
         ucpt.load_file(path)
     assert info.value.rule == "UCP-1.0-R041" and info.value.tensor == "model/e"
+
+
+def test_a_slice_of_a_one_chunk_tensor_is_copied_out_of_its_checked_mapping(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucpformat.checkpoint.reader import Checkpoint
+
+    def no_read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("read into new memory, not mapped")
+
+    src = {"e": torch.arange(300 * 64, dtype=torch.float32).reshape(300, 64)}  # 75 KiB
+    for path in (tmp_path / "dir", tmp_path / "one.ucpz"):
+        ucpt.save_file(src, path, durable=False)
+        with ucpformat.open(path) as ckpt, monkeypatch.context() as patch:
+            patch.setattr(Checkpoint, "read_regions", no_read)
+            box = ckpt["model/e"][10:20, ::2]
+            assert np.array_equal(box, src["e"][10:20, ::2].numpy())
+            assert mapped_file(torch.from_numpy(np.ascontiguousarray(box))) is None  # a copy
+            assert ckpt.stats.bytes_read == src["e"].nbytes + 4  # the chunk, checked whole
+    chunk = tmp_path / "dir" / "model" / "e" / "c" / "0" / "0"
+    flip(chunk, 40_000)  # a byte far from the slice: the whole chunk is checked
+    with ucpformat.open(tmp_path / "dir") as ckpt, pytest.raises(ChecksumError) as info:
+        ckpt["model/e"][10:20]
+    assert info.value.rule == "UCP-1.0-R041"

@@ -348,6 +348,21 @@ class Checkpoint:
             reader = self._readers[meta.path] = ArrayReader(self.store, meta, self.stats.count)
         return reader
 
+    def map_box(self, path: str, starts: Sequence[int], stops: Sequence[int]
+                ) -> np.ndarray[Any, Any] | None:
+        """The box ``[starts, stops)`` (checked by the caller) of the tensor at ``path``,
+        copied out of its mapping (:meth:`ArrayReader.map_whole`: the chunk's CRC32C
+        checked over the mapping first), where the tensor is one uncompressed chunk of a
+        store that maps; None otherwise (read it). A slice of such a tensor checks the
+        whole chunk either way; mapped, it is not first read into new memory."""
+        reader = self._reader(self.arrays[path])
+        if not reader.mappable:
+            return None
+        whole = reader.map_whole()
+        if whole is None:
+            return None
+        return np.array(whole[tuple(slice(a, b) for a, b in zip(starts, stops, strict=True))])
+
     def _prepare(
         self, meta: ArrayMeta, starts: Sequence[int], stops: Sequence[int],
         out: np.ndarray[Any, Any] | None,
@@ -539,7 +554,8 @@ class Tensor:
 
     def __getitem__(self, selection: Any) -> np.ndarray[Any, Any]:
         starts, stops, post = _parse_selection(selection, self.shape, self.path)
-        return _apply_post(self.read_region(starts, stops), post)
+        box = self.checkpoint.map_box(self.path, starts, stops)
+        return _apply_post(box if box is not None else self.read_region(starts, stops), post)
 
     def read_region(
         self,

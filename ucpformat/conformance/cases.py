@@ -73,6 +73,13 @@ class Case:
         return list(self.expected.get("violates", []))
 
     @property
+    def feature(self) -> str | None:
+        """The optional feature an implementation must declare to be given this case
+        (``"archive"``: the checkpoint is one file, spec section 11.5), or None."""
+        feature = self.expected.get("feature")
+        return None if feature is None else str(feature)
+
+    @property
     def stage(self) -> str | None:
         stage = self.expected.get("stage")
         return None if stage is None else str(stage)

@@ -247,22 +247,8 @@ class ArchiveStore(Store):
         found = self._locate(key)
         if found is None:
             return None
-        start, size = found
-        left = max(0, size - offset)
-        views = []
-        for b in buffers:  # never past the member: the next member's bytes follow it
-            view = memoryview(b).cast("B")[:left]
-            left -= len(view)
-            if len(view):
-                views.append(view)
-        total = 0
-        while views:
-            n = os.preadv(self._fd, views[:1024], start + offset + total)
-            if n == 0:
-                break
-            total += n
-            advance_views(views, n)
-        return total
+        start, size = found  # never counted past the member: the next one's bytes follow
+        return posix.preadv_until(self._fd, buffers, start + offset, start + size)
 
     def map_copy_on_write(self, key: str, size: int) -> Any | None:
         """The member mapped privately in place (a write changes this process's copy,

@@ -53,6 +53,8 @@ def check_key(key: str) -> None:
 
 def is_safe_key(key: str) -> bool:
     """True if :func:`check_key` accepts ``key``."""
+    if isinstance(key, str) and _SAFE_KEY.fullmatch(key) is not None:
+        return True
     try:
         check_key(key)
     except UnsafePathError:

@@ -36,7 +36,6 @@ from ucpformat.store.posix import (
     CREATE_FLAGS,
     FSYNC_FLAGS,
     READ_FLAGS,
-    advance_views,
     is_dir,
     is_link,
     parallel,
@@ -46,9 +45,6 @@ from ucpformat.store.posix import (
     try_lock,
     walk,
 )
-
-#: Buffers one ``preadv`` takes (Linux's IOV_MAX).
-IOV_MAX = 1024
 
 
 class _HeldLocation:
@@ -467,20 +463,7 @@ class LocalStore(Store):
             if opened is None:
                 return None
             fd, size = opened
-            if offset >= size:
-                return 0
-            total = os.preadv(fd, buffers, offset) if len(buffers) <= IOV_MAX else 0
-            if offset + total >= size:
-                return total
-            views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-            advance_views(views, total)
-            while views and offset + total < size:
-                n = os.preadv(fd, views[:IOV_MAX], offset + total)
-                if n == 0:
-                    break
-                total += n
-                advance_views(views, n)
-            return total
+            return posix.preadv_until(fd, buffers, offset, size)
 
     def map_copy_on_write(self, key: str, size: int) -> Any | None:
         """The object's file mapped privately (``MAP_PRIVATE``), opened and checked as

@@ -115,6 +115,31 @@ def pread_all(fd: int, length: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+#: Buffers one ``preadv`` takes at most (Linux's ``IOV_MAX``).
+IOV_MAX = 1024
+
+
+def preadv_until(fd: int, buffers: Sequence[Any], offset: int, end: int) -> int:
+    """Fill ``buffers`` in order from byte ``offset`` of ``fd``, up to byte ``end`` (the
+    file's size, or the end of an archive's member): the bytes read, at most
+    ``end - offset`` (bytes of the buffers past that count hold nothing of the object).
+    One ``preadv`` of the buffers as they are, unless it stopped short of both ``end``
+    and the buffers' end (then read on)."""
+    if offset >= end:
+        return 0
+    total = os.preadv(fd, buffers, offset) if len(buffers) <= IOV_MAX else 0
+    if offset + total < end:
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        advance_views(views, total)
+        while views and offset + total < end:
+            n = os.preadv(fd, views[:IOV_MAX], offset + total)
+            if n == 0:
+                break
+            total += n
+            advance_views(views, n)
+    return min(total, end - offset)
+
+
 def advance_views(views: list[memoryview], n: int) -> None:
     """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
     while n and views:

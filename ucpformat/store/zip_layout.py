@@ -26,6 +26,9 @@ ALIGNMENT = 64
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+# the fields of a central entry a reader uses: signature, flags, method, CRC-32, sizes,
+# the lengths of the name, extra field and comment, where the local header is
+_CENTRAL_READ = struct.Struct("<I4xHH4xIIIHHH8xI")
 _END = struct.Struct("<IHHHHIIH")  # 22 bytes
 _END64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _LOCATOR64 = struct.Struct("<IIQI")  # 20 bytes
@@ -164,21 +167,20 @@ def read_directory(
     for _ in range(count):
         if pos + _CENTRAL.size > len(cd):
             raise _damage("its central directory ends before its last entry", where)
-        (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, elen, clen, _, _, _,
-         header) = _CENTRAL.unpack_from(cd, pos)
+        sig, flags, method, crc, csize, usize, nlen, elen, clen, header = \
+            _CENTRAL_READ.unpack_from(cd, pos)
         if sig != CENTRAL_SIGNATURE:
             raise _damage(f"a central directory entry at {cd_offset + pos} has no signature",
                           where)
         start = pos + _CENTRAL.size
-        raw = bytes(cd[start:start + nlen])
         pos = start + nlen + elen + clen
-        name = raw.decode("utf-8", "replace")
+        name = cd[start:start + nlen].decode("utf-8", "replace")
         if _MAX32 in (csize, usize, header):
             usize, csize, header = _zip64(cd[start + nlen:start + nlen + elen],
                                           (usize, csize, header), name, where)
-        if name.endswith("/") and usize == 0:
-            continue  # a directory entry
         if method != _STORED or flags & _ENCRYPTED or csize != usize:
+            if name.endswith("/") and usize == 0:
+                continue  # a directory entry (stored or not, it holds nothing)
             raise UnsupportedFeatureError(
                 f"member {name!r} is compressed or encrypted (ZIP method {method}, flags "
                 f"{flags:#06x}): a checkpoint's members are stored as they are; unzip it "
@@ -186,6 +188,8 @@ def read_directory(
                 "(`zip -r -0`)",
                 rule=RULE_FORM, path=where)
         if not is_safe_key(name):
+            if name.endswith("/") and usize == 0:
+                continue  # a directory entry
             raise UnsafePathError(f"the archive has a member named {name!r}, which no "
                                   "checkpoint key is", rule="UCP-1.0-R091", path=where)
         if name in members:

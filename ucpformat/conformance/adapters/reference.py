@@ -39,7 +39,7 @@ def capabilities() -> dict[str, Any]:
         "version": __version__,
         "roles": ["reader", "writer", "validator"],
         "data_types": list(dtypes.NAMES),
-        "features": ["batch", "dtensor", "layout", "rules"],
+        "features": ["archive", "batch", "dtensor", "layout", "rules"],
     }
 
 

@@ -51,9 +51,18 @@ def reader_suite(
     start = time.monotonic()
     caps = read_capabilities(adapter, "reader", report)
     supported = types_of(caps)
-    layout_aware = "layout" in features_of(caps)
-    all_cases = [c for c in (cases if cases is not None else load_cases()) if not c.is_rules]
-    chosen = select((c.name for c in all_cases), only)
+    features = features_of(caps)
+    layout_aware = "layout" in features
+    every_case = [c for c in (cases if cases is not None else load_cases()) if not c.is_rules]
+    chosen = select((c.name for c in every_case), only)
+    for case in every_case:  # a case of an optional form the reader does not claim
+        if case.feature is not None and case.feature not in features and case.name in chosen \
+                and (case.valid or case.stage in READER_STAGES):
+            report.add(Result("reader.valid" if case.valid else "reader.invalid", case.name,
+                              requirements_of("reader.valid" if case.valid else
+                                              "reader.invalid"))).skip(
+                f"the reader does not declare the feature {case.feature!r}")
+    all_cases = [c for c in every_case if c.feature is None or c.feature in features]
     selected = [c for c in all_cases if c.name in chosen
                 and (c.valid or c.stage in READER_STAGES)]
     with tempfile.TemporaryDirectory(prefix="ucp-conformance-reader-") as tmp:

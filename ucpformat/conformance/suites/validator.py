@@ -52,7 +52,7 @@ def validator_suite(
     """
     report = SuiteReport("validator", "ucpformat (in process)")
     start = time.monotonic()
-    features = {"rules"}
+    features = {"rules", "archive"}
     validate_fn: ValidateFn = reference_validate
     if command is not None:
         adapter = adapter_of(command, timeout)
@@ -78,6 +78,9 @@ def validator_suite(
                                    requirements_of("validator.cases", *case.violates)))
         if case.is_rules and "rules" not in features:
             result.skip("the validator does not declare the feature 'rules'")
+            continue
+        if case.feature is not None and case.feature not in features:
+            result.skip(f"the validator does not declare the feature {case.feature!r}")
             continue
         with timed(result):
             status, doc = validate_fn(case)
