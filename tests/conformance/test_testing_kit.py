@@ -98,3 +98,20 @@ def test_an_in_process_adapter_without_an_operation_answers_like_a_command_witho
     limited = CallableAdapter("w", capabilities={}, write=lambda scenario, out: None)
     run = limited.write(tmp_path / "s.json", tmp_path / "out", file_size_limit=1024)
     assert run.returncode == 2 and "file size limits" in run.stderr
+
+
+def test_archive_cases_go_only_to_readers_that_declare_the_feature() -> None:
+    """The cases of the one-file form (spec section 11.5) are run by a reader that lists
+    the feature 'archive' and reported skipped, never failed, for any other."""
+    read = lambda ckpt, req: reference.read(ckpt, req)[0]  # noqa: E731
+    archive = [c.name for c in ucp.load_cases() if c.feature == "archive"]
+    assert {"valid/archive", "valid/archive-unaligned", "invalid/archive-cut-short"} <= \
+        set(archive)
+    with_it = ucp.reader_suite(ucp.in_process("r", read=read, features=["archive"]),
+                               only=["*archive*"])
+    ucp.assert_passed(with_it)
+    ran = {r.name for r in with_it.results if r.skipped is None}
+    assert set(archive) <= ran
+    without = ucp.reader_suite(ucp.in_process("r", read=read), only=["*archive*"])
+    skipped = {r.name for r in without.results if r.skipped}
+    assert set(archive) <= skipped and without.passed
