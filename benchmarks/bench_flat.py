@@ -23,6 +23,7 @@ robin, median.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import time
@@ -117,9 +118,10 @@ def _ladder(sizes: tuple[float, ...], repeats: int, directory: Path) -> Table:
             return touch(ucpt.load_file(path))
 
         cases: dict[str, Any] = {
-            "st load": st_load, "ucp load": lambda: ucp_load(ucp_path),
-            "ucpz load": lambda: ucp_load(one_path), "st open": st_each,
-            "ucp open": lambda: ucp_each(ucp_path), "ucpz open": lambda: ucp_each(one_path)}
+            "st load": st_load, "ucp load": functools.partial(ucp_load, ucp_path),
+            "ucpz load": functools.partial(ucp_load, one_path), "st open": st_each,
+            "ucp open": functools.partial(ucp_each, ucp_path),
+            "ucpz open": functools.partial(ucp_each, one_path)}
         assert len({fn() for fn in cases.values()}) == 1  # the same bytes, and a warm-up
         times: dict[str, list[float]] = {k: [] for k in cases}
         for r in range(repeats):
