@@ -55,13 +55,13 @@ class SaveOptions:
     compression: str | Mapping[str, Any] | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shard_bytes: int = DEFAULT_SHARD_BYTES
-    chunk_splits: int = DEFAULT_SPLITS
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
     hash_algorithm: str | None = None
     overwrite: bool = False
     workers: int | None = None
     durable: bool = True
     progress: bool | Callable[[int], None] = False
+    chunk_splits: int = DEFAULT_SPLITS  # last: the fields before it may be given by position
 
     def __post_init__(self) -> None:
         if self.hash_algorithm not in (None, *HASH_ALGORITHMS):
