@@ -248,3 +248,20 @@ def launch_ranks(module: str, args: list[str], root: Path, world: int, name: str
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     assert not failed, "\n".join(f"--- {name} rank {r} (exit {procs[r].returncode}):\n"
                                   f"{logs[r].read_text()[-5000:]}" for r in failed)
+
+
+def ucp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run the ``ucp`` command in process: (exit status, stdout, stderr)."""
+    from ucpformat.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    """The error line a command printed last, with no traceback on stderr."""
+    lines = err.strip().splitlines()
+    assert lines, "expected an error line on stderr"
+    assert "Traceback" not in err
+    return lines[-1]

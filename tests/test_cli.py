@@ -17,24 +17,11 @@ import numpy as np
 import pytest
 
 import ucpformat
+from tests.helpers import one_error_line, ucp
 from ucpformat.checkpoint.metadata import MANIFEST_KEY, ZARR_JSON
-from ucpformat.cli import main
 from ucpformat.cli.diff import blocks, compare_tensors
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def ucp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert lines, "expected an error line on stderr"
-    assert "Traceback" not in err
-    return lines[-1]
 
 
 def data_files(path: Path) -> list[Path]:

@@ -9,14 +9,7 @@ import numpy as np
 import pytest
 
 import ucpformat
-from ucpformat.cli import main
-
-
-def ucp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
+from tests.helpers import ucp
 
 # -- item 6: a DeepSpeed save directory's 'latest' tag ------------------------------------------
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import ucpformat
+from tests.helpers import one_error_line, ucp
 from ucpformat.checkpoint import pack as pack_module
 from ucpformat.checkpoint.metadata import IN_PROGRESS_KEY, MANIFEST_KEY, ZARR_JSON
-from ucpformat.cli import main
 from ucpformat.distributed import Fragment, TensorSpec, save_fragments
 from ucpformat.distributed.comm import SingleProcess
 from ucpformat.distributed.pipeline import FragmentList
@@ -304,18 +304,6 @@ def test_a_failed_unpack_removes_what_it_wrote(
 
 
 # -- the command ------------------------------------------------------------------------
-
-
-def ucp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_ucp_pack_and_unpack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,20 +17,15 @@ import numpy as np
 import pytest
 
 import ucpformat
+from tests.helpers import ucp
 from ucpformat.checkpoint.metadata import MANIFEST_KEY
 from ucpformat.checkpoint.tree import Group
-from ucpformat.cli import build_parser, main
+from ucpformat.cli import build_parser
 from ucpformat.errors import CheckpointNotFoundError, MissingDependencyError
 from ucpformat.layout.rules import builtin_rule_files
 from ucpformat.store import LocalStore
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def ucp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- a file where a checkpoint directory is expected ------------------------------------
