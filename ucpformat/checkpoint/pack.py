@@ -52,10 +52,9 @@ from ucpformat.checkpoint.metadata import (
     IN_PROGRESS_KEY,
     MANIFEST_KEY,
     ZARR_JSON,
-    check_root_digest,
     loads,
 )
-from ucpformat.checkpoint.reader import metadata_limit, parse_root, read_metadata, read_root
+from ucpformat.checkpoint.reader import metadata_limit, read_checked_root, read_metadata
 from ucpformat.checkpoint.validation import validate
 from ucpformat.checkpoint.writer import SaveResult
 from ucpformat.errors import (
@@ -70,11 +69,11 @@ from ucpformat.store import (
     ArchiveStore,
     ArchiveWriter,
     LocalStore,
-    ReadGuard,
     Store,
     is_archive_path,
     open_store,
     read_guarded,
+    unguarded,
 )
 
 #: An object is read into pieces of at most this many bytes (and written from them).
@@ -194,10 +193,8 @@ def _checked_source(store: Store, *, verify: bool, progress: bool | ProgressCall
     """Open ``store`` as a committed checkpoint, validate it (deeply if ``verify``) and
     refuse it on any error; list what is copied of it."""
     limit = metadata_limit(None, None)
-    root = read_root(store, limit=limit)  # a location with no root: refused (UCP-1.0-R051)
-    doc = loads(root, what=f"{store.location}/{ZARR_JSON}")
-    check_root_digest(root, doc, where=store.location)
-    _, arrays, groups = parse_root(doc, where=store.location)
+    checked = read_checked_root(store, limit=limit, keep_raw=True)  # none: UCP-1.0-R051
+    arrays, groups = checked.arrays, checked.groups
     report = validate(store, deep=verify, progress=progress)
     if report.errors:
         first = report.errors[0]
@@ -207,12 +204,13 @@ def _checked_source(store: Store, *, verify: bool, progress: bool | ProgressCall
             f"{first.message}{more}; nothing was written (`ucp validate"
             f"{' --deep' if verify else ''} {store.location}` lists every problem)",
             rule=first.rule, path=store.location)
-    manifest, files = _manifest(store, doc, limit=limit)
+    manifest, files = _manifest(store, checked.doc, limit=limit)
     nodes = [f"{path}/{ZARR_JSON}" for path in sorted({*arrays, *groups})]  # as written
     metadata = {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY, *nodes}
     stored = sorted((k, n) for k, n in files.items() if k not in metadata)
     documents = [(k, files[k] if k in files else _size_of(store, k)) for k in nodes]
-    return _Source(store, [*stored, *documents], len(stored), manifest, root,
+    assert checked.raw is not None
+    return _Source(store, [*stored, *documents], len(stored), manifest, checked.raw,
                    tensors=len(arrays), tensor_bytes=sum(m.nbytes for m in arrays.values()))
 
 
@@ -240,7 +238,7 @@ def _manifest(store: Store, root: Mapping[str, Any], *, limit: int
 
 def _close(store: Store, given: object) -> None:
     """Close the archive this module opened to read (not one the caller gave)."""
-    inner = store.inner if isinstance(store, ReadGuard) else store
+    inner = unguarded(store)
     if isinstance(inner, ArchiveStore) and not isinstance(given, Store):
         inner.close()
 
@@ -259,7 +257,7 @@ def _is_count(value: Any) -> bool:
 
 def _local_path(store: Store) -> Path | None:
     """The resolved file-system path of a local store (None for other stores)."""
-    inner = store.inner if isinstance(store, ReadGuard) else store
+    inner = unguarded(store)
     if isinstance(inner, ArchiveStore):
         return inner.path.resolve()
     return inner.root.resolve() if isinstance(inner, LocalStore) else None

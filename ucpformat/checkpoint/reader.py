@@ -350,18 +350,22 @@ class Checkpoint:
 
     def map_box(self, path: str, starts: Sequence[int], stops: Sequence[int]
                 ) -> np.ndarray[Any, Any] | None:
-        """The box ``[starts, stops)`` (checked by the caller) of the tensor at ``path``,
-        copied out of its mapping (:meth:`ArrayReader.map_whole`: the chunk's CRC32C
-        checked over the mapping first), where the tensor is one uncompressed chunk of a
-        store that maps; None otherwise (read it). A slice of such a tensor checks the
-        whole chunk either way; mapped, it is not first read into new memory."""
-        reader = self._reader(self.arrays[path])
+        """The box ``[starts, stops)`` of the tensor at ``path``, checked as a read checks
+        it (:meth:`_prepare`, UCP-1.0-R090) and copied out of its mapping
+        (:meth:`ArrayReader.map_whole`: the chunk's CRC32C checked over the mapping
+        first), where the tensor is one uncompressed chunk of a store that maps; None
+        otherwise (read it). A slice of such a tensor checks the whole chunk either way;
+        mapped, it is not first read into new memory."""
+        meta = self._meta(path)
+        reader = self._reader(meta)
         if not reader.mappable:
             return None
         whole = reader.map_whole()
         if whole is None:
             return None
-        return np.array(whole[tuple(slice(a, b) for a, b in zip(starts, stops, strict=True))])
+        out, lo, hi = self._prepare(meta, starts, stops, None)  # the checks of a read
+        np.copyto(out, whole[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))])
+        return out
 
     def _prepare(
         self, meta: ArrayMeta, starts: Sequence[int], stops: Sequence[int],
@@ -660,13 +664,36 @@ def open_checkpoint(
     :func:`metadata_limit`); a larger one is refused before it is read (UCP-1.0-R098).
     """
     store = read_guarded(path)
-    limit = metadata_limit(max_metadata_bytes, max_read_bytes)
+    checked = read_checked_root(store, limit=metadata_limit(max_metadata_bytes, max_read_bytes))
+    return Checkpoint(store, checked.root, checked.arrays, checked.groups,
+                      max_read_bytes=max_read_bytes, workers=workers)
+
+
+@dataclass(frozen=True)
+class CheckedRoot:
+    """A committed checkpoint's root zarr.json: its bytes, its document and the nodes it
+    consolidates, every check of opening passed (:func:`read_checked_root`)."""
+
+    raw: bytes | None  # kept only if asked (a copy writes it as it is)
+    doc: dict[str, Any]
+    root: GroupMeta
+    arrays: dict[str, ArrayMeta]
+    groups: dict[str, GroupMeta]
+
+
+def read_checked_root(store: Store, *, limit: int, keep_raw: bool = False) -> CheckedRoot:
+    """Read the root zarr.json of ``store`` (refused over ``limit`` bytes, UCP-1.0-R098,
+    or absent, UCP-1.0-R051), check its digest (UCP-1.0-R058) and parse every node it
+    consolidates: what opening a checkpoint checks. Its bytes are let go before the
+    nodes are parsed (the parse's memory is bounded by a multiple of their size) unless
+    ``keep_raw``."""
     raw = read_root(store, limit=limit)
     doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
     check_root_digest(raw, doc, where=store.location)
+    kept = raw if keep_raw else None
     del raw
     root, arrays, groups = parse_root(doc, where=store.location)
-    return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes, workers=workers)
+    return CheckedRoot(kept, doc, root, arrays, groups)
 
 
 def metadata_limit(max_metadata_bytes: int | None, max_read_bytes: int | None) -> int:

@@ -39,13 +39,7 @@ from ucpformat.errors import (
     WriteError,
 )
 from ucpformat.format import dtypes, jsonvalues, names
-from ucpformat.store import (
-    ArchiveWriter,
-    Store,
-    has_archive_suffix,
-    is_archive_path,
-    open_store,
-)
+from ucpformat.store import ArchiveWriter, Store, open_store, writes_archive
 
 
 class StreamingWriter:
@@ -87,8 +81,7 @@ class StreamingWriter:
         #: One file (a name ending in .ucpz): written beside its path, renamed onto it by
         #: the commit (spec section 11.5); else None.
         self._archive = (ArchiveWriter(path, overwrite=overwrite, durable=opts.durable)
-                         if not isinstance(path, Store)
-                         and (has_archive_suffix(path) or is_archive_path(path)) else None)
+                         if writes_archive(path) else None)
         self.store = self._archive or open_store(path, durable=opts.durable)
         self.compression = opts.compression
         self.hash_algorithm = opts.hash_algorithm

@@ -45,7 +45,7 @@ from ucpformat.errors import UCPError
 from ucpformat.format import names, schemas
 from ucpformat.format.jsonvalues import MAX_DOCUMENT_DEPTH, json_equal
 from ucpformat.progress import byte_progress
-from ucpformat.store import ArchiveStore, ReadGuard, ReadOnceStore, Store, read_guarded
+from ucpformat.store import ArchiveStore, ReadOnceStore, Store, read_guarded, unguarded
 
 Level = Literal["error", "warning"]
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -238,7 +238,7 @@ def _validate(
         ckpt = Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes)
         _deep(ckpt, manifest, damaged, report, progress=progress, workers=workers,
               block=min(HASH_BLOCK, ckpt.max_read_bytes), read=node_files)
-        archive = store.inner if isinstance(store, ReadGuard) else store
+        archive = unguarded(store)
         if isinstance(archive, ArchiveStore):
             for name in archive.crc32_mismatches(min(HASH_BLOCK, ckpt.max_read_bytes)):
                 report.add("UCP-1.0-R075", name, "the member's bytes do not match the "

@@ -37,13 +37,7 @@ from ucpformat.errors import (
     InvalidValueError,
 )
 from ucpformat.progress import ProgressCallback
-from ucpformat.store import (
-    ArchiveWriter,
-    Store,
-    has_archive_suffix,
-    is_archive_path,
-    open_store,
-)
+from ucpformat.store import ArchiveWriter, Store, open_store, writes_archive
 
 # -- save ------------------------------------------------------------------------------------
 
@@ -120,7 +114,7 @@ def save(
     )
     ucp = build_root_ucp(metadata=metadata, values=the_plan.root_values, producer=producer,
                          created=created)
-    if not isinstance(path, Store) and (has_archive_suffix(path) or is_archive_path(path)):
+    if writes_archive(path):
         # one file (spec §11.5): written beside the path, renamed onto it at the end
         with ArchiveWriter(path, overwrite=opts.overwrite, durable=opts.durable) as archive:
             result = _write(archive, the_plan, ucp, opts, feed)

@@ -20,10 +20,11 @@ from ucpformat.store.archive import (
     check_directory_location,
     has_archive_suffix,
     is_archive_path,
+    writes_archive,
 )
 from ucpformat.store.base import Store, StoreClaim, check_key, close_quietly, is_safe_key
 from ucpformat.store.forwarding import ForwardingStore
-from ucpformat.store.guard import ReadGuard, read_guarded
+from ucpformat.store.guard import ReadGuard, read_guarded, unguarded
 from ucpformat.store.local import LocalStore
 from ucpformat.store.posix import start_writeback
 from ucpformat.store.read_once import ReadOnceStore
@@ -75,4 +76,6 @@ __all__ = [
     "open_store",
     "read_guarded",
     "start_writeback",
+    "unguarded",
+    "writes_archive",
 ]

@@ -26,7 +26,7 @@ import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ucpformat.errors import (
     CheckpointExistsError,
@@ -101,12 +101,19 @@ def _check_not_a_folder(members: Mapping[str, Member], location: str) -> None:
             rule="UCP-1.0-R051", path=location)
 
 
+def writes_archive(location: str | os.PathLike[str] | Store
+                   ) -> TypeGuard[str | os.PathLike[str]]:
+    """Whether a save to ``location`` writes one file: a local path whose name ends in
+    :data:`ARCHIVE_SUFFIX`, or that is a regular file (never a :class:`Store` object)."""
+    return not isinstance(location, Store) and (
+        has_archive_suffix(location) or is_archive_path(location))
+
+
 def check_directory_location(location: str | os.PathLike[str] | Store) -> None:
     """Refuse, before anything starts, a path that names a checkpoint in one file, for a
     writer that writes directories (a distributed save, DCP's, the async saver's): its
     error says to save to a directory and pack it (UCP-1.0-R074)."""
-    if not isinstance(location, Store) and (
-            has_archive_suffix(location) or is_archive_path(location)):
+    if writes_archive(location):
         raise _read_only(os.fspath(location))
 
 
@@ -164,7 +171,7 @@ class ArchiveStore(Store):
                     if not stat.S_ISREG(st.st_mode):
                         raise StorageError("not a regular file, so not a checkpoint in one "
                                            "file", rule="UCP-1.0-R074", path=self.location)
-                    if not self.location.lower().endswith(ARCHIVE_SUFFIX) and \
+                    if not has_archive_suffix(self.location) and \
                             pread_all(fd, 4, 0) not in _ZIP_STARTS:
                         raise CheckpointNotFoundError(
                             "not a checkpoint: a checkpoint is a directory, or one file that "
@@ -217,8 +224,7 @@ class ArchiveStore(Store):
     # -- reads ------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes | None:
-        found = self._locate(key)
-        return None if found is None else self._pread(found[0], found[1], key)
+        return self.get_range(key, 0, 1 << 62)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
         found = self._locate(key)
@@ -229,12 +235,8 @@ class ArchiveStore(Store):
         return self._pread(start + offset, min(length, size - offset), key)
 
     def get_suffix(self, key: str, length: int) -> bytes | None:
-        found = self._locate(key)
-        if found is None:
-            return None
-        start, size = found
-        n = min(length, size)
-        return self._pread(start + size - n, n, key)
+        size = self.size(key)
+        return None if size is None else self.get_range(key, max(0, size - length), length)
 
     def _pread(self, offset: int, length: int, key: str) -> bytes:
         data = pread_all(self._fd, length, offset)
@@ -379,7 +381,6 @@ class ArchiveWriter(Store):
         self._end = 0
         self._members: dict[str, tuple[Member, int]] = {}  # name -> (member, data start)
         self._claims: dict[str, bytes] = {}
-        self.committed = False
 
     def _clear_partials(self) -> None:
         """Remove the new files of earlier writers to this path that were killed (their
@@ -461,7 +462,7 @@ class ArchiveWriter(Store):
         todo = [memoryview(header), *(v for v in views if len(v))]
         written = 0
         while todo:
-            n = os.pwritev(self._fd, todo[:1024], offset + written)
+            n = os.pwritev(self._fd, todo[:posix.IOV_MAX], offset + written)
             written += n
             advance_views(todo, n)
         with self._lock:
@@ -533,7 +534,6 @@ class ArchiveWriter(Store):
                     rule="UCP-1.0-R074", path=self.location) from exc
             if self.durable:
                 _fsync_directory(self.path.parent)
-            self.committed = True
             self._finalizer()
 
     def discard(self) -> None:
@@ -612,4 +612,4 @@ def _remove(fd: int, path: str) -> None:
 
 __all__ = ["ARCHIVE_SUFFIX", "MAX_DIRECTORY_BYTES", "PARTIAL_SUFFIX", "ArchiveStore",
            "ArchiveWriter", "check_directory_location", "has_archive_suffix",
-           "is_archive_path"]
+           "is_archive_path", "writes_archive"]

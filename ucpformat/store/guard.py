@@ -133,6 +133,11 @@ class ReadGuard(Store):
         return self.inner.batch()
 
 
+def unguarded(store: Store) -> Store:
+    """The store a :class:`ReadGuard` reads through (any other store as it is)."""
+    return store.inner if isinstance(store, ReadGuard) else store
+
+
 def read_guarded(location: str | os.PathLike[str] | Store) -> Store:
     """The store of a location for reading (``durable=False``), behind a :class:`ReadGuard`."""
     if not isinstance(location, Store) and "\x00" in os.fspath(location):

@@ -115,7 +115,7 @@ def pread_all(fd: int, length: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
-#: Buffers one ``preadv`` takes at most (Linux's ``IOV_MAX``).
+#: Buffers one ``preadv`` or ``writev`` takes at most (Linux's ``IOV_MAX``).
 IOV_MAX = 1024
 
 
@@ -155,7 +155,7 @@ def write_all(fd: int, buffers: Sequence[Any]) -> int:
     views = [memoryview(b).cast("B") for b in buffers]
     total = sum(len(v) for v in views)
     while views:
-        advance_views(views, os.writev(fd, views[:1024]))
+        advance_views(views, os.writev(fd, views[:IOV_MAX]))
     return total
 
 
