@@ -147,6 +147,7 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
     secs: dict[str, float] = out["seconds"]
 
     def attempt(name: str, fn: Callable[[], float | None]) -> None:
+        before = set(secs)
         try:
             value = fn()
             if value is not None:
@@ -156,6 +157,10 @@ def measure(gib: float, root: Path) -> dict[str, Any]:
             traceback.print_exc()
         finally:
             _free()
+            # progress on stderr: a run stopped at its time limit still shows what it measured
+            done = {k: round(v, 3) for k, v in secs.items() if k not in before}
+            print(f"bench_gpu {gib:g} GiB: {name} {done or out['errors'].get(name)}",
+                  file=sys.stderr, flush=True)
 
     # -- the limits ---------------------------------------------------------------------
     raw = root / "raw.bin"

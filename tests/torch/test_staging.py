@@ -574,3 +574,42 @@ def test_host_copy_copies_every_byte(src: torch.Tensor) -> None:
     assert dst.dtype == src.dtype and dst.shape == src.shape
     assert bytes(dst.reshape(-1).view(torch.uint8).tolist()) == \
         bytes(src.detach().reshape(-1).view(torch.uint8).tolist())
+
+
+@pytest.mark.parametrize("way", ["new tensors", "staged targets", "dcp"])
+def test_a_batch_that_takes_larger_idle_buffers_ends_where_the_pool_is_full(
+        tmp_path: Path, way: str) -> None:
+    """A pool's idle buffers may be larger than what is asked (a load of large tensors
+    before): a batch that takes them can fill the pool before its nominal half. The
+    batch then ends there and the next one waits for its copies, instead of failing the
+    load (seen on an H200: every 8 GiB load to CUDA raised ResourceLimitError)."""
+    from ucpformat.torch.dcp_reader import UCPReader
+    from ucpformat.torch.reads import DeviceStaging, TensorRead, read_tensors
+
+    mib = 1 << 20
+    state = {"big0": torch.randn(mib), "big1": torch.randn(mib),  # 4 MiB each
+             "a": torch.randn(mib * 3 // 8), "b": torch.randn(mib * 3 // 8),  # 1.5 MiB
+             "c": torch.randn(mib // 4)}  # 1 MiB
+    dcp.save(state, storage_writer=UCPWriter(tmp_path / "ckpt", durable=False))
+    ck = ucpformat.open_checkpoint(tmp_path / "ckpt")
+    pool = HostBufferPool(8 * mib, pin=False)  # batches of 4 MiB
+    how = DeviceStaging(pool=pool, cpu=True)
+    read_tensors(ck, [TensorRead(f"model/{k}", device="cpu") for k in ("big0", "big1")],
+                 staging=how)
+    assert pool.stats.allocated_bytes == 8 * mib  # two idle 4 MiB buffers
+    small = ("a", "b", "c")  # 4 MiB in all: one nominal batch, 1.5 + 1.5 take both 4 MiB
+    if way == "new tensors":
+        reads = [TensorRead(f"model/{k}", device="cpu") for k in small]
+        got = dict(zip(small, read_tensors(ck, reads, staging=how).tensors, strict=True))
+    elif way == "staged targets":
+        got = {k: torch.zeros_like(state[k]) for k in small}
+        read_tensors(ck, [TensorRead(f"model/{k}", target=t)
+                          for k, t in got.items()],
+                     staging=how).apply()
+    else:
+        got = {k: torch.zeros_like(state[k]) for k in small}
+        dcp.load(got, storage_reader=UCPReader(tmp_path / "ckpt", workers=1, staging=how))
+    for k in small:
+        assert torch.equal(got[k], state[k]), k
+    assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
+    assert pool.stats.in_use_bytes == 0

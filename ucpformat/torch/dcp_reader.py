@@ -227,7 +227,8 @@ class UCPReader(StorageReader):
         window = 4 * (self.workers or default_workers())
         with ThreadPoolExecutor(self.workers or default_workers()) as pool:
             try:
-                for start in range(0, len(tensor_items), window):
+                start = 0
+                while start < len(tensor_items):
                     batch = tensor_items[start:start + window]
                     targets = [planner.resolve_tensor(item).detach() for item in batch]
                     ways = [direct(item, t) for item, t in zip(batch, targets, strict=True)]
@@ -241,9 +242,13 @@ class UCPReader(StorageReader):
                                                         self.staging.copier,
                                                         self.staging.recorder)
                             host = uploads.host_view(target)
+                            if host is None:  # the pool is full: the batch ends here
+                                break
                         hosts.append(host)
                         outs.append(to_numpy(target, name=None) if way == "memory" else
                                     host_array(host, name="") if host is not None else None)
+                    batch, targets = batch[:len(hosts)], targets[:len(hosts)]
+                    label, start = str(start), start + len(batch)
                     regions = pool.map(read, batch, outs)
                     for item, target, region, host, out in zip(batch, targets, regions, hosts,
                                                                outs, strict=True):
@@ -262,7 +267,7 @@ class UCPReader(StorageReader):
                             target.copy_(source)
                         planner.commit_tensor(item, target)
                     if uploads is not None:
-                        uploads.end_batch(str(start))
+                        uploads.end_batch(label)
                 if uploads is not None:
                     uploads.finish()
             except BaseException:

@@ -213,10 +213,12 @@ def upload_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     try:
         for target, data in pairs:
             n = target.numel() * target.element_size()
-            if size and size + n > limit:
+            host = None if size and size + n > limit else uploads.host_view(target)
+            if host is None:  # the batch is full: by its bytes, or by the pool's buffers
                 uploads.end_batch(f"apply {index}")
                 index, size = index + 1, 0
-            host = uploads.host_view(target)
+                host = uploads.host_view(target)
+                assert host is not None  # no batch open: a buffer, or the pool raised
             host_copy(host, data)
             uploads.upload(target, host)
             size += n
@@ -431,15 +433,26 @@ def _read_to_device(
         batches[-1].append(plan)
         size += n
     try:
-        for index, batch in enumerate(batches):
-            hosts = [uploads.host_view(dst) for _, _, dst in batch]
-            record("read", str(index))
-            read_locals(ckpt, [(read.path, lm, host_array(host, name=read.path))
-                               for (read, lm, _), host in zip(batch, hosts, strict=True)])
-            written.extend(read.path for read, _, _ in batch if read.target is not None)
-            for (_, _, dst), host in zip(batch, hosts, strict=True):
-                uploads.upload(dst, host)
-            uploads.end_batch(str(index))
+        index = 0
+        for planned in batches:
+            while planned:
+                # the batch ends early where the pool is full (idle buffers larger than
+                # asked were reused): the rest waits, in the next, for this one's copies
+                hosts: list[torch.Tensor] = []
+                for _, _, dst in planned:
+                    host = uploads.host_view(dst)
+                    if host is None:
+                        break
+                    hosts.append(host)
+                batch, planned = planned[:len(hosts)], planned[len(hosts):]
+                record("read", str(index))
+                read_locals(ckpt, [(read.path, lm, host_array(host, name=read.path))
+                                   for (read, lm, _), host in zip(batch, hosts, strict=True)])
+                written.extend(read.path for read, _, _ in batch if read.target is not None)
+                for (_, _, dst), host in zip(batch, hosts, strict=True):
+                    uploads.upload(dst, host)
+                uploads.end_batch(str(index))
+                index += 1
         uploads.finish()
     except BaseException:
         uploads.abort()

@@ -456,9 +456,12 @@ class DeviceUploads:
     """Host-to-device copies through a pool, in batches: :meth:`host_view` gives a host
     buffer shaped like a device target (waiting, if the pool is full, for the oldest
     batch in flight to finish), :meth:`upload` enqueues the copy into the target,
-    :meth:`end_batch` closes a batch. A batch's buffers return to the pool once all its
-    copies are complete; then its ``then`` callbacks run, on the caller's thread, after
-    the caller's stream was made to wait for the copies (:meth:`Copier.guard`). So the
+    :meth:`end_batch` closes a batch. A batch's buffers can fill the pool before the
+    caller's nominal batch is complete (a reused idle buffer may be larger than asked):
+    :meth:`host_view` then returns None, and the caller ends the batch there. A batch's
+    buffers return to the pool once all its copies are complete; then its ``then``
+    callbacks run, on the caller's thread, after the caller's stream was made to wait for
+    the copies (:meth:`Copier.guard`). So the
     next batch is read while the previous one is copied. :meth:`finish` retires every
     batch; :meth:`abort` too, returning the buffers of the open batch unused.
     """
@@ -473,17 +476,21 @@ class DeviceUploads:
         self._in_flight: deque[tuple[str, list[tuple[Any, Callable[[], None] | None]],
                                      list[torch.Tensor]]] = deque()
 
-    def host_view(self, target: torch.Tensor) -> torch.Tensor:
-        """A host tensor of ``target``'s shape and type, in a pool buffer."""
+    def host_view(self, target: torch.Tensor) -> torch.Tensor | None:
+        """A host tensor of ``target``'s shape and type, in a pool buffer; None when the
+        open batch's own buffers leave no room (end the batch, then ask again)."""
         n = target.numel() * target.element_size()
         while True:
             try:
                 buf = self.pool.acquire(n, wait=False)
                 break
             except ResourceLimitError:
-                if not self._in_flight:
-                    raise
-                self._retire()  # the oldest batch's copies done: its buffers are free
+                if self._in_flight:
+                    self._retire()  # the oldest batch's copies done: its buffers are free
+                elif self._bufs:
+                    return None
+                else:
+                    raise  # others hold the pool: this load cannot make room
         self._bufs.append(buf)
         return typed_view(buf, target)
 

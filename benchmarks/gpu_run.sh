@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU session's one script (issue 30; docs/gpu.md, "What remains to run on a GPU").
+#
+#   OUT=out bash benchmarks/gpu_run.sh [SECONDS [GIB...]]
+#
+# Runs, each with its log in $OUT: the benchmark's dry run, tests/torch/test_cuda.py, the
+# staging tests, then bench_gpu at each GIB (default 8 and 32), while the time allows
+# (JSON and Markdown in $OUT). SECONDS (default 420) bounds the whole script, so that a lease keeps
+# time for a second run. Wheels in .whl/ (the device machine has no package index) are
+# installed into /tmp/site first.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+budget=${1:-420}
+sizes=("${@:2}")
+(( ${#sizes[@]} )) || sizes=(8 32)
+deadline=$(( $(date +%s) + budget ))
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+  df -h "${TMPDIR:-/tmp}" | tail -1; free -g | head -2; } > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+step() {  # step NAME MAX_SECONDS COMMAND...: runs it bounded by MAX_SECONDS and the deadline
+    local name=$1 limit=$2 left start rc
+    shift 2
+    left=$(( deadline - $(date +%s) ))
+    (( left < limit )) && limit=$left
+    if (( limit < 20 )); then echo "== $name: skipped, ${left}s left"; return 1; fi
+    echo "== $name (at most ${limit}s)"
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "== $name: exit $rc after $(( $(date +%s) - start ))s"
+    tail -n 30 "$OUT/$name.log"
+    return $rc
+}
+
+step dry-run 120 python3 -m benchmarks.bench_gpu --dry-run
+step test-cuda 240 python3 -m pytest -q -p no:cacheprovider tests/torch/test_cuda.py
+step test-staging 120 python3 -m pytest -q -p no:cacheprovider tests/torch/test_staging.py \
+    tests/deepspeed/test_staging.py
+for gib in "${sizes[@]}"; do
+    step "bench-$gib" 600 python3 -m benchmarks.bench_gpu --gib "$gib" \
+        --json "$OUT/gpu-$gib.json" --markdown "$OUT/gpu-$gib.md"
+done
+exit 0
