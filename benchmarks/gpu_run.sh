@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's one script (issue 30; docs/gpu.md, "What remains to run on a GPU").
+# The GPU session's one script (issue 30; docs/gpu.md, "Running on a GPU").
 #
 #   OUT=out bash benchmarks/gpu_run.sh [SECONDS [GIB...]]
 #

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -302,3 +304,14 @@ def test_gpu_benchmark_steps_dry_run_on_the_cpu(tmp_path: Path) -> None:
         "load_over_limit", "sync_save_speed_over_dcp", "load_speed_over_dcp"}
     assert len(bench_gpu.table(m, "cpu dry run").rows) == len(bench_gpu.LABELS)
     assert list(scratch.iterdir()) == []  # every checkpoint removed once measured
+
+
+def test_the_gpu_session_script_parses_and_names_existing_tests() -> None:
+    """``benchmarks/gpu_run.sh`` runs only where a GPU is lent, minutes at a time: a
+    syntax error or a renamed test module must show here, not on the device."""
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_run.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    named = re.findall(r"tests/[\w/]+\.py", script.read_text())
+    assert "tests/torch/test_cuda.py" in named
+    for path in named:
+        assert (script.parents[1] / path).is_file(), path
