@@ -35,11 +35,11 @@ from benchmarks import Table
 ORDER = ["bench_throughput", "bench_resume", "bench_distributed", "bench_memory", "bench_open",
          "bench_flat", "bench_validate", "bench_async", "bench_training", "bench_reshard",
          "bench_tuning", "bench_compression", "bench_import", "bench_deepspeed", "bench_megatron",
-         "bench_staging", "bench_gpu", "bench_jax"]
+         "bench_staging", "bench_gpu", "bench_gpu_deepspeed", "bench_jax"]
 #: Modules a quick run leaves out (each starts several processes or needs a large state).
 SLOW = {"bench_resume", "bench_async", "bench_training", "bench_reshard", "bench_tuning",
         "bench_compression", "bench_memory", "bench_import", "bench_deepspeed", "bench_megatron",
-        "bench_gpu", "bench_jax"}
+        "bench_gpu", "bench_gpu_deepspeed", "bench_jax"}
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 

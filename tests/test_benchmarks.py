@@ -315,3 +315,26 @@ def test_the_gpu_session_script_parses_and_names_existing_tests() -> None:
     assert "tests/torch/test_cuda.py" in named
     for path in named:
         assert (script.parents[1] / path).is_file(), path
+
+
+def test_gpu_deepspeed_benchmark_and_async_profile_dry_run_on_the_cpu(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The two GPU-session extras run every step on a tiny CPU state: the DeepSpeed
+    path's figures are all produced and its scratch removed; the profile names the
+    saver's functions and the blocked-time ratio."""
+    from benchmarks import bench_gpu_deepspeed, profile_gpu_async
+
+    out = tmp_path / "ds.json"
+    assert bench_gpu_deepspeed.main(["--dry-run", "--dir", str(tmp_path),
+                                     "--json", str(out)]) == 0
+    (m,) = json.loads(out.read_text())
+    assert m["errors"] == {}
+    assert {key for key, _ in bench_gpu_deepspeed.LABELS} <= set(m["seconds"])
+    assert set(bench_gpu_deepspeed.ratios(m)) == {
+        "deepspeed_sync_speed_over_ucp_save", "deepspeed_sync_time_over_d2h",
+        "deepspeed_async_blocked_over_d2h"}
+    assert [p.name for p in tmp_path.iterdir()] == ["ds.json"]
+    capsys.readouterr()
+    assert profile_gpu_async.main(["--dry-run", "--top", "5", "--dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "blocked / D2H" in text and "async_save.py" in text and "--- by tottime" in text
