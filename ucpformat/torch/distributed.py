@@ -156,19 +156,59 @@ class _State:
 
 def _model_fqns(model: torch.nn.Module) -> tuple[set[str], Callable[[str], str]]:
     """Parameter FQNs (as ``get_model_state_dict`` names them) and the name normaliser."""
+
+    def canonical(name: str) -> str:
+        fqns = _get_fqns(model, name)
+        return next(iter(fqns)) if len(fqns) == 1 else name
+
     try:
         from torch.distributed.checkpoint.state_dict import _get_fqns
-
-        def canonical(name: str) -> str:
-            fqns = _get_fqns(model, name)
-            return next(iter(fqns)) if len(fqns) == 1 else name
     except ImportError:  # pragma: no cover - private helper moved
-
-        def canonical(name: str) -> str:
-            return name
-
+        canonical = _same_name
+    if not renames_keys(model):
+        canonical = _same_name  # no wrapper: the names are the FQNs already
     params = {canonical(n) for n, _ in model.named_parameters(remove_duplicate=False)}
     return params, canonical
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
+def renames_keys(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model``'s tree is a wrapper whose state-dict keys DCP renames
+    to FQNs (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1, activation
+    checkpointing's ``_checkpoint_wrapped_module.``, a module with ``_fqn_modifiers``),
+    or DCP's helpers for this are not where they were (torch moved them: then every key
+    goes through DCP)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    wrappers = tuple(w for w in (getattr(dsd, "DDP", None), getattr(dsd, "FSDP", None))
+                     if isinstance(w, type))
+    if len(wrappers) != 2 or getattr(dsd, "_state_dict_fn", None) is None:
+        return True
+    return any(isinstance(m, wrappers) or "_orig_mod" in m._modules
+               or "_checkpoint_wrapped_module" in m._modules
+               or hasattr(m, "_fqn_modifiers") for m in model.modules())
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(model)`` (sharded, not offloaded): FQN keys, DTensor values.
+
+    DCP's call walks the module tree once per key to rename the keys that wrappers
+    prefix (:func:`renames_keys`): 50 µs a tensor, 86 ms for 1,776 tensors, a third of an
+    async save's blocked time on a GPU. Where the tree has no such wrapper, the module's
+    own ``state_dict`` (called as DCP calls it) already has those keys, and is returned;
+    otherwise, and for an empty one (which DCP refuses), DCP's.
+    """
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    if not renames_keys(model):
+        sd: dict[str, Any] = dict(dsd._state_dict_fn(model, "state_dict")())
+        if sd:
+            return sd
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    return dict(get_model_state_dict(model, options=options))
 
 
 def _check_tensor(value: torch.Tensor, where: str) -> None:
@@ -200,7 +240,7 @@ def collect_state(
     if optimizer is not None and model is None:
         raise InvalidValueError("saving an optimizer needs model= (it names the parameters)")
     if model is not None:
-        msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
+        msd = model_state_dict(model)
         params, _ = _model_fqns(model)
         aliases = tied_aliases(unwrap(model), list(msd))
         if aliases:
@@ -571,8 +611,7 @@ class _LoadPlan:
 def _plan_model(
     ckpt: Checkpoint, model: torch.nn.Module, plan: _LoadPlan, strict: bool, assign: bool
 ) -> None:
-    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
-    msd: dict[str, Any] = dict(get_model_state_dict(model, options=options))
+    msd = model_state_dict(model)
     plan.model = plan_model(ckpt, msd, strict=strict, owner="the model's state dict",
                             skip=non_persistent_buffers(model, msd), assign=assign)
     if assign:
@@ -885,7 +924,9 @@ __all__ = [
     "local_tensors",
     "mesh_layout",
     "mesh_name",
+    "model_state_dict",
     "placements_of",
+    "renames_keys",
     "root_layout",
     "save_distributed",
 ]
