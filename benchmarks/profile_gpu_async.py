@@ -54,34 +54,28 @@ def profile(gib: float, root: Path, top: int, device: str) -> str:
     gib_held = sum(t.numel() * t.element_size() for t in state.values()) / 2**30
     lines = [f"{len(state)} tensors, {gib_held:.2f} GiB on {device}",
              f"pinned D2H copy of the state: {d2h:.3f} s"]
+    def timed_save(saver: AsyncSaver, name: str, prof: cProfile.Profile | None) -> str:
+        """One save: seconds until the call returned and until the stream was free."""
+        sync()
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        future = saver.save(root / name, model=module)
+        if prof is not None:
+            prof.disable()
+        returned = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        blocked = time.perf_counter() - t0
+        future.result()
+        common.remove(root / name)
+        return (f"save() returned after {returned:.3f} s{' (profiled)' if prof else ''}, "
+                f"stream free after {blocked:.3f} s: blocked / D2H = {blocked / d2h:.2f}")
+
+    prof = cProfile.Profile()
     with AsyncSaver() as saver:
-        saver.save(root / "first", model=module).result()  # pins the snapshot's buffers
-        common.remove(root / "first")
-        sync()
-        t0 = time.perf_counter()
-        future = saver.save(root / "plain", model=module)
-        returned = time.perf_counter() - t0
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-        blocked = time.perf_counter() - t0
-        future.result()
-        common.remove(root / "plain")
-        lines += [f"save() returned after {returned:.3f} s, stream free after {blocked:.3f} s:"
-                  f" blocked / D2H = {blocked / d2h:.2f}"]
-        sync()
-        prof = cProfile.Profile()
-        t0 = time.perf_counter()
-        prof.enable()
-        future = saver.save(root / "second", model=module)
-        prof.disable()
-        returned = time.perf_counter() - t0
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-        blocked = time.perf_counter() - t0
-        future.result()
-    common.remove(root / "second")
-    lines += [f"save() returned after {returned:.3f} s (profiled), stream free after "
-              f"{blocked:.3f} s: blocked / D2H = {blocked / d2h:.2f}"]
+        timed_save(saver, "first", None)  # pins the snapshot's buffers
+        lines += [timed_save(saver, "plain", None), timed_save(saver, "profiled", prof)]
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
