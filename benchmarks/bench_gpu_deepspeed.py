@@ -129,11 +129,11 @@ def measure(gib: float, root: Path, device: str) -> dict[str, Any]:
     pool = HostBufferPool(None)  # the snapshot's buffers: allocated once, then reused
     copier = DeviceCopier()
     for tag in ("first", "steady"):
+        snap = Snapshot(pool, copier)
         try:
             src = fragments(Staging())
             sync()
             t0 = time.perf_counter()
-            snap = Snapshot(pool, copier)
             copier.begin(src.tensors())
             frags = src.snapshot(snap)
             snap.guard()  # the caller's stream waits for the copies
@@ -143,10 +143,12 @@ def measure(gib: float, root: Path, device: str) -> dict[str, Any]:
             snap.wait()
             run_pipeline(root / f"ds-async-{tag}", SingleProcess(), specs=specs, source=frags)
             secs[f"deepspeed_async_total_{tag}"] = time.perf_counter() - t0
-            snap.release()
         except Exception as exc:
             out["errors"][f"deepspeed_async_{tag}"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
+        finally:
+            snap.wait()  # no copy may still write into a buffer given back
+            snap.release()
         common.remove(root / f"ds-async-{tag}")
         print(f"bench_gpu_deepspeed {gib:g} GiB: async {tag} "
               f"{secs.get(f'deepspeed_async_blocked_{tag}')}", file=sys.stderr, flush=True)

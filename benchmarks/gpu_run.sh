@@ -3,13 +3,14 @@
 #
 #   OUT=out bash benchmarks/gpu_run.sh [SECONDS [GIB...]]
 #
-# Runs, each with its log in $OUT: the benchmark's dry run, tests/torch/test_cuda.py, the
-# staging tests, the profile of an async save's blocked time (profile_gpu_async), the
-# DeepSpeed save path (bench_gpu_deepspeed, 8 GiB), then bench_gpu at each GIB (default
-# 8 and 32), while the time allows. Every step's output goes to $OUT/run.log, the figures
-# to JSON and Markdown beside it (a lease gives back at most 8 files). SECONDS (default 420) bounds the whole script, so that a lease keeps
-# time for a second run. Wheels in .whl/ (the device machine has no package index) are
-# installed into /tmp/site first.
+# Runs, in order: the benchmark's dry run, tests/torch/test_cuda.py, the staging tests,
+# bench_gpu at the first GIB (default 8), the profile of an async save's blocked time
+# (profile_gpu_async), the DeepSpeed save path (bench_gpu_deepspeed, 8 GiB), then
+# bench_gpu at the other GIBs (default 32), while the time allows. Every step's output
+# goes to $OUT/run.log, the figures to JSON and Markdown beside it (a lease gives back
+# at most 8 files). SECONDS (default 420) bounds the whole script, so that a lease keeps
+# time for a second run. Wheels in .whl/ (the device machine has no package index; carry
+# them) are installed into /tmp/site first.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -24,7 +25,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+  python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__,
+                                       torch.version.cuda, torch.cuda.is_available())'
   df -h "${TMPDIR:-/tmp}" | tail -1; free -g | head -2; } > "$OUT/run.log" 2>&1
 cat "$OUT/run.log"
 
@@ -33,7 +35,10 @@ step() {  # step NAME MAX_SECONDS COMMAND...: runs it bounded by MAX_SECONDS and
     shift 2
     left=$(( deadline - $(date +%s) ))
     (( left < limit )) && limit=$left
-    if (( limit < 20 )); then echo "== $name: skipped, ${left}s left"; return 1; fi
+    if (( limit < 20 )); then
+        echo "== $name: skipped, ${left}s left" | tee -a "$OUT/run.log"
+        return 1
+    fi
     echo "== $name (at most ${limit}s)" | tee -a "$OUT/run.log"
     start=$(date +%s)
     timeout "$limit" "$@" > "$OUT/step.log" 2>&1
@@ -49,11 +54,15 @@ step dry-run 120 python3 -m benchmarks.bench_gpu --dry-run
 step test-cuda 240 python3 -m pytest -q -p no:cacheprovider tests/torch/test_cuda.py
 step test-staging 120 python3 -m pytest -q -p no:cacheprovider tests/torch/test_staging.py \
     tests/deepspeed/test_staging.py
+bench() {
+    step "bench-$1" 600 python3 -m benchmarks.bench_gpu --gib "$1" \
+        --json "$OUT/gpu-$1.json" --markdown "$OUT/gpu-$1.md"
+}
+bench "${sizes[0]}"  # the headline figures first
 step profile-async 120 python3 -m benchmarks.profile_gpu_async --gib 8
 step bench-deepspeed-8 180 python3 -m benchmarks.bench_gpu_deepspeed --gib 8 \
     --json "$OUT/gpu-deepspeed-8.json"
-for gib in "${sizes[@]}"; do
-    step "bench-$gib" 600 python3 -m benchmarks.bench_gpu --gib "$gib" \
-        --json "$OUT/gpu-$gib.json" --markdown "$OUT/gpu-$gib.md"
+for gib in "${sizes[@]:1}"; do
+    bench "$gib"
 done
 exit 0

@@ -37,6 +37,20 @@ class _Model(torch.nn.Module):
         self.head.weight = self.embed.weight  # tied
 
 
+class _Doubled(torch.nn.Module):
+    """Extra state computed from a parameter: a graph, unless taken without autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def get_extra_state(self) -> Any:
+        return self.lin.weight * 2
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
 class _Modified(torch.nn.Module):
     """A module that tells DCP to drop a name from its FQNs (``_fqn_modifiers``)."""
 
@@ -73,6 +87,16 @@ def test_a_model_without_wrappers_gets_its_own_state_dict_without_dcp(
     got = model_state_dict(model)
     _same(got, expected)
     assert "blocks.0.scratch" not in got and "head.weight" in got  # as DCP: tied kept
+
+
+def test_extra_state_is_taken_without_autograd_as_dcp_takes_it() -> None:
+    model = torch.nn.Sequential(_Doubled())
+    assert not renames_keys(model)
+    got, expected = model_state_dict(model), _dcp(model)
+    assert list(got) == list(expected) == ["0._extra_state", "0.lin.weight", "0.lin.bias"]
+    assert not got["0._extra_state"].requires_grad
+    assert not expected["0._extra_state"].requires_grad
+    assert torch.equal(got["0._extra_state"], expected["0._extra_state"])
 
 
 @pytest.mark.parametrize("wrap", ["checkpoint_wrapper", "torch.compile", "fqn_modifiers"])

@@ -607,9 +607,66 @@ def test_a_batch_that_takes_larger_idle_buffers_ends_where_the_pool_is_full(
                           for k, t in got.items()],
                      staging=how).apply()
     else:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        resolved: list[str] = []
+
+        class Counting(DefaultLoadPlanner):  # a planner may allocate in resolve_tensor
+            def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+                resolved.append(read_item.dest_index.fqn)
+                return super().resolve_tensor(read_item)
+
         got = {k: torch.zeros_like(state[k]) for k in small}
-        dcp.load(got, storage_reader=UCPReader(tmp_path / "ckpt", workers=1, staging=how))
+        dcp.load(got, storage_reader=UCPReader(tmp_path / "ckpt", workers=1, staging=how),
+                 planner=Counting())
+        assert sorted(resolved) == sorted(small)  # once each, the window cut or not
     for k in small:
         assert torch.equal(got[k], state[k]), k
     assert pool.stats.peak_allocated_bytes <= pool.capacity_bytes
+    assert pool.stats.in_use_bytes == 0
+
+
+def test_a_failed_dcp_read_gives_buffers_back_only_after_the_other_reads_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read of a window fails while another still writes into its pool buffer: the
+    buffers return to the (shared) pool only once that write has ended, so no other load
+    can be handed a buffer that is still being written."""
+    from ucpformat.checkpoint.reader import Tensor
+    from ucpformat.errors import ChecksumError
+    from ucpformat.torch.dcp_reader import UCPReader
+    from ucpformat.torch.reads import DeviceStaging
+
+    state = {"fails": torch.randn(4096), "slow": torch.randn(4096)}
+    dcp.save(state, storage_writer=UCPWriter(tmp_path / "ckpt", durable=False))
+    timeline: list[str] = []
+    read_region = Tensor.read_region
+
+    slow_started = threading.Event()
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.path.endswith("fails"):
+            assert slow_started.wait(10)
+            raise ChecksumError("a damaged chunk", path=self.path)
+        slow_started.set()
+        time.sleep(0.3)  # still writing into its buffer when the other read has failed
+        out = read_region(self, *args, **kwargs)
+        timeline.append("slow read ended")
+        return out
+
+    class Recording(HostBufferPool):
+        def release(self, buf: torch.Tensor) -> None:
+            timeline.append("buffer released")
+            super().release(buf)
+
+    monkeypatch.setattr(Tensor, "read_region", patched)
+    pool = Recording(None, pin=False)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load(got, storage_reader=UCPReader(tmp_path / "ckpt", workers=2,
+                                               staging=DeviceStaging(pool=pool, cpu=True)))
+    (rank_failure,) = failed.value.failures.values()
+    assert "a damaged chunk" in str(rank_failure)
+    assert timeline[0] == "slow read ended" and timeline.count("buffer released") == 2
     assert pool.stats.in_use_bytes == 0

@@ -228,9 +228,11 @@ class UCPReader(StorageReader):
         with ThreadPoolExecutor(self.workers or default_workers()) as pool:
             try:
                 start = 0
+                resolved: list[torch.Tensor] = []  # targets of a window cut short, resolved once
                 while start < len(tensor_items):
                     batch = tensor_items[start:start + window]
-                    targets = [planner.resolve_tensor(item).detach() for item in batch]
+                    targets = resolved + [planner.resolve_tensor(item).detach()
+                                          for item in batch[len(resolved):]]
                     ways = [direct(item, t) for item, t in zip(batch, targets, strict=True)]
                     outs: list[np.ndarray[Any, Any] | None] = []
                     hosts: list[torch.Tensor | None] = []
@@ -247,7 +249,8 @@ class UCPReader(StorageReader):
                         hosts.append(host)
                         outs.append(to_numpy(target, name=None) if way == "memory" else
                                     host_array(host, name="") if host is not None else None)
-                    batch, targets = batch[:len(hosts)], targets[:len(hosts)]
+                    batch, targets, resolved = (batch[:len(hosts)], targets[:len(hosts)],
+                                                targets[len(hosts):])
                     label, start = str(start), start + len(batch)
                     regions = pool.map(read, batch, outs)
                     for item, target, region, host, out in zip(batch, targets, regions, hosts,
@@ -271,6 +274,9 @@ class UCPReader(StorageReader):
                 if uploads is not None:
                     uploads.finish()
             except BaseException:
+                # the window's other reads may still write into pool buffers: they end
+                # before the buffers go back to the pool (shared with other loads)
+                pool.shutdown(wait=True, cancel_futures=True)
                 if uploads is not None:
                     uploads.abort()
                 raise

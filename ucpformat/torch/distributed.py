@@ -198,13 +198,16 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     DCP's call walks the module tree once per key to rename the keys that wrappers
     prefix (:func:`renames_keys`): 50 µs a tensor, 86 ms for 1,776 tensors, a third of an
     async save's blocked time on a GPU. Where the tree has no such wrapper, the module's
-    own ``state_dict`` (called as DCP calls it) already has those keys, and is returned;
-    otherwise, and for an empty one (which DCP refuses), DCP's.
+    own ``state_dict`` (called as DCP calls it, without autograd) already has those keys,
+    and is returned; otherwise, and for an empty one (which DCP refuses), DCP's. (DCP
+    also refuses keys that name no attribute of the tree, which a state-dict hook could
+    add; this path saves them.)
     """
     from torch.distributed.checkpoint import state_dict as dsd
 
     if not renames_keys(model):
-        sd: dict[str, Any] = dict(dsd._state_dict_fn(model, "state_dict")())
+        with torch.no_grad():  # as DCP calls it: hooks that compute make no graph
+            sd: dict[str, Any] = dict(dsd._state_dict_fn(model, "state_dict")())
         if sd:
             return sd
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
