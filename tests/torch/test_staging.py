@@ -670,3 +670,22 @@ def test_a_failed_dcp_read_gives_buffers_back_only_after_the_other_reads_end(
     assert "a damaged chunk" in str(rank_failure)
     assert timeline[0] == "slow read ended" and timeline.count("buffer released") == 2
     assert pool.stats.in_use_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64,
+                                   torch.complex128, torch.bool, torch.float8_e4m3fn])
+@pytest.mark.parametrize("shape", [(), (3,), (2, 4)])
+def test_typed_view_is_the_first_bytes_of_the_buffer(dtype: Any, shape: tuple[int, ...]) -> None:
+    from ucpformat.torch.staging import typed_view
+
+    storage = torch.arange(256, dtype=torch.uint8)
+    like = torch.empty(shape, dtype=dtype)
+    n = like.numel() * like.element_size()
+    for start in (0, 16):  # a pool buffer, and one further into its storage
+        buf = storage[start:]
+        view = typed_view(buf, like)
+        assert view.shape == like.shape and view.dtype == dtype and view.is_contiguous()
+        assert view.data_ptr() == buf.data_ptr()  # a view, not a copy
+        assert view.reshape(-1).view(torch.uint8).tolist() == buf[:n].tolist()
+    with pytest.raises(ValueError, match="cannot hold"):  # never past the buffer's end
+        typed_view(storage[:n - 1], like)

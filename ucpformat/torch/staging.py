@@ -199,7 +199,14 @@ class HostBufferPool:
 def typed_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The first bytes of ``buf`` as a contiguous tensor of ``like``'s shape and type."""
     n = like.numel() * like.element_size()
-    return buf[:n].view(like.dtype).view(like.shape)
+    if n > buf.numel():
+        raise ValueError(f"a buffer of {buf.numel()} bytes cannot hold {n}")
+    offset, rest = divmod(buf.storage_offset(), like.element_size())
+    if rest:  # not on an element boundary of the storage: slice and view (slower)
+        return buf[:n].view(like.dtype).view(like.shape)
+    # one call where slicing and two views take three (a snapshot makes one per tensor)
+    return torch.empty(0, dtype=like.dtype, device=buf.device).set_(
+        buf.untyped_storage(), offset, like.shape)
 
 
 # -- copies --------------------------------------------------------------------------------
