@@ -681,9 +681,10 @@ def test_typed_view_is_the_first_bytes_of_the_buffer(dtype: Any, shape: tuple[in
     storage = torch.arange(256, dtype=torch.uint8)
     like = torch.empty(shape, dtype=dtype)
     n = like.numel() * like.element_size()
-    for start in (0, 16):  # a pool buffer, and one further into its storage
-        buf = storage[start:]
-        view = typed_view(buf, like)
+    transposed = torch.empty(shape[::-1], dtype=dtype).mT if len(shape) == 2 else like
+    for start, of in ((0, like), (16, like), (0, transposed)):  # a pool buffer; one further
+        buf = storage[start:]  # into its storage; a target that is not contiguous
+        view = typed_view(buf, of)
         assert view.shape == like.shape and view.dtype == dtype and view.is_contiguous()
         assert view.data_ptr() == buf.data_ptr()  # a view, not a copy
         assert view.reshape(-1).view(torch.uint8).tolist() == buf[:n].tolist()

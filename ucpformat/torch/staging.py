@@ -201,12 +201,12 @@ def typed_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     n = like.numel() * like.element_size()
     if n > buf.numel():
         raise ValueError(f"a buffer of {buf.numel()} bytes cannot hold {n}")
-    offset, rest = divmod(buf.storage_offset(), like.element_size())
-    if rest:  # not on an element boundary of the storage: slice and view (slower)
+    offset, rest = divmod(int(buf.storage_offset()), like.element_size())
+    if rest or not like.is_contiguous():  # the general way: a slice and two views
         return buf[:n].view(like.dtype).view(like.shape)
     # one call where slicing and two views take three (a snapshot makes one per tensor)
     return torch.empty(0, dtype=like.dtype, device=buf.device).set_(
-        buf.untyped_storage(), offset, like.shape)
+        buf.untyped_storage(), offset, like.shape, like.stride())
 
 
 # -- copies --------------------------------------------------------------------------------
