@@ -468,9 +468,9 @@ class DeviceUploads:
     :meth:`host_view` then returns None, and the caller ends the batch there. A batch's
     buffers return to the pool once all its copies are complete; then its ``then``
     callbacks run, on the caller's thread, after the caller's stream was made to wait for
-    the copies (:meth:`Copier.guard`). So the
-    next batch is read while the previous one is copied. :meth:`finish` retires every
-    batch; :meth:`abort` too, returning the buffers of the open batch unused.
+    the copies (:meth:`Copier.guard`). So the next batch is read while the previous one
+    is copied. :meth:`finish` retires every batch; :meth:`abort` too, returning the
+    buffers of the open batch unused.
     """
 
     def __init__(self, pool: HostBufferPool, copier: Copier | None = None,
