@@ -134,3 +134,52 @@ def test_a_checkpoint_wrapped_model_saves_its_parameters_by_fqn(tmp_path: Path) 
                      "model/blocks.1.running": "buffer",
                      **{f"model/blocks.{i}.inner.{p}": "parameter"
                         for i in (0, 1) for p in ("weight", "bias")}}
+
+
+def _trained(seed: int, kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = _Model()
+    model.blocks[0].inner.bias.requires_grad_(False)  # frozen: in no param group
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": trainable[:2], "lr": 0.1}, {"params": trainable[2:], "lr": 0.01}]
+    optimizer = (torch.optim.AdamW(groups) if kind.startswith("adamw")
+                 else torch.optim.SGD(groups, momentum=0.9))
+    if not kind.endswith("fresh"):  # fresh: no state yet, both initialise it
+        model.embed(torch.tensor([1, 2])).sum().backward()
+        for p in trainable:
+            if p.grad is None:
+                p.grad = torch.ones_like(p)
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw-fresh", "sgd", "sgd-fresh"])
+def test_optimizer_state_dict_is_dcps_without_dcp(kind: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two identical models and optimizers: DCP's answer for one, ours for the other
+    (DCP's initialisation of an empty state changes the optimizer, so not the same one):
+    the same FQN keys, state values, param_groups, and the same change to the model."""
+    from ucpformat.torch.distributed import optimizer_state_dict
+
+    model_a, opt_a = _trained(0, kind)
+    options = dsd.StateDictOptions(full_state_dict=False, cpu_offload=False)
+    expected = dsd.get_optimizer_state_dict(model_a, opt_a, options=options)
+    model_b, opt_b = _trained(0, kind)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the fast path called DCP")
+
+    monkeypatch.setattr("ucpformat.torch.distributed.get_optimizer_state_dict", refuse)
+    got = optimizer_state_dict(model_b, opt_b)
+    assert expected["state"] and "blocks.0.inner.bias" not in expected["state"]  # frozen
+    assert list(got) == ["state", "param_groups"]
+    assert got["param_groups"] == expected["param_groups"]
+    assert list(got["state"]) == list(expected["state"])
+    for fqn, entries in expected["state"].items():
+        assert list(got["state"][fqn]) == list(entries), fqn
+        for name, value in entries.items():
+            assert torch.equal(torch.as_tensor(got["state"][fqn][name]),
+                               torch.as_tensor(value)), (fqn, name)
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name  # the zero-lr initialisation changed neither
