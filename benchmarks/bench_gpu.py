@@ -87,16 +87,18 @@ def device_line() -> str:
             f"torch {torch.__version__}")
 
 
-def make_state(gib: float) -> dict[str, Any]:
-    """The synthetic state, made on the device (no host copy)."""
+def make_state(gib: float, device: str | None = None) -> dict[str, Any]:
+    """The synthetic state, made on ``device`` (default :data:`DEVICE`; no host copy)."""
     import torch
 
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(0)
     out: dict[str, Any] = {}
     for d in synthetic.tensors(gib * 1024):
         dtype = torch.bfloat16 if d.dtype == "bfloat16" else torch.float32
-        out[d.name] = torch.empty(d.shape, dtype=dtype, device=DEVICE).normal_(generator=gen)
-    _sync()
+        out[d.name] = torch.empty(d.shape, dtype=dtype, device=device).normal_(generator=gen)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return out
 
 

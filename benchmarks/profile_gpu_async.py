@@ -37,11 +37,7 @@ def profile(gib: float, root: Path, top: int, device: str) -> str:
         if cuda:
             torch.cuda.synchronize()
 
-    previous, bench_gpu.DEVICE = bench_gpu.DEVICE, device
-    try:
-        state = bench_gpu.make_state(gib)
-    finally:
-        bench_gpu.DEVICE = previous
+    state = bench_gpu.make_state(gib, device)
     module = common.buffer_module(state)
     pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for k, t in state.items()}
     sync()

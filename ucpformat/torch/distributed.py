@@ -35,10 +35,11 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -154,19 +155,18 @@ class _State:
         return values
 
 
-def _model_fqns(model: torch.nn.Module) -> tuple[set[str], Callable[[str], str]]:
-    """Parameter FQNs (as ``get_model_state_dict`` names them) and the name normaliser."""
+def _model_fqns(model: torch.nn.Module, *, renames: bool | None = None
+                ) -> tuple[set[str], Callable[[str], str]]:
+    """Parameter FQNs (as ``get_model_state_dict`` names them) and the name normaliser;
+    ``renames``: :func:`renames_keys` of ``model``, if known."""
+    canonical = _same_name  # no wrapper: the names are the FQNs already
+    get_fqns = getattr(dcp_state_dict, "_get_fqns", None)
+    if get_fqns is not None and (renames_keys(model) if renames is None else renames):
 
-    def canonical(name: str) -> str:
-        fqns = _get_fqns(model, name)
-        return next(iter(fqns)) if len(fqns) == 1 else name
+        def canonical(name: str) -> str:
+            fqns = get_fqns(model, name)
+            return next(iter(fqns)) if len(fqns) == 1 else name
 
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - private helper moved
-        canonical = _same_name
-    if not renames_keys(model):
-        canonical = _same_name  # no wrapper: the names are the FQNs already
     params = {canonical(n) for n, _ in model.named_parameters(remove_duplicate=False)}
     return params, canonical
 
@@ -175,25 +175,45 @@ def _same_name(name: str) -> str:
     return name
 
 
+def _renaming_types() -> tuple[type, ...] | None:
+    """The wrappers whose keys DCP renames by their type (DDP, FSDP1); None where torch
+    moved them, or the helper that calls a state_dict as DCP does (then every key goes
+    through DCP)."""
+    types = tuple(w for w in (getattr(dcp_state_dict, "DDP", None),
+                              getattr(dcp_state_dict, "FSDP", None)) if isinstance(w, type))
+    helper = getattr(dcp_state_dict, "_state_dict_fn", None)
+    return types if len(types) == 2 and helper is not None else None
+
+
+_RENAMING_TYPES: Final = _renaming_types()
+#: The method by which a module tells DCP what to drop from its keys.
+_FQN_MODIFIERS: Final = "_fqn_modifiers"
+
+
+def _renames(m: torch.nn.Module) -> bool:
+    """DCP's own test for one module (``hasattr(m, "_fqn_modifiers")`` among them), without
+    the exception ``nn.Module.__getattr__`` raises for every module that lacks it."""
+    assert _RENAMING_TYPES is not None
+    children = m._modules
+    return (isinstance(m, _RENAMING_TYPES) or "_orig_mod" in children
+            or "_checkpoint_wrapped_module" in children or hasattr(type(m), _FQN_MODIFIERS)
+            or _FQN_MODIFIERS in m.__dict__ or _FQN_MODIFIERS in children
+            or _FQN_MODIFIERS in m._parameters or _FQN_MODIFIERS in m._buffers)
+
+
 def renames_keys(model: torch.nn.Module) -> bool:
     """Whether a module of ``model``'s tree is a wrapper whose state-dict keys DCP renames
     to FQNs (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1, activation
     checkpointing's ``_checkpoint_wrapped_module.``, a module with ``_fqn_modifiers``),
     or DCP's helpers for this are not where they were (torch moved them: then every key
     goes through DCP)."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    wrappers = tuple(w for w in (getattr(dsd, "DDP", None), getattr(dsd, "FSDP", None))
-                     if isinstance(w, type))
-    if len(wrappers) != 2 or getattr(dsd, "_state_dict_fn", None) is None:
-        return True
-    return any(isinstance(m, wrappers) or "_orig_mod" in m._modules
-               or "_checkpoint_wrapped_module" in m._modules
-               or hasattr(m, "_fqn_modifiers") for m in model.modules())
+    return _RENAMING_TYPES is None or any(_renames(m) for m in model.modules())
 
 
-def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """``get_model_state_dict(model)`` (sharded, not offloaded): FQN keys, DTensor values.
+def model_state_dict(model: torch.nn.Module, *, renames: bool | None = None
+                     ) -> dict[str, Any]:
+    """``get_model_state_dict(model)`` (sharded, not offloaded): FQN keys, DTensor values;
+    ``renames``: :func:`renames_keys` of ``model``, if known.
 
     DCP's call walks the module tree once per key to rename the keys that wrappers
     prefix (:func:`renames_keys`): 50 µs a tensor, 86 ms for 1,776 tensors, a third of an
@@ -203,21 +223,20 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     also refuses keys that name no attribute of the tree, which a state-dict hook could
     add; this path saves them.)
     """
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    if not renames_keys(model):
+    if not (renames_keys(model) if renames is None else renames):
         with torch.no_grad():  # as DCP calls it: hooks that compute make no graph
-            sd: dict[str, Any] = dict(dsd._state_dict_fn(model, "state_dict")())
+            sd: dict[str, Any] = dict(dcp_state_dict._state_dict_fn(model, "state_dict")())
         if sd:
             return sd
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     return dict(get_model_state_dict(model, options=options))
 
 
-def optimizer_state_dict(model: torch.nn.Module,
-                         optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                         renames: bool | None = None) -> dict[str, Any]:
     """``get_optimizer_state_dict(model, optimizer)`` (sharded, not offloaded): the state
-    and ``param_groups`` by parameter FQN.
+    and ``param_groups`` by parameter FQN; ``renames``: :func:`renames_keys` of ``model``,
+    if known.
 
     DCP's call walks the module tree once per parameter, twice (41 µs a parameter). Where
     no module renames keys (:func:`renames_keys`), the FQNs are ``named_parameters()``'
@@ -226,14 +245,12 @@ def optimizer_state_dict(model: torch.nn.Module,
     optimizer's ``state_dict()`` with each parameter's index replaced by its FQN;
     otherwise DCP's call.
     """
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    init = getattr(dsd, "_init_optim_state", None)
-    if renames_keys(model) or init is None:
+    init = getattr(dcp_state_dict, "_init_optim_state", None)
+    if (renames_keys(model) if renames is None else renames) or init is None:
         options = StateDictOptions(full_state_dict=False, cpu_offload=False)
         return dict(get_optimizer_state_dict(model, optimizer, options=options))
     init(optimizer)
-    osd: dict[str, Any] = dsd._state_dict_fn(optimizer, "state_dict")()
+    osd: dict[str, Any] = dcp_state_dict._state_dict_fn(optimizer, "state_dict")()
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
                                                  for p in g["params"])}
     fqn_of = {index[id(p)]: name for name, p in model.named_parameters() if id(p) in index}
@@ -272,9 +289,10 @@ def collect_state(
     state = _State()
     if optimizer is not None and model is None:
         raise InvalidValueError("saving an optimizer needs model= (it names the parameters)")
+    renames = model is not None and renames_keys(model)  # once: it walks every module
     if model is not None:
-        msd = model_state_dict(model)
-        params, _ = _model_fqns(model)
+        msd = model_state_dict(model, renames=renames)
+        params, _ = _model_fqns(model, renames=renames)
         aliases = tied_aliases(unwrap(model), list(msd))
         if aliases:
             state.groups.setdefault("model", {})["aliases"] = aliases
@@ -291,7 +309,7 @@ def collect_state(
                 state.values("model")[fqn] = to_json(value, where=where)
     if optimizer is not None:
         assert model is not None
-        osd = optimizer_state_dict(model, optimizer)
+        osd = optimizer_state_dict(model, optimizer, renames=renames)
         param_groups = []
         for gi, group in enumerate(osd.get("param_groups", [])):
             doc = {

@@ -423,36 +423,31 @@ def _read_to_device(
             lm.local_shape, dtype=torch_dtype(meta.dtype, tensor=read.path), device=read.device)
         outs.append(dst)
         plans.append((read, lm, dst))
-    batches: list[list[tuple[TensorRead, LocalMap, torch.Tensor]]] = [[]]
-    size = 0
-    for plan in plans:
-        n = plan[2].numel() * plan[2].element_size()
-        if batches[-1] and size + n > limit:
-            batches.append([])
-            size = 0
-        batches[-1].append(plan)
-        size += n
+    batch: list[tuple[TensorRead, LocalMap, torch.Tensor, torch.Tensor]] = []
+    index = size = 0
+
+    def read_batch() -> None:  # read into the batch's host buffers, then enqueue its copies
+        record("read", str(index))
+        read_locals(ckpt, [(read.path, lm, host_array(host, name=read.path))
+                           for read, lm, _, host in batch])
+        written.extend(read.path for read, _, _, _ in batch if read.target is not None)
+        for _, _, dst, host in batch:
+            uploads.upload(dst, host)
+        uploads.end_batch(str(index))
+
     try:
-        index = 0
-        for planned in batches:
-            while planned:
-                # the batch ends early where the pool is full (idle buffers larger than
-                # asked were reused): the rest waits, in the next, for this one's copies
-                hosts: list[torch.Tensor] = []
-                for _, _, dst in planned:
-                    host = uploads.host_view(dst)
-                    if host is None:
-                        break
-                    hosts.append(host)
-                batch, planned = planned[:len(hosts)], planned[len(hosts):]
-                record("read", str(index))
-                read_locals(ckpt, [(read.path, lm, host_array(host, name=read.path))
-                                   for (read, lm, _), host in zip(batch, hosts, strict=True)])
-                written.extend(read.path for read, _, _ in batch if read.target is not None)
-                for (_, _, dst), host in zip(batch, hosts, strict=True):
-                    uploads.upload(dst, host)
-                uploads.end_batch(str(index))
-                index += 1
+        for read, lm, dst in plans:
+            n = dst.numel() * dst.element_size()
+            host = None if size and size + n > limit else uploads.host_view(dst)
+            if host is None:  # the batch is full: by its bytes, or by the pool's buffers
+                read_batch()
+                batch, index, size = [], index + 1, 0
+                host = uploads.host_view(dst)
+                assert host is not None  # no batch open: a buffer, or the pool raised
+            batch.append((read, lm, dst, host))
+            size += n
+        if batch:
+            read_batch()
         uploads.finish()
     except BaseException:
         uploads.abort()
