@@ -216,7 +216,9 @@ def test_one_file_tensors_are_checked_mappings_of_the_archive(tmp_path: Path) ->
     back = ucpt.load_file(path)
     assert all(torch.equal(back[k], src[k]) for k in src)
     assert mapped_file(back["w"]) == str(path) and mapped_file(back["e"]) == str(path)
-    assert mapped_file(back["n"]) is None  # small: read
+    # small too: in one file, a first mapping is a view of the archive's, no system call
+    assert mapped_file(back["n"]) == str(path)
+    assert back["n"].data_ptr() % 64 == 0  # (every member's data on a 64-byte boundary)
     again = ucpt.load_file(path)
     back["w"].add_(1)  # this process's copy only: the file and another load are unchanged
     assert torch.equal(again["w"], src["w"]) and path.read_bytes() == before
@@ -262,3 +264,35 @@ def test_a_slice_of_a_one_chunk_tensor_is_copied_out_of_its_checked_mapping(
     with ucpformat.open(tmp_path / "dir") as ckpt, pytest.raises(ChecksumError) as info:
         ckpt["model/e"][10:20]
     assert info.value.rule == "UCP-1.0-R041"
+
+
+def test_small_tensors_of_one_file_are_views_checked_like_large_ones(tmp_path: Path) -> None:
+    import struct
+    import zipfile
+
+    src = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(40)}  # 4 to 160 bytes
+    src["flag"] = torch.tensor([True, False])  # bool: decoded, every byte checked (R008)
+    path = tmp_path / "small.ucpz"
+    ucpt.save_file(src, path, durable=False)
+    back = ucpt.load_file(path)
+    assert all(torch.equal(back[k], src[k]) for k in src)
+    assert all(mapped_file(back[f"t{i}"]) == str(path) for i in range(40))
+    assert mapped_file(back["flag"]) is None
+    back["t3"].add_(1)  # neighbours on the same page keep their values; the file too
+    assert torch.equal(back["t2"], src["t2"]) and torch.equal(back["t4"], src["t4"])
+    assert torch.equal(ucpt.load_file(path)["t3"], src["t3"])
+    raw = path.read_bytes()
+    header = zipfile.ZipFile(path).getinfo("model/t7/c/0").header_offset
+    start = header + 30 + sum(struct.unpack_from("<HH", raw, header + 26))
+    flipped = bytearray(raw)
+    flipped[start + 5] ^= 0x01  # a value of t7: its CRC32C refuses it, mapped or read
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(ChecksumError) as info:
+        ucpt.load_file(path)
+    assert info.value.rule == "UCP-1.0-R041" and info.value.tensor == "model/t7"
+    renamed = bytearray(raw)
+    renamed[header + 30 + len("model/")] ^= 0x20  # its local header names another member
+    path.write_bytes(bytes(renamed))
+    with pytest.raises(CorruptDataError, match="local header does not match") as info:
+        ucpt.load_file(path)
+    assert info.value.rule == "UCP-1.0-R077"

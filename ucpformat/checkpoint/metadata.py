@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import gc
 import hashlib
 import json
@@ -118,8 +119,9 @@ class ArrayMeta:
             return tuple(1 for _ in self.shape)
         return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape, strict=True))
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """The tensor's size in bytes (worked out once: a load asks several times)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property

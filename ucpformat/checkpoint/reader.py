@@ -664,9 +664,16 @@ def open_checkpoint(
     :func:`metadata_limit`); a larger one is refused before it is read (UCP-1.0-R098).
     """
     store = read_guarded(path)
-    checked = read_checked_root(store, limit=metadata_limit(max_metadata_bytes, max_read_bytes))
-    return Checkpoint(store, checked.root, checked.arrays, checked.groups,
-                      max_read_bytes=max_read_bytes, workers=workers)
+    # The collector stays paused until the parsed document is let go: resumed while it
+    # lived, its first collection would traverse all of it (a tenth of opening 797
+    # tensors), though it holds no cycle and is freed by its reference count.
+    with gc_paused():
+        checked = read_checked_root(
+            store, limit=metadata_limit(max_metadata_bytes, max_read_bytes))
+        root, arrays, groups = checked.root, checked.arrays, checked.groups
+        del checked
+    return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes,
+                      workers=workers)
 
 
 @dataclass(frozen=True)

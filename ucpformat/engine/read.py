@@ -64,7 +64,8 @@ def _pack_index(chunks: int, stored: int) -> bytes:
 
 
 #: An array smaller than this is read, not mapped (:meth:`ArrayReader.map_whole`): a
-#: mapping costs two system calls and a mapping of the process's own, a small read less.
+#: mapping costs two system calls and a mapping of the process's own, a small read less;
+#: except from a store whose mappings are views of one (:attr:`Store.maps_from_one_mapping`).
 MAP_MIN_BYTES = 64 << 10
 
 #: An object of at most this many bytes that a read wants whole is read with one request
@@ -455,17 +456,19 @@ class ArrayReader:
             held.read_run(run, req_lo, req_hi, out)
         return []
 
-    @property
+    @functools.cached_property
     def mappable(self) -> bool:
         """Whether :meth:`map_whole` may map the array: one uncompressed, unsharded chunk
-        of a non-empty tensor of at least :data:`MAP_MIN_BYTES` (a smaller one is read)."""
+        of a non-empty tensor of at least :data:`MAP_MIN_BYTES` (a smaller one is read),
+        or of any size where the store's mappings are views of one."""
         meta = self.meta
         return not (
             meta.compression is not None
             or meta.dtype.kind == "bool"  # (decoded: every byte is checked, UCP-1.0-R008)
             or meta.shard_shape is not None
             or meta.chunk_shape != meta.shape
-            or meta.nbytes < MAP_MIN_BYTES
+            or meta.nbytes == 0
+            or (meta.nbytes < MAP_MIN_BYTES and not self.store.maps_from_one_mapping)
         )
 
     def map_whole(self) -> np.ndarray[Any, Any] | None:

@@ -142,6 +142,8 @@ class ArchiveStore(Store):
     :meth:`map_copy_on_write` maps a member in place when its data is aligned.
     """
 
+    maps_from_one_mapping = True  # (the first mapping of a member is a view of the file's)
+
     def __init__(self, path: str | os.PathLike[str], *,
                  max_directory_bytes: int = MAX_DIRECTORY_BYTES) -> None:
         self.path = Path(os.fspath(path).removeprefix("file://")).absolute()
@@ -214,8 +216,12 @@ class ArchiveStore(Store):
             return None
         start = members.data.get(key)
         if start is None:
-            header = pread_all(self._fd, zip_layout.local_header_bytes(member),
-                               member.header_offset)
+            length, whole = zip_layout.local_header_bytes(member), self._whole
+            if whole is not None:  # (the bytes of the file before its directory, mapped)
+                header = bytes(memoryview(whole)[member.header_offset:
+                                                 member.header_offset + length])
+            else:
+                header = pread_all(self._fd, length, member.header_offset)
             start = zip_layout.data_offset(header, member, members.end_of(member),
                                            where=self.location)
             members.data[key] = start
@@ -262,19 +268,20 @@ class ArchiveStore(Store):
         once per store (one system call for a load of thousands of tensors, as
         safetensors maps its file); a member mapped again gets a mapping of its own, so
         that two tensors never share memory."""
+        if self._whole is None and self._opened() is not None:
+            with self._lock:
+                if self._whole is None and self._members is not None:
+                    self._whole = posix.map_private(self._fd,
+                                                    self._members.directory_offset)
         found = self._locate(key)
         if found is None or found[1] != size or found[0] % zip_layout.ALIGNMENT:
             return None
         start = found[0]
         with self._lock:
             whole = None
-            if key not in self._handed_out and self._members is not None:
-                if self._whole is None:
-                    self._whole = posix.map_private(self._fd,
-                                                    self._members.directory_offset)
+            if key not in self._handed_out and self._whole is not None:
                 whole = self._whole
-                if whole is not None:
-                    self._handed_out.add(key)
+                self._handed_out.add(key)
         if whole is not None:
             return memoryview(whole)[start:start + size]
         page = start - start % mmap.ALLOCATIONGRANULARITY

@@ -145,6 +145,11 @@ class Store(ABC):
             return None
         return data, self.size(key)
 
+    #: Whether :meth:`map_copy_on_write` hands out views of one mapping made once (no
+    #: system call, no new mapping per object), so that mapping a small object costs
+    #: less than reading it; a store that maps each object on its own says False.
+    maps_from_one_mapping: bool = False
+
     def map_copy_on_write(self, key: str, size: int) -> Any | None:
         """The object mapped into memory copy-on-write, if it holds exactly ``size``
         bytes: a writable buffer whose writes never reach the object, valid for as long

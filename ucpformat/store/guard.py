@@ -68,6 +68,10 @@ class ReadGuard(Store):
     def map_copy_on_write(self, key: str, size: int) -> Any | None:
         return self._call(key, lambda: self.inner.map_copy_on_write(key, size))
 
+    @property
+    def maps_from_one_mapping(self) -> bool:  # type: ignore[override]
+        return self.inner.maps_from_one_mapping
+
     def size(self, key: str) -> int | None:
         result: int | None = self._call(key, lambda: self.inner.size(key))
         return result
