@@ -180,8 +180,9 @@ def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     from benchmarks import bench_flat
 
-    table, ladder = bench_flat.run(quick=True, size_mib=2, repeats=1, directory=tmp_path,
-                                   durable=False, ladder_mib=(0.25, 1))
+    table, ladder, floor = bench_flat.run(quick=True, size_mib=2, repeats=1,
+                                          directory=tmp_path, durable=False,
+                                          ladder_mib=(0.25, 1))
     operations = [row[0] for row in table.rows]
     assert operations[0].startswith("`save_file`") and len(operations) == 4
     assert any("get_slice" in op for op in operations)
@@ -189,6 +190,13 @@ def test_flat_api_benchmark_runs(tmp_path: Path) -> None:
     # load and touch at each size, with the file counts
     assert len(ladder.rows) == 2 and all(row[2].startswith("1 / ") for row in ladder.rows)
     assert set(ladder.data["flat_ladder"]) == {"0.25", "1"}
+    # the loads alone beside the checks alone, which add up
+    assert len(floor.rows) == 2
+    for figures in ladder.data["flat_ladder"].values():
+        checks = figures["checks"]
+        assert checks["directory"] > 0 and checks["root"] > 0 and checks["crc32c"] > 0
+        assert checks["checks"] == pytest.approx(
+            checks["directory"] + checks["root"] + checks["crc32c"])
 
 
 @pytest.mark.torch

@@ -675,6 +675,11 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+#: The decoder of :func:`loads`, made once (``json.loads`` with options makes one per call).
+_STRICT_JSON: Final = json.JSONDecoder(parse_constant=_refuse_constant,
+                                       object_pairs_hook=_no_duplicates)
+
+
 def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
     """Parse a metadata document as strict RFC 8259 JSON (no NaN, no duplicate keys, no
     byte order mark, UCP-1.0-R009), whose strings are all Unicode scalar values (no
@@ -685,9 +690,7 @@ def loads(data: bytes, *, what: str, rule: str = "UCP-1.0-R001") -> Any:
     try:
         text = data.decode("utf-8")
         with gc_paused():
-            doc = json.loads(
-                text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates
-            )
+            doc = _STRICT_JSON.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"not valid JSON: {exc}", rule=rule, path=what) from None
     # A surrogate can only come from a \uD800-\uDFFF escape (raw surrogate bytes are not

@@ -148,7 +148,8 @@ class Checkpoint:
         self.groups = dict(groups)
         self.max_read_bytes = max_read_bytes if max_read_bytes is not None else physical_memory()
         self.stats = ReadStats()
-        self._workers = workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
+        self._workers = workers  # None: twice the CPUs, 2 to 16, when the pool is made
+        self._pool_size = 0
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._readers: dict[str, ArrayReader] = {}
@@ -432,8 +433,10 @@ class Checkpoint:
             return [fn(item) for item in items]
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers)
-            pool = self._pool
+                # (asked here, not on open: asking the system for its CPUs costs 30 µs)
+                self._pool_size = self._workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
+                self._pool = ThreadPoolExecutor(self._pool_size)
+            pool, workers = self._pool, self._pool_size
         # One task per worker, each taking the next item until none is left: a future per
         # item cost more than reading a small tensor (thousands of tensors per load).
         # A failure stops the work early: no task takes another item once one failed. It
@@ -461,7 +464,7 @@ class Checkpoint:
                         failures[i] = exc
                     return
 
-        futures = [pool.submit(work, cursor) for _ in range(min(self._workers, len(shared)))]
+        futures = [pool.submit(work, cursor) for _ in range(min(workers, len(shared)))]
         try:
             work(own)
             work(cursor)
