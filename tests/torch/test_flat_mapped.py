@@ -266,9 +266,12 @@ def test_a_slice_of_a_one_chunk_tensor_is_copied_out_of_its_checked_mapping(
     assert info.value.rule == "UCP-1.0-R041"
 
 
-def test_small_tensors_of_one_file_are_views_checked_like_large_ones(tmp_path: Path) -> None:
+def test_small_tensors_of_one_file_are_views_checked_like_large_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import struct
     import zipfile
+
+    from ucpformat.checkpoint.reader import Checkpoint
 
     src = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(40)}  # 4 to 160 bytes
     src["flag"] = torch.tensor([True, False])  # bool: decoded, every byte checked (R008)
@@ -281,6 +284,12 @@ def test_small_tensors_of_one_file_are_views_checked_like_large_ones(tmp_path: P
     back["t3"].add_(1)  # neighbours on the same page keep their values; the file too
     assert torch.equal(back["t2"], src["t2"]) and torch.equal(back["t4"], src["t4"])
     assert torch.equal(ucpt.load_file(path)["t3"], src["t3"])
+    with monkeypatch.context() as patch, ucpt.safe_open(path) as f:
+        # every tensor mapped: the read path (its pause of the collector, its batch of
+        # the store, its pools) is not entered at all, once per get_tensor
+        patch.setattr(Checkpoint, "read_regions", lambda *a, **k: pytest.fail("read"))
+        assert torch.equal(f.get_tensor("t9"), src["t9"])
+        assert torch.equal(f.get_tensor("t39"), src["t39"])
     raw = path.read_bytes()
     header = zipfile.ZipFile(path).getinfo("model/t7/c/0").header_offset
     start = header + 30 + sum(struct.unpack_from("<HH", raw, header + 26))

@@ -7,7 +7,6 @@ documents; tests/test_schema_code_agreement.py proves it.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import functools
 import gc
@@ -17,7 +16,7 @@ import math
 import platform
 import re
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeGuard
 
@@ -655,8 +654,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+class gc_paused:  # (lower case: it reads as the function it replaced, ``with gc_paused():``)
     """Pause the cyclic garbage collector while a large metadata document is parsed, or a
     batch of tensors read.
 
@@ -664,14 +662,16 @@ def gc_paused() -> Iterator[None]:
     containers; each allocation burst triggers a collection that traverses all of them
     again (a third of the parse time). A batch read allocates a few containers per
     tensor, and the collections they set off traverse the whole process's heap (torch's
-    alone is 200,000 objects). Neither forms reference cycles.
+    alone is 200,000 objects). Neither forms reference cycles. (A class, not a generator:
+    it is entered once per ``get_tensor``, where a generator's context cost 3 µs.)
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
+
+    def __enter__(self) -> None:
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was_enabled:
             gc.enable()
 
 

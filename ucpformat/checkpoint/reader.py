@@ -327,10 +327,11 @@ class Checkpoint:
                 for i, array in zip(maps, mapped_arrays, strict=True):
                     arrays[i] = array
             rest = [i for i, a in enumerate(arrays) if a is None]
-            read = self.read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
-                                             metas[i].shape) for i in rest])
-        for i, array in zip(rest, read, strict=True):
-            arrays[i] = array
+            if rest:  # (none when every tensor was mapped: one get_tensor's common case)
+                read = self.read_regions([Region(metas[i].path, (0,) * len(metas[i].shape),
+                                                 metas[i].shape) for i in rest])
+                for i, array in zip(rest, read, strict=True):
+                    arrays[i] = array
         return [a for a in arrays if a is not None]
 
     def _meta(self, path: str) -> ArrayMeta:
