@@ -93,8 +93,9 @@ def by_name(name: str, *, tensor: str | None = None) -> DataType:
 
 def from_numpy(dtype: np.dtype[Any], *, tensor: str | None = None) -> DataType:
     """Map a numpy dtype (either byte order) to its entry in the closed list."""
-    key = dtype.newbyteorder("<") if dtype.byteorder not in ("|", "=") else dtype
-    found = _BY_NUMPY.get(np.dtype(key))
+    found = _BY_NUMPY.get(dtype)  # (native or little-endian: the common case, one lookup)
+    if found is None and dtype.byteorder not in ("|", "="):
+        found = _BY_NUMPY.get(dtype.newbyteorder("<"))
     if found is None:
         raise UnsupportedDtypeError(
             f"numpy data type {dtype} has no entry in the closed list of format 1.0 "
