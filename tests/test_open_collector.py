@@ -1,10 +1,13 @@
-"""Opening a checkpoint pauses the cyclic garbage collector until the parsed root is let
-go: the document holds no cycle, and a collection while it lived traversed all of it."""
+"""Opening a checkpoint pauses the cyclic garbage collector from the parse of the root
+until the parsed document is let go (it holds no cycle, and a collection while it lived
+traversed all of it), never during the read; pauses nest and overlap across threads."""
 
 from __future__ import annotations
 
 import gc
 import json
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,9 @@ import numpy as np
 import pytest
 
 import ucpformat
+from ucpformat.checkpoint.metadata import gc_paused
 from ucpformat.errors import FormatError
+from ucpformat.store import LocalStore
 
 
 def containers(value: Any) -> int:
@@ -61,4 +66,48 @@ def test_the_collector_runs_again_after_a_refused_open(tmp_path: Path) -> None:
     with pytest.raises(FormatError) as info:
         ucpformat.open_checkpoint(tmp_path / "c")
     assert info.value.rule == "UCP-1.0-R001" and "duplicate key" in str(info.value)
+    assert gc.isenabled()
+
+
+def test_the_collector_runs_while_the_root_is_read(tmp_path: Path) -> None:
+    ucpformat.save(tmp_path / "c", {"model": {"w": np.zeros(3, np.float32)}}, durable=False)
+    seen: list[bool] = []
+
+    class Watched(LocalStore):  # (a store may read over a network: no pause meanwhile)
+        def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+            seen.append(gc.isenabled())
+            return super().get_range(key, offset, length)
+
+    ckpt = ucpformat.open_checkpoint(Watched(str(tmp_path / "c")))
+    assert seen and all(seen)
+    assert list(ckpt.arrays) == ["model/w"]
+
+
+def test_pauses_overlapping_in_threads_leave_the_collector_running() -> None:
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between every few instructions
+    errors: list[BaseException] = []
+
+    def pause_often() -> None:
+        try:
+            for _ in range(2000):
+                with gc_paused():
+                    assert not gc.isenabled()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=pause_often) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # an inner pause's end leaves the outer one paused
     assert gc.isenabled()

@@ -284,6 +284,11 @@ def test_small_tensors_of_one_file_are_views_checked_like_large_ones(
     back["t3"].add_(1)  # neighbours on the same page keep their values; the file too
     assert torch.equal(back["t2"], src["t2"]) and torch.equal(back["t4"], src["t4"])
     assert torch.equal(ucpt.load_file(path)["t3"], src["t3"])
+    with ucpt.safe_open(path) as f:  # asked for again: read, not a mapping of its own
+        first, again = f.get_tensor("t5"), f.get_tensor("t5")
+        assert mapped_file(first) == str(path) and mapped_file(again) is None
+        assert torch.equal(again, src["t5"]) and torch.equal(f.get_slice("t5")[2:4],
+                                                             src["t5"][2:4])
     with monkeypatch.context() as patch, ucpt.safe_open(path) as f:
         # every tensor mapped: the read path (its pause of the collector, its batch of
         # the store, its pools) is not entered at all, once per get_tensor

@@ -16,6 +16,7 @@ import math
 import platform
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeGuard
@@ -662,17 +663,32 @@ class gc_paused:  # (lower case: it reads as the function it replaced, ``with gc
     containers; each allocation burst triggers a collection that traverses all of them
     again (a third of the parse time). A batch read allocates a few containers per
     tensor, and the collections they set off traverse the whole process's heap (torch's
-    alone is 200,000 objects). Neither forms reference cycles. (A class, not a generator:
-    it is entered once per ``get_tensor``, where a generator's context cost 3 µs.)
+    alone is 200,000 objects). Neither forms reference cycles.
+
+    Pauses nest and overlap across threads: the first to begin disables the collector
+    (remembering whether it ran), the last to end enables it again if it did. (Each
+    remembering on its own left it disabled for good when two threads interleaved.) A
+    class, not a generator: it is entered once per ``get_tensor``.
     """
 
+    _lock = threading.Lock()
+    _depth = 0
+    _was_enabled = False
+
     def __enter__(self) -> None:
-        self._was_enabled = gc.isenabled()
-        gc.disable()
+        cls = type(self)
+        with cls._lock:
+            if cls._depth == 0:
+                cls._was_enabled = gc.isenabled()
+                gc.disable()
+            cls._depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        if self._was_enabled:
-            gc.enable()
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0 and cls._was_enabled:
+                gc.enable()
 
 
 #: The decoder of :func:`loads`, made once (``json.loads`` with options makes one per call).

@@ -204,6 +204,7 @@ def _checked_source(store: Store, *, verify: bool, progress: bool | ProgressCall
             f"{first.message}{more}; nothing was written (`ucp validate"
             f"{' --deep' if verify else ''} {store.location}` lists every problem)",
             rule=first.rule, path=store.location)
+    assert checked.doc is not None  # (kept: read_checked_root's default)
     manifest, files = _manifest(store, checked.doc, limit=limit)
     nodes = [f"{path}/{ZARR_JSON}" for path in sorted({*arrays, *groups})]  # as written
     metadata = {ZARR_JSON, MANIFEST_KEY, IN_PROGRESS_KEY, *nodes}

@@ -668,16 +668,10 @@ def open_checkpoint(
     :func:`metadata_limit`); a larger one is refused before it is read (UCP-1.0-R098).
     """
     store = read_guarded(path)
-    # The collector stays paused until the parsed document is let go: resumed while it
-    # lived, its first collection would traverse all of it (a tenth of opening 797
-    # tensors), though it holds no cycle and is freed by its reference count.
-    with gc_paused():
-        checked = read_checked_root(
-            store, limit=metadata_limit(max_metadata_bytes, max_read_bytes))
-        root, arrays, groups = checked.root, checked.arrays, checked.groups
-        del checked
-    return Checkpoint(store, root, arrays, groups, max_read_bytes=max_read_bytes,
-                      workers=workers)
+    checked = read_checked_root(store, limit=metadata_limit(max_metadata_bytes, max_read_bytes),
+                                keep_document=False)
+    return Checkpoint(store, checked.root, checked.arrays, checked.groups,
+                      max_read_bytes=max_read_bytes, workers=workers)
 
 
 @dataclass(frozen=True)
@@ -686,24 +680,33 @@ class CheckedRoot:
     consolidates, every check of opening passed (:func:`read_checked_root`)."""
 
     raw: bytes | None  # kept only if asked (a copy writes it as it is)
-    doc: dict[str, Any]
+    doc: dict[str, Any] | None  # kept unless asked not to (opening needs only the nodes)
     root: GroupMeta
     arrays: dict[str, ArrayMeta]
     groups: dict[str, GroupMeta]
 
 
-def read_checked_root(store: Store, *, limit: int, keep_raw: bool = False) -> CheckedRoot:
+def read_checked_root(store: Store, *, limit: int, keep_raw: bool = False,
+                      keep_document: bool = True) -> CheckedRoot:
     """Read the root zarr.json of ``store`` (refused over ``limit`` bytes, UCP-1.0-R098,
     or absent, UCP-1.0-R051), check its digest (UCP-1.0-R058) and parse every node it
     consolidates: what opening a checkpoint checks. Its bytes are let go before the
     nodes are parsed (the parse's memory is bounded by a multiple of their size) unless
-    ``keep_raw``."""
+    ``keep_raw``; the parsed document is let go too unless ``keep_document``.
+
+    The garbage collector is paused from the parse until then (not during the read):
+    resumed while the document lived, its first collection would traverse all of it (a
+    tenth of opening 797 tensors), though it holds no cycle and is freed by its
+    reference count."""
     raw = read_root(store, limit=limit)
-    doc = loads(raw, what=f"{store.location}/{ZARR_JSON}")
-    check_root_digest(raw, doc, where=store.location)
-    kept = raw if keep_raw else None
-    del raw
-    root, arrays, groups = parse_root(doc, where=store.location)
+    with gc_paused():
+        doc: dict[str, Any] | None = loads(raw, what=f"{store.location}/{ZARR_JSON}")
+        check_root_digest(raw, doc, where=store.location)
+        kept = raw if keep_raw else None
+        del raw
+        root, arrays, groups = parse_root(doc, where=store.location)
+        if not keep_document:
+            doc = None
     return CheckedRoot(kept, doc, root, arrays, groups)
 
 

@@ -489,7 +489,8 @@ class ArrayReader:
         payload = math.prod(shape) * meta.dtype.itemsize
         coords = tuple(0 for _ in shape)
         key = meta.object_key(coords)
-        mapped = self.store.map_copy_on_write(key, payload + CRC_BYTES)
+        mapped = self.store.map_copy_on_write(  # (a small array: a view, or it is read)
+            key, payload + CRC_BYTES, view_only=payload < MAP_MIN_BYTES)
         if mapped is None:
             return None
         self._count(payload + CRC_BYTES)

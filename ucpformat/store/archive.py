@@ -258,7 +258,8 @@ class ArchiveStore(Store):
         start, size = found  # never counted past the member: the next one's bytes follow
         return posix.preadv_until(self._fd, buffers, start + offset, start + size)
 
-    def map_copy_on_write(self, key: str, size: int) -> Any | None:
+    def map_copy_on_write(self, key: str, size: int, *, view_only: bool = False
+                          ) -> Any | None:
         """The member mapped privately in place (a write changes this process's copy,
         never the file), if it holds exactly ``size`` bytes and its data starts on a
         multiple of :data:`~ucpformat.store.zip_layout.ALIGNMENT` (so that a view of it
@@ -267,7 +268,8 @@ class ArchiveStore(Store):
         A member's first mapping is a view of one mapping of the whole archive, made
         once per store (one system call for a load of thousands of tensors, as
         safetensors maps its file); a member mapped again gets a mapping of its own, so
-        that two tensors never share memory."""
+        that two tensors never share memory (None instead with ``view_only``: the
+        caller reads it)."""
         if self._whole is None and self._opened() is not None:
             with self._lock:
                 if self._whole is None and self._members is not None:
@@ -284,6 +286,8 @@ class ArchiveStore(Store):
                 self._handed_out.add(key)
         if whole is not None:
             return memoryview(whole)[start:start + size]
+        if view_only:
+            return None
         page = start - start % mmap.ALLOCATIONGRANULARITY
         mapped = posix.map_private(self._fd, start - page + size, page)
         return None if mapped is None else memoryview(mapped)[start - page:]

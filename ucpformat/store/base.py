@@ -150,12 +150,15 @@ class Store(ABC):
     #: less than reading it; a store that maps each object on its own says False.
     maps_from_one_mapping: bool = False
 
-    def map_copy_on_write(self, key: str, size: int) -> Any | None:
+    def map_copy_on_write(self, key: str, size: int, *, view_only: bool = False
+                          ) -> Any | None:
         """The object mapped into memory copy-on-write, if it holds exactly ``size``
         bytes: a writable buffer whose writes never reach the object, valid for as long
         as anything refers to it. None where the store does not map (this default: every
         store but a local file system's), or the object is absent or of another size:
-        the caller then reads it."""
+        the caller then reads it. ``view_only``: None too where the object would need a
+        mapping of its own rather than a view of one already made (a small object, which
+        a read costs less than a mapping)."""
         return None
 
     @abstractmethod

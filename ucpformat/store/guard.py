@@ -65,8 +65,10 @@ class ReadGuard(Store):
         result: int | None = self._call(key, lambda: self.inner.read_into(key, offset, buffers))
         return result
 
-    def map_copy_on_write(self, key: str, size: int) -> Any | None:
-        return self._call(key, lambda: self.inner.map_copy_on_write(key, size))
+    def map_copy_on_write(self, key: str, size: int, *, view_only: bool = False
+                          ) -> Any | None:
+        return self._call(key, lambda: self.inner.map_copy_on_write(
+            key, size, view_only=view_only))
 
     @property
     def maps_from_one_mapping(self) -> bool:  # type: ignore[override]

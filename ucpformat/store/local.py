@@ -465,14 +465,16 @@ class LocalStore(Store):
             fd, size = opened
             return posix.preadv_until(fd, buffers, offset, size)
 
-    def map_copy_on_write(self, key: str, size: int) -> Any | None:
+    def map_copy_on_write(self, key: str, size: int, *, view_only: bool = False
+                          ) -> Any | None:
         """The object's file mapped privately (``MAP_PRIVATE``), opened and checked as
         every read opens it (UCP-1.0-R089), if it holds exactly ``size`` bytes. A
         mapping sees the file as it is when its pages are read: it relies on a committed
         checkpoint's files never being changed in place (UCP-1.0-R053; a file truncated
         under a mapping faults the process that reads the lost pages). A subclass that
-        overrides reads gets None (its reads must see every access)."""
-        if type(self) is not LocalStore:
+        overrides reads gets None (its reads must see every access), and so does
+        ``view_only`` (every mapping here is one of its own)."""
+        if type(self) is not LocalStore or view_only:
             return None
         with self._reading(key) as opened:
             if opened is None or opened[1] != size:
