@@ -67,31 +67,42 @@ def touch(tensors: dict[str, Any]) -> int:
                for t in tensors.values())
 
 
-def checks_alone(path: Path) -> dict[str, float]:
+def chunk_ranges(path: Path) -> list[tuple[int, int]]:
+    """Where each chunk's values lie in the one-file checkpoint at ``path``: (start,
+    bytes before its CRC32C), from the central directory and each local header."""
+    import zipfile
+
+    from ucpformat.engine.checksum import CRC_BYTES
+
+    ranges = []
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        for info in archive.infolist():
+            if "/c/" in info.filename or info.filename.endswith("/c"):
+                f.seek(info.header_offset + 26)  # the local header's name and extra lengths
+                lengths = f.read(4)
+                start = info.header_offset + 30 + int.from_bytes(lengths[:2], "little") \
+                    + int.from_bytes(lengths[2:], "little")
+                ranges.append((start, info.file_size - CRC_BYTES))
+    return ranges
+
+
+def checks_alone(path: Path, chunks: list[tuple[int, int]]) -> dict[str, float]:
     """The checks a reader of the one-file checkpoint at ``path`` cannot skip, each timed
     on its own with the library's functions (seconds): the archive's central directory
     read and checked (UCP-1.0-R075, R077, R091), the root parsed as strict JSON (R009)
-    and its digest compared (R058), and every chunk's CRC32C computed over a fresh
-    copy-on-write mapping of the file, as the load maps it (R041)."""
+    and its digest compared (R058), and every chunk's CRC32C (``chunks``:
+    :func:`chunk_ranges`) computed over a fresh copy-on-write mapping of the file, as
+    the load maps it (R041)."""
     import mmap
     import zipfile
 
     from ucpformat.checkpoint.metadata import ZARR_JSON, check_root_digest, loads
-    from ucpformat.engine.checksum import CRC_BYTES, crc32c
+    from ucpformat.engine.checksum import crc32c
     from ucpformat.store import zip_layout
     from ucpformat.store.posix import pread_all
 
-    with zipfile.ZipFile(path) as archive:  # (where each chunk's bytes lie: not timed)
-        raw_file = path.read_bytes()
-        chunks = []
-        for info in archive.infolist():
-            if "/c/" in info.filename or info.filename.endswith("/c"):
-                header = info.header_offset
-                start = header + 30 + sum(int.from_bytes(raw_file[header + i:header + i + 2],
-                                                         "little") for i in (26, 28))
-                chunks.append((start, info.file_size - CRC_BYTES))
+    with zipfile.ZipFile(path) as archive:  # (not timed)
         root = archive.read(ZARR_JSON)
-    del raw_file
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -182,7 +193,7 @@ def _ladder(sizes: tuple[float, ...], repeats: int, directory: Path) -> list[Tab
         untouched: dict[str, Any] = {
             "st only": lambda path=st_path: len(safetensors.torch.load_file(path)),
             "ucpz only": lambda path=one_path: len(ucpt.load_file(path)),
-            "checks": functools.partial(checks_alone, one_path)}
+            "checks": functools.partial(checks_alone, one_path, chunk_ranges(one_path))}
         times: dict[str, list[float]] = {k: [] for k in [*cases, *untouched]}
         parts: dict[str, list[float]] = {}
         for r in range(repeats):

@@ -161,7 +161,7 @@ def _model_fqns(model: torch.nn.Module, *, renames: bool | None = None
     ``renames``: :func:`renames_keys` of ``model``, if known."""
     canonical = _same_name  # no wrapper: the names are the FQNs already
     get_fqns = getattr(dcp_state_dict, "_get_fqns", None)
-    if get_fqns is not None and (renames_keys(model) if renames is None else renames):
+    if get_fqns is not None and _renaming(model, renames):
 
         def canonical(name: str) -> str:
             fqns = get_fqns(model, name)
@@ -210,6 +210,11 @@ def renames_keys(model: torch.nn.Module) -> bool:
     return _RENAMING_TYPES is None or any(_renames(m) for m in model.modules())
 
 
+def _renaming(model: torch.nn.Module, renames: bool | None) -> bool:
+    """``renames`` if the caller knows it, else :func:`renames_keys` of ``model``."""
+    return renames_keys(model) if renames is None else renames
+
+
 def model_state_dict(model: torch.nn.Module, *, renames: bool | None = None
                      ) -> dict[str, Any]:
     """``get_model_state_dict(model)`` (sharded, not offloaded): FQN keys, DTensor values;
@@ -223,7 +228,7 @@ def model_state_dict(model: torch.nn.Module, *, renames: bool | None = None
     also refuses keys that name no attribute of the tree, which a state-dict hook could
     add; this path saves them.)
     """
-    if not (renames_keys(model) if renames is None else renames):
+    if not _renaming(model, renames):
         with torch.no_grad():  # as DCP calls it: hooks that compute make no graph
             sd: dict[str, Any] = dict(dcp_state_dict._state_dict_fn(model, "state_dict")())
         if sd:
@@ -246,7 +251,7 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
     otherwise DCP's call.
     """
     init = getattr(dcp_state_dict, "_init_optim_state", None)
-    if (renames_keys(model) if renames is None else renames) or init is None:
+    if _renaming(model, renames) or init is None:
         options = StateDictOptions(full_state_dict=False, cpu_offload=False)
         return dict(get_optimizer_state_dict(model, optimizer, options=options))
     init(optimizer)

@@ -199,6 +199,13 @@ def _uploadable(target: torch.Tensor, data: torch.Tensor) -> bool:
         target.is_conj() or target.is_neg()) and target.dtype == data.dtype
 
 
+def _device_uploads(how: DeviceStaging) -> DeviceUploads:
+    """Uploads through the pinned pool of ``how``, in batches of half the pool."""
+    pool = how.the_pool()
+    return DeviceUploads(pool, how.copier, how.recorder,
+                         batch_bytes=max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2))
+
+
 def upload_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
                   how: DeviceStaging) -> None:
     """Copy each host tensor into its device target through the pinned pool of ``how``:
@@ -206,23 +213,19 @@ def upload_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     batches of half the pool, each batch's buffers returned once its copies are complete
     (:class:`~ucpformat.torch.staging.DeviceUploads`). The recorder sees ``("copied",
     "apply <k>")`` once batch k is on the device."""
-    pool = how.the_pool()
-    uploads = DeviceUploads(pool, how.copier, how.recorder)
-    limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
-    size = index = 0
+    uploads = _device_uploads(how)
+    index = 0
     try:
         for target, data in pairs:
-            n = target.numel() * target.element_size()
-            host = None if size and size + n > limit else uploads.host_view(target)
+            host = uploads.host_view(target)
             if host is None:  # the batch is full: by its bytes, or by the pool's buffers
                 uploads.end_batch(f"apply {index}")
-                index, size = index + 1, 0
+                index += 1
                 host = uploads.host_view(target)
                 assert host is not None  # no batch open: a buffer, or the pool raised
             host_copy(host, data)
             uploads.upload(target, host)
-            size += n
-        if size:
+        if uploads.batch_open:
             uploads.end_batch(f"apply {index}")
         uploads.finish()
     except BaseException:
@@ -410,10 +413,8 @@ def _read_to_device(
     the pinned pool: batch k + 1 is read while batch k is copied to the device
     (:class:`~ucpformat.torch.staging.DeviceUploads`; the paths of targets whose copies
     were enqueued are added to ``written``); the caller's stream waits for every copy."""
-    pool = how.the_pool()
-    uploads = DeviceUploads(pool, how.copier, how.recorder)
+    uploads = _device_uploads(how)
     record = how.recorder or (lambda event, key: None)
-    limit = max(1, (pool.capacity_bytes or 2 * STAGED_BATCH_BYTES) // 2)
     outs: list[torch.Tensor] = []
     plans: list[tuple[TensorRead, LocalMap, torch.Tensor]] = []
     for read in reads:
@@ -424,7 +425,7 @@ def _read_to_device(
         outs.append(dst)
         plans.append((read, lm, dst))
     batch: list[tuple[TensorRead, LocalMap, torch.Tensor, torch.Tensor]] = []
-    index = size = 0
+    index = 0
 
     def read_batch() -> None:  # read into the batch's host buffers, then enqueue its copies
         record("read", str(index))
@@ -437,15 +438,13 @@ def _read_to_device(
 
     try:
         for read, lm, dst in plans:
-            n = dst.numel() * dst.element_size()
-            host = None if size and size + n > limit else uploads.host_view(dst)
+            host = uploads.host_view(dst)
             if host is None:  # the batch is full: by its bytes, or by the pool's buffers
                 read_batch()
-                batch, index, size = [], index + 1, 0
+                batch, index = [], index + 1
                 host = uploads.host_view(dst)
                 assert host is not None  # no batch open: a buffer, or the pool raised
             batch.append((read, lm, dst, host))
-            size += n
         if batch:
             read_batch()
         uploads.finish()

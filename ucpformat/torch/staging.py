@@ -463,9 +463,9 @@ class DeviceUploads:
     """Host-to-device copies through a pool, in batches: :meth:`host_view` gives a host
     buffer shaped like a device target (waiting, if the pool is full, for the oldest
     batch in flight to finish), :meth:`upload` enqueues the copy into the target,
-    :meth:`end_batch` closes a batch. A batch's buffers can fill the pool before the
-    caller's nominal batch is complete (a reused idle buffer may be larger than asked):
-    :meth:`host_view` then returns None, and the caller ends the batch there. A batch's
+    :meth:`end_batch` closes a batch. :meth:`host_view` returns None where the open batch
+    is full, by ``batch_bytes`` (the bytes asked for) or by the pool's buffers (a reused
+    idle buffer may be larger than asked), and the caller ends the batch there. A batch's
     buffers return to the pool once all its copies are complete; then its ``then``
     callbacks run, on the caller's thread, after the caller's stream was made to wait for
     the copies (:meth:`Copier.guard`). So the next batch is read while the previous one
@@ -474,19 +474,30 @@ class DeviceUploads:
     """
 
     def __init__(self, pool: HostBufferPool, copier: Copier | None = None,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None, *, batch_bytes: int | None = None) -> None:
         self.pool = pool
         self.copier: Copier = copier if copier is not None else DeviceCopier()
+        self.batch_bytes = batch_bytes
         self._record = recorder or (lambda event, key: None)
         self._bufs: list[torch.Tensor] = []
+        self._open_bytes = 0  # asked for by the open batch
         self._done: list[tuple[Any, Callable[[], None] | None]] = []
         self._in_flight: deque[tuple[str, list[tuple[Any, Callable[[], None] | None]],
                                      list[torch.Tensor]]] = deque()
 
+    @property
+    def batch_open(self) -> bool:
+        """Whether a batch holds buffers that :meth:`end_batch` has not closed."""
+        return bool(self._bufs)
+
     def host_view(self, target: torch.Tensor) -> torch.Tensor | None:
         """A host tensor of ``target``'s shape and type, in a pool buffer; None when the
-        open batch's own buffers leave no room (end the batch, then ask again)."""
+        open batch is full, by ``batch_bytes`` or by the pool (end the batch, then ask
+        again: a first buffer is always given, or the pool raises)."""
         n = target.numel() * target.element_size()
+        if self._bufs and self.batch_bytes is not None and \
+                self._open_bytes + n > self.batch_bytes:
+            return None
         while True:
             try:
                 buf = self.pool.acquire(n, wait=False)
@@ -499,6 +510,7 @@ class DeviceUploads:
                 else:
                     raise  # others hold the pool: this load cannot make room
         self._bufs.append(buf)
+        self._open_bytes += n
         return typed_view(buf, target)
 
     def upload(self, target: torch.Tensor, host: torch.Tensor,
@@ -509,7 +521,7 @@ class DeviceUploads:
 
     def end_batch(self, label: str) -> None:
         self._in_flight.append((label, self._done, self._bufs))
-        self._done, self._bufs = [], []
+        self._done, self._bufs, self._open_bytes = [], [], 0
 
     def _retire(self) -> None:
         label, done, bufs = self._in_flight.popleft()
@@ -534,7 +546,7 @@ class DeviceUploads:
     def abort(self) -> None:
         for buf in self._bufs:
             self.pool.release(buf)
-        self._bufs, self._done = [], []
+        self._bufs, self._done, self._open_bytes = [], [], 0
         while self._in_flight:
             self._retire()
 
