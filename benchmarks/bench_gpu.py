@@ -365,19 +365,26 @@ LABELS = [
 ]
 
 
-def table(m: dict[str, Any], device: str) -> Table:
+def seconds_table(m: dict[str, Any], device: str, title: str,
+                  labels: Sequence[tuple[str, str]], figures: dict[str, float]) -> Table:
+    """A GPU benchmark's measurement ``m`` as a table: seconds and GiB/s per method of
+    ``labels`` (a failed one says so), then the device, the state, the ratios
+    (``figures``) and the failures."""
     s = m["seconds"]
-    rows = []
-    for key, label in LABELS:
+    rows: list[Sequence[str]] = []
+    for key, label in labels:
         if key in s:
             rows.append([label, f"{s[key]:.2f}", f"{m['bytes'] / 2**30 / s[key]:.2f}"])
         elif key.split("_")[0] in m["errors"] or key in m["errors"]:
             rows.append([label, "failed", ""])
     notes = [device, m["state"]]
-    notes += [f"{k}: {v:.2f}" for k, v in ratios(m).items()]
+    notes += [f"{k}: {v:.2f}" for k, v in figures.items()]
     notes += [f"{k} failed: {v}" for k, v in m["errors"].items()]
-    return Table(f"GPU path, {m['gib']:g} GiB state", ["method", "seconds", "GiB/s"], rows,
-                 notes, data=m)
+    return Table(title, ["method", "seconds", "GiB/s"], rows, notes, data=m)
+
+
+def table(m: dict[str, Any], device: str) -> Table:
+    return seconds_table(m, device, f"GPU path, {m['gib']:g} GiB state", LABELS, ratios(m))
 
 
 def run(quick: bool = False, *, sizes: Sequence[float] | None = None,

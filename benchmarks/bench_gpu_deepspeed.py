@@ -180,13 +180,9 @@ LABELS = [
 
 
 def table(m: dict[str, Any], device: str) -> Table:
-    s = m["seconds"]
-    rows: list[Sequence[str]] = [[label, f"{s[k]:.2f}", f"{m['bytes'] / 2**30 / s[k]:.2f}"]
-                                 for k, label in LABELS if k in s]
-    notes = [device, m["state"], *(f"{k}: {v:.2f}" for k, v in ratios(m).items()),
-             *(f"{k} failed: {v}" for k, v in m["errors"].items())]
-    return Table(f"DeepSpeed save path on the GPU, {m['gib']:g} GiB state",
-                 ["method", "seconds", "GiB/s"], rows, notes, data=m)
+    return bench_gpu.seconds_table(m, device,
+                                   f"DeepSpeed save path on the GPU, {m['gib']:g} GiB state",
+                                   LABELS, ratios(m))
 
 
 def run(quick: bool = False, *, sizes: Sequence[float] | None = None,
